@@ -1,0 +1,70 @@
+// trainer: parse the config, build the Trainer, train, exit with the documented code.
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <spdlog/spdlog.h>
+
+#include "trainer/config/config.h"
+#include "trainer/model/model_size.h"
+#include "trainer/train/train.h"
+#include "trainer/util/error.h"
+
+namespace {
+
+void print_dry_run(const trainer::Config& c) {
+  const auto s = trainer::model_size(c);
+  std::printf("model_name: %s\n", c.model_name.c_str());
+  std::printf("parameters: %lld\n", static_cast<long long>(s.total_params));
+  std::printf("  embedding and output head: %lld\n", static_cast<long long>(s.embedding_params));
+  std::printf("  per decoder layer: %lld x %lld layers\n", static_cast<long long>(s.per_layer_params),
+              static_cast<long long>(c.base_num_decoder_layers));
+  std::printf("training FLOPs per step per device: %.6e (%.3f TFLOP)\n", s.flops_per_step_per_device,
+              s.flops_per_step_per_device / 1e12);
+  std::printf("  learnable weights: %.6e, causal attention: %.6e\n", s.learnable_weight_flops,
+              s.attention_flops);
+  std::printf("global batch: %lld sequences x %lld tokens\n", static_cast<long long>(c.global_batch_size),
+              static_cast<long long>(c.max_target_length));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"trainer: pretrain decoder-only language models (MaxText-style config)"};
+  app.set_version_flag("--version", std::string("trainer ") + TRAINER_VERSION);
+  std::string config_path;
+  std::vector<std::string> overrides;
+  bool print_config = false, dry_run = false;
+  app.add_option("config", config_path, "base config file, e.g. configs/base.yml")->required();
+  app.add_option("overrides", overrides, "key=value overrides (YAML scalars)");
+  app.add_flag("--print-config", print_config, "print the resolved config and exit");
+  app.add_flag("--dry-run", dry_run, "validate, print parameter count and FLOPs per step, exit");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    return code == 0 ? 0 : trainer::kExitUsage;
+  }
+
+  try {
+    const trainer::Config config = trainer::config_load(config_path, overrides);
+    if (print_config) {
+      std::fputs(trainer::config_to_yaml(config).c_str(), stdout);
+      return trainer::kExitOk;
+    }
+    if (dry_run) {
+      print_dry_run(config);
+      return trainer::kExitOk;
+    }
+    trainer::Trainer trainer(config);
+    trainer.train();
+    return trainer::kExitOk;
+  } catch (const trainer::Error& e) {
+    spdlog::error("{}", e.what());
+    return e.exit_code();
+  } catch (const std::exception& e) {
+    spdlog::error("unexpected failure: {}", e.what());
+    return trainer::kExitFailure;
+  }
+}

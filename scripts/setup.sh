@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages trainer needs (idempotent) and configures + builds into build/.
+# Usage: scripts/setup.sh            (Release build of trainer and the tests)
+#        BUILD_TYPE=Debug scripts/setup.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PACKAGES=(
+  build-essential cmake ccache pkg-config
+  libtorch-dev            # LibTorch 1.13 (CPU), with c10d/Gloo
+  libopenblas0-pthread    # without it LibTorch falls back to reference BLAS (~10x slower)
+  libyaml-cpp-dev libspdlog-dev libcli11-dev nlohmann-json3-dev catch2
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}" >&2
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+JOBS=${JOBS:-2}
+cmake -S . -B build -DCMAKE_BUILD_TYPE="${BUILD_TYPE:-Release}" > build.cmake.log 2>&1 \
+  || { cat build.cmake.log >&2; exit 1; }
+rm -f build.cmake.log
+cmake --build build -j "$JOBS"

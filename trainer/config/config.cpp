@@ -1,0 +1,304 @@
+// Config layering (base.yml -> models/<model_name>.yml -> CLI -> M_<KEY> env), validation and
+// derived values. See docs/config.md for the rules this implements.
+#include "trainer/config/config.h"
+
+#include <algorithm>
+#include <cctype>
+#include <ctime>
+#include <filesystem>
+#include <map>
+#include <set>
+
+#include <yaml-cpp/yaml.h>
+
+#include "trainer/config/keys.h"
+#include "trainer/util/error.h"
+
+extern char** environ;
+
+namespace trainer {
+namespace {
+
+namespace fs = std::filesystem;
+using config_detail::find_key;
+using config_detail::key_registry;
+using config_detail::nearest_key;
+using config_detail::node_text;
+
+struct RawValue {
+  YAML::Node node;
+  std::string source;  // "configs/base.yml", "command line", "environment M_STEPS"
+};
+using RawLayer = std::map<std::string, RawValue>;
+
+[[noreturn]] void unknown_key(const std::string& key, const std::string& source) {
+  throw config_error("unknown config key '" + key + "' (from " + source + "); did you mean '" +
+                     nearest_key(key) + "'?");
+}
+
+YAML::Node load_yaml_file(const fs::path& path) {
+  if (!fs::exists(path)) throw config_error("config file not found: " + path.string());
+  try {
+    return YAML::LoadFile(path.string());
+  } catch (const YAML::Exception& e) {
+    throw config_error("cannot parse config file " + path.string() + ": " + e.what());
+  }
+}
+
+// Reads a YAML file, following `base_config:` (relative to the file) first, so the file's own
+// keys win over the ones it inherits.
+RawLayer load_file_layer(const fs::path& path, int depth = 0) {
+  if (depth > 16) throw config_error("base_config chain deeper than 16 files at " + path.string());
+  const YAML::Node root = load_yaml_file(path);
+  RawLayer layer;
+  if (root.IsNull()) return layer;
+  if (!root.IsMap()) throw config_error("config file " + path.string() + " is not a key: value map");
+  if (const YAML::Node base = root["base_config"]) {
+    layer = load_file_layer(path.parent_path() / base.as<std::string>(), depth + 1);
+  }
+  for (const auto& item : root) {
+    const std::string key = item.first.as<std::string>();
+    if (key == "base_config") continue;
+    if (!find_key(key)) unknown_key(key, path.string());
+    layer[key] = {item.second, path.string()};
+  }
+  return layer;
+}
+
+YAML::Node parse_scalar_text(const std::string& key, const std::string& text,
+                             const std::string& source) {
+  try {
+    return YAML::Load(text);
+  } catch (const YAML::Exception&) {
+    throw config_error("config key '" + key + "': value '" + text + "' (from " + source +
+                       ") is not valid YAML");
+  }
+}
+
+RawLayer parse_cli_overrides(const std::vector<std::string>& overrides) {
+  RawLayer layer;
+  for (const auto& arg : overrides) {
+    const auto eq = arg.find('=');
+    if (eq == std::string::npos || eq == 0)
+      throw config_error("override '" + arg + "' is not of the form key=value");
+    const std::string key = arg.substr(0, eq);
+    if (!find_key(key)) unknown_key(key, "command line");
+    layer[key] = {parse_scalar_text(key, arg.substr(eq + 1), "command line"), "command line"};
+  }
+  return layer;
+}
+
+RawLayer parse_environment(const std::vector<std::string>& environment) {
+  RawLayer layer;
+  for (const auto& entry : environment) {
+    if (entry.rfind("M_", 0) != 0) continue;
+    const auto eq = entry.find('=');
+    if (eq == std::string::npos) continue;
+    const std::string var = entry.substr(0, eq);
+    std::string key = var.substr(2);
+    std::transform(key.begin(), key.end(), key.begin(),
+                   [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+    const std::string source = "environment " + var;
+    if (!find_key(key)) unknown_key(key, source);
+    layer[key] = {parse_scalar_text(key, entry.substr(eq + 1), source), source};
+  }
+  return layer;
+}
+
+// The value as the key's type would print it, so "1e-5" and "0.00001" compare equal.
+std::string canonical(const std::string& key, const RawValue& value) {
+  const auto* info = find_key(key);
+  Config scratch;
+  info->assign(scratch, value.node, value.source);
+  return info->format(scratch);
+}
+
+std::string timestamp() {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  localtime_r(&now, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y%m%d_%H%M%S", &tm);
+  return buf;
+}
+
+// Cross-field and range rules. Every violation is collected; each message names all its fields.
+std::vector<std::string> validation_errors(const Config& c) {
+  std::vector<std::string> errors;
+  auto require = [&errors](bool ok, const std::string& message) {
+    if (!ok) errors.push_back(message);
+  };
+  auto positive = [&require](int64_t v, const char* name) {
+    require(v > 0, std::string(name) + " must be > 0 (got " + std::to_string(v) + ")");
+  };
+  positive(c.vocab_size, "vocab_size");
+  positive(c.base_emb_dim, "base_emb_dim");
+  positive(c.base_num_query_heads, "base_num_query_heads");
+  positive(c.base_num_kv_heads, "base_num_kv_heads");
+  positive(c.head_dim, "head_dim");
+  positive(c.base_mlp_dim, "base_mlp_dim");
+  positive(c.base_num_decoder_layers, "base_num_decoder_layers");
+  positive(c.max_target_length, "max_target_length");
+  positive(c.per_device_batch_size, "per_device_batch_size");
+  positive(c.gradient_accumulation_steps, "gradient_accumulation_steps");
+  positive(c.log_period, "log_period");
+  positive(c.skip_step_interval, "skip_step_interval");
+  require(c.num_threads >= 0, "num_threads must be >= 0 (0 = LibTorch default)");
+  if (c.base_num_query_heads > 0 && c.base_num_kv_heads > 0)
+    require(c.base_num_query_heads % c.base_num_kv_heads == 0,
+            "base_num_kv_heads (" + std::to_string(c.base_num_kv_heads) +
+                ") must divide base_num_query_heads (" + std::to_string(c.base_num_query_heads) +
+                ")");
+  const int64_t rotary_dim =
+      static_cast<int64_t>(std::llround(c.partial_rotary_factor * static_cast<double>(c.head_dim)));
+  require(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1 && rotary_dim % 2 == 0 &&
+              std::abs(c.partial_rotary_factor * c.head_dim - rotary_dim) < 1e-9,
+          "partial_rotary_factor (" + std::to_string(c.partial_rotary_factor) +
+              ") times head_dim (" + std::to_string(c.head_dim) +
+              ") must be an even whole number of dimensions in (0, head_dim]");
+  require(c.mlp_activations == StringList{"silu", "linear"},
+          "mlp_activations must be [silu, linear] (SwiGLU); other MLPs are not implemented");
+  require(c.normalization_layer_epsilon > 0, "normalization_layer_epsilon must be > 0");
+  require(c.rope_max_timescale > 0, "rope_max_timescale must be > 0");
+  require(c.synthetic_min_valid_fraction > 0 && c.synthetic_min_valid_fraction <= 1,
+          "synthetic_min_valid_fraction must be in (0, 1]");
+  require(c.pad_id >= 0 && c.pad_id < c.vocab_size,
+          "pad_id (" + std::to_string(c.pad_id) + ") must be in [0, vocab_size (" +
+              std::to_string(c.vocab_size) + "))");
+  require(c.vocab_size >= 4, "vocab_size must be >= 4 for synthetic data");
+  require(c.z_loss_multiplier >= 0, "z_loss_multiplier must be >= 0");
+  require(c.learning_rate >= 0, "learning_rate must be >= 0");
+  require(c.warmup_steps_fraction >= 0 && c.warmup_steps_fraction <= 1,
+          "warmup_steps_fraction must be in [0, 1]");
+  require(c.learning_rate_final_fraction >= 0 && c.learning_rate_final_fraction <= 1,
+          "learning_rate_final_fraction must be in [0, 1]");
+  if (c.lr_schedule_type == "wsd")
+    require(c.wsd_decay_steps_fraction >= 0 &&
+                c.warmup_steps_fraction + c.wsd_decay_steps_fraction <= 1,
+            "warmup_steps_fraction + wsd_decay_steps_fraction must be <= 1 with "
+            "lr_schedule_type=wsd");
+  require(c.adam_b1 >= 0 && c.adam_b1 < 1, "adam_b1 must be in [0, 1)");
+  require(c.adam_b2 >= 0 && c.adam_b2 < 1, "adam_b2 must be in [0, 1)");
+  require(c.adam_eps >= 0, "adam_eps must be >= 0");
+  require(c.adam_weight_decay >= 0, "adam_weight_decay must be >= 0");
+  require(c.gradient_clipping_threshold >= 0,
+          "gradient_clipping_threshold must be >= 0 (0 disables clipping)");
+  require(c.skip_step_scaling_factor > 0, "skip_step_scaling_factor must be > 0");
+  require(c.steps > 0 || c.learning_rate_schedule_steps > 0,
+          "steps and learning_rate_schedule_steps are both unset (-1): set at least one");
+  if (c.steps > 0 && c.learning_rate_schedule_steps > 0)
+    require(c.learning_rate_schedule_steps >= c.steps,
+            "learning_rate_schedule_steps (" + std::to_string(c.learning_rate_schedule_steps) +
+                ") must be >= steps (" + std::to_string(c.steps) + ")");
+  require(c.steps == -1 || c.steps > 0, "steps must be > 0, or -1 for learning_rate_schedule_steps");
+  require(c.learning_rate_schedule_steps == -1 || c.learning_rate_schedule_steps > 0,
+          "learning_rate_schedule_steps must be > 0, or -1 for steps");
+  return errors;
+}
+
+}  // namespace
+
+void config_derive_and_validate(Config& c) {
+  const auto errors = validation_errors(c);
+  if (!errors.empty()) {
+    std::string message = "invalid config:";
+    for (const auto& e : errors) message += "\n  - " + e;
+    throw config_error(message);
+  }
+  if (c.steps == -1) c.steps = c.learning_rate_schedule_steps;
+  if (c.learning_rate_schedule_steps == -1) c.learning_rate_schedule_steps = c.steps;
+  c.data_parallel_size = 1;  // single process until the distributed issue lands
+  c.global_batch_size = c.per_device_batch_size * c.data_parallel_size * c.gradient_accumulation_steps;
+  if (c.run_name.empty()) c.run_name = c.model_name + "_" + timestamp();
+  c.run_dir = (fs::path(c.base_output_directory) / c.run_name).string();
+  if (c.metrics_file.empty()) c.metrics_file = (fs::path(c.run_dir) / "metrics.jsonl").string();
+}
+
+Config config_load(const std::string& path, const std::vector<std::string>& overrides,
+                   const std::vector<std::string>& environment) {
+  const fs::path config_path(path);
+  RawLayer merged = load_file_layer(config_path);
+  const RawLayer cli = parse_cli_overrides(overrides);
+  const RawLayer env = parse_environment(environment);
+
+  auto latest = [&](const std::string& key) -> const RawValue* {
+    if (auto it = env.find(key); it != env.end()) return &it->second;
+    if (auto it = cli.find(key); it != cli.end()) return &it->second;
+    if (auto it = merged.find(key); it != merged.end()) return &it->second;
+    return nullptr;
+  };
+
+  // The model file is chosen by the final model_name, from whichever layer set it last.
+  const RawValue* model_name_value = latest("model_name");
+  Config scratch;
+  if (model_name_value) find_key("model_name")->assign(scratch, model_name_value->node, model_name_value->source);
+  const fs::path models_dir = config_path.parent_path() / "models";
+  RawLayer model_layer;
+  if (!scratch.model_name.empty()) {
+    const fs::path model_path = models_dir / (scratch.model_name + ".yml");
+    if (!fs::exists(model_path)) {
+      std::string known;
+      if (fs::is_directory(models_dir))
+        for (const auto& entry : fs::directory_iterator(models_dir))
+          if (entry.path().extension() == ".yml")
+            known += (known.empty() ? "" : ", ") + entry.path().stem().string();
+      throw config_error("config key 'model_name': no model file " + model_path.string() +
+                         " (known models: " + known + ")");
+    }
+    model_layer = load_file_layer(model_path);
+    model_layer.erase("model_name");
+  }
+
+  const RawValue* override_value = latest("override_model_config");
+  bool override_model = false;
+  if (override_value) {
+    find_key("override_model_config")->assign(scratch, override_value->node, override_value->source);
+    override_model = scratch.override_model_config;
+  }
+  if (!override_model) {
+    for (const RawLayer* layer : std::initializer_list<const RawLayer*>{&cli, &env}) {
+      for (const auto& [key, value] : *layer) {
+        auto it = model_layer.find(key);
+        if (it == model_layer.end()) continue;
+        if (canonical(key, value) != canonical(key, it->second))
+          throw config_error("config key '" + key + "' is set by the model file " +
+                             it->second.source + " (" + node_text(it->second.node) +
+                             ") and differently by " + value.source + " (" + node_text(value.node) +
+                             "); pass override_model_config=true to allow this");
+      }
+    }
+  }
+
+  for (const RawLayer* layer : std::initializer_list<const RawLayer*>{&model_layer, &cli, &env})
+    for (const auto& [key, value] : *layer) merged[key] = value;
+
+  Config config;
+  for (const auto& key : key_registry()) {
+    auto it = merged.find(key.name);
+    if (it == merged.end())
+      throw config_error("config key '" + key.name + "' has no value: " + path +
+                         " (or its base_config) must define every key; see configs/base.yml");
+    key.assign(config, it->second.node, it->second.source);
+  }
+  config.config_dir = config_path.parent_path().string();
+  config_derive_and_validate(config);
+  return config;
+}
+
+Config config_load(const std::string& path, const std::vector<std::string>& overrides) {
+  std::vector<std::string> environment;
+  for (char** e = environ; e && *e; ++e) environment.emplace_back(*e);
+  return config_load(path, overrides, environment);
+}
+
+std::string config_to_yaml(const Config& config) {
+  std::string out = "# resolved trainer config\n";
+  for (const auto& key : key_registry()) out += key.name + ": " + key.format(config) + "\n";
+  out += "# derived\n";
+  out += "# data_parallel_size: " + std::to_string(config.data_parallel_size) + "\n";
+  out += "# global_batch_size: " + std::to_string(config.global_batch_size) + "\n";
+  out += "# run_dir: " + config.run_dir + "\n";
+  return out;
+}
+
+}  // namespace trainer

@@ -1,0 +1,107 @@
+// Public face of config/: the typed Config, how it is loaded from YAML + overrides, and
+// how it is written back out. Rules (MaxText conventions) are in docs/config.md.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace trainer {
+
+using StringList = std::vector<std::string>;
+
+// Every key: (C++ type, name). configs/base.yml holds the default and a comment for each;
+// a test checks that the two lists agree. Order here is the order of the resolved config.
+#define TRAINER_CONFIG_KEYS(X)                    \
+  /* run */                                       \
+  X(std::string, model_name)                      \
+  X(bool, override_model_config)                  \
+  X(std::string, run_name)                        \
+  X(std::string, base_output_directory)           \
+  X(std::string, hardware)                        \
+  X(int64_t, num_threads)                         \
+  X(int64_t, steps)                               \
+  X(int64_t, log_period)                          \
+  X(std::string, metrics_file)                    \
+  /* model */                                     \
+  X(int64_t, vocab_size)                          \
+  X(int64_t, base_emb_dim)                        \
+  X(int64_t, base_num_query_heads)                \
+  X(int64_t, base_num_kv_heads)                   \
+  X(int64_t, head_dim)                            \
+  X(int64_t, base_mlp_dim)                        \
+  X(int64_t, base_num_decoder_layers)             \
+  X(StringList, mlp_activations)                  \
+  X(double, normalization_layer_epsilon)          \
+  X(double, rope_max_timescale)                   \
+  X(double, partial_rotary_factor)                \
+  X(bool, use_qk_norm)                            \
+  X(bool, logits_via_embedding)                   \
+  X(std::string, dtype)                           \
+  X(int64_t, init_weights_seed)                   \
+  /* data */                                      \
+  X(std::string, dataset_type)                    \
+  X(int64_t, max_target_length)                   \
+  X(int64_t, per_device_batch_size)               \
+  X(int64_t, gradient_accumulation_steps)         \
+  X(int64_t, data_shuffle_seed)                   \
+  X(double, synthetic_min_valid_fraction)         \
+  X(int64_t, pad_id)                              \
+  /* loss and normalization */                    \
+  X(bool, calculate_per_token_loss)               \
+  X(double, z_loss_multiplier)                    \
+  /* optimizer and schedule */                    \
+  X(double, learning_rate)                        \
+  X(std::string, lr_schedule_type)                \
+  X(int64_t, learning_rate_schedule_steps)        \
+  X(double, warmup_steps_fraction)                \
+  X(double, learning_rate_final_fraction)         \
+  X(double, wsd_decay_steps_fraction)             \
+  X(std::string, wsd_decay_style)                 \
+  X(double, adam_b1)                              \
+  X(double, adam_b2)                              \
+  X(double, adam_eps)                             \
+  X(double, adam_weight_decay)                    \
+  X(double, gradient_clipping_threshold)          \
+  /* health */                                    \
+  X(bool, abort_on_nan_loss)                      \
+  X(bool, abort_on_inf_loss)                      \
+  X(bool, skip_step_on_spikes)                    \
+  X(int64_t, skip_step_interval)                  \
+  X(double, skip_step_scaling_factor)             \
+  X(int64_t, debug_inject_nonfinite_step)         \
+  X(std::string, debug_inject_nonfinite_kind)
+
+struct Config {
+#define TRAINER_DECLARE_FIELD(type, name) type name{};
+  TRAINER_CONFIG_KEYS(TRAINER_DECLARE_FIELD)
+#undef TRAINER_DECLARE_FIELD
+
+  // Derived values (DESIGN section 3); filled by config_derive(), never read from YAML.
+  int64_t data_parallel_size = 1;
+  int64_t global_batch_size = 0;  // sequences per optimizer step, all ranks
+  std::string run_dir;
+  std::string config_dir;  // directory of the top-level config file (models/ lives under it)
+};
+
+// Loads `path` (following base_config:), then configs/models/<model_name>.yml, then the CLI
+// `key=value` overrides, then M_<KEY> variables from `environment` ("NAME=value" strings).
+// Validates types, allowed values and cross-field rules and fills the derived values.
+// Throws trainer::Error with exit code 2 on any problem, naming the key(s).
+Config config_load(const std::string& path, const std::vector<std::string>& overrides,
+                   const std::vector<std::string>& environment);
+
+// Same, reading the process environment.
+Config config_load(const std::string& path, const std::vector<std::string>& overrides);
+
+// Checks types/ranges/cross-field rules and fills derived values (called by config_load;
+// tests that edit a Config call it again).
+void config_derive_and_validate(Config& config);
+
+// The resolved config as YAML, every key in declaration order plus the derived values as comments.
+std::string config_to_yaml(const Config& config);
+
+// Names of every key, in declaration order.
+const std::vector<std::string>& config_key_names();
+
+}  // namespace trainer

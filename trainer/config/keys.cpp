@@ -1,0 +1,219 @@
+// The key registry: one entry per TRAINER_CONFIG_KEYS item, with strict, lossless coercion.
+#include "trainer/config/keys.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+
+#include "trainer/util/error.h"
+
+namespace trainer::config_detail {
+namespace {
+
+// Values a key may take, where the set is closed.
+const std::map<std::string, std::vector<std::string>>& allowed_values() {
+  static const std::map<std::string, std::vector<std::string>> table = {
+      {"hardware", {"cpu", "gpu"}},
+      {"dtype", {"float32", "bfloat16"}},
+      {"dataset_type", {"synthetic"}},
+      {"lr_schedule_type", {"cosine", "constant", "wsd"}},
+      {"wsd_decay_style", {"linear", "cosine"}},
+      {"debug_inject_nonfinite_kind", {"loss_nan", "loss_inf", "grad_nan", "grad_inf"}},
+      {"mlp_activations", {"silu", "linear"}},
+  };
+  return table;
+}
+
+std::string join(const std::vector<std::string>& items) {
+  std::string out;
+  for (const auto& item : items) out += (out.empty() ? "" : ", ") + item;
+  return out;
+}
+
+[[noreturn]] void bad_value(const std::string& key, const YAML::Node& node,
+                            const std::string& source, const std::string& expected) {
+  throw config_error("config key '" + key + "': value '" + node_text(node) + "' (from " + source +
+                     ") is not allowed: expected " + expected);
+}
+
+std::string scalar_of(const std::string& key, const YAML::Node& node, const std::string& source,
+                      const std::string& expected) {
+  if (node.IsNull()) return "";
+  if (!node.IsScalar()) bad_value(key, node, source, expected);
+  return node.Scalar();
+}
+
+template <typename T>
+struct Codec;
+
+template <>
+struct Codec<bool> {
+  static constexpr const char* type_name = "bool";
+  static bool parse(const std::string& key, const YAML::Node& node, const std::string& source) {
+    const std::string s = scalar_of(key, node, source, "true or false");
+    if (s == "true" || s == "True" || s == "TRUE") return true;
+    if (s == "false" || s == "False" || s == "FALSE") return false;
+    bad_value(key, node, source, "true or false");
+  }
+  static std::string format(bool v) { return v ? "true" : "false"; }
+};
+
+template <>
+struct Codec<int64_t> {
+  static constexpr const char* type_name = "integer";
+  static int64_t parse(const std::string& key, const YAML::Node& node, const std::string& source) {
+    const std::string s = scalar_of(key, node, source, "an integer");
+    if (s.empty()) bad_value(key, node, source, "an integer");
+    errno = 0;
+    char* end = nullptr;
+    const long long v = std::strtoll(s.c_str(), &end, 10);
+    if (errno != 0 || end != s.c_str() + s.size()) bad_value(key, node, source, "an integer");
+    return static_cast<int64_t>(v);
+  }
+  static std::string format(int64_t v) { return std::to_string(v); }
+};
+
+template <>
+struct Codec<double> {
+  static constexpr const char* type_name = "float";
+  static double parse(const std::string& key, const YAML::Node& node, const std::string& source) {
+    const std::string s = scalar_of(key, node, source, "a number");
+    if (s.empty()) bad_value(key, node, source, "a number");
+    errno = 0;
+    char* end = nullptr;
+    const double v = std::strtod(s.c_str(), &end);
+    if (errno != 0 || end != s.c_str() + s.size() || !std::isfinite(v))
+      bad_value(key, node, source, "a finite number");
+    return v;
+  }
+  static std::string format(double v) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.17g", v);
+    std::string s = buf;
+    // Keep it a float when read back as YAML (1 -> 1.0).
+    if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+    return s;
+  }
+};
+
+template <>
+struct Codec<std::string> {
+  static constexpr const char* type_name = "string";
+  static std::string parse(const std::string& key, const YAML::Node& node,
+                           const std::string& source) {
+    return scalar_of(key, node, source, "a string");
+  }
+  static std::string format(const std::string& v) {
+    return "\"" + v + "\"";  // quoted so "" and values like "1e3" stay strings
+  }
+};
+
+template <>
+struct Codec<StringList> {
+  static constexpr const char* type_name = "list of strings";
+  static StringList parse(const std::string& key, const YAML::Node& node,
+                          const std::string& source) {
+    if (!node.IsSequence()) bad_value(key, node, source, "a list like [a, b]");
+    StringList out;
+    for (const auto& item : node) {
+      if (!item.IsScalar()) bad_value(key, node, source, "a list of strings");
+      out.push_back(item.Scalar());
+    }
+    return out;
+  }
+  static std::string format(const StringList& v) { return "[" + join(v) + "]"; }
+};
+
+template <typename T>
+KeyInfo make_key(const std::string& name, T Config::*member) {
+  KeyInfo info;
+  info.name = name;
+  info.type_name = Codec<T>::type_name;
+  const auto it = allowed_values().find(name);
+  if (it != allowed_values().end()) info.allowed = it->second;
+  const auto allowed = info.allowed;
+  info.assign = [name, member, allowed](Config& c, const YAML::Node& node,
+                                        const std::string& source) {
+    T value = Codec<T>::parse(name, node, source);
+    if constexpr (std::is_same_v<T, std::string>) {
+      if (!allowed.empty() && std::find(allowed.begin(), allowed.end(), value) == allowed.end())
+        bad_value(name, node, source, "one of: " + join(allowed));
+    }
+    if constexpr (std::is_same_v<T, StringList>) {
+      for (const auto& item : value)
+        if (!allowed.empty() && std::find(allowed.begin(), allowed.end(), item) == allowed.end())
+          bad_value(name, node, source, "a list of: " + join(allowed));
+    }
+    c.*member = std::move(value);
+  };
+  info.format = [member](const Config& c) { return Codec<T>::format(c.*member); };
+  return info;
+}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] != b[j - 1] ? 1 : 0)});
+      diagonal = up;
+    }
+  }
+  return row[b.size()];
+}
+
+}  // namespace
+
+const std::vector<KeyInfo>& key_registry() {
+  static const std::vector<KeyInfo> registry = [] {
+    std::vector<KeyInfo> keys;
+#define TRAINER_REGISTER_KEY(type, name) keys.push_back(make_key<type>(#name, &Config::name));
+    TRAINER_CONFIG_KEYS(TRAINER_REGISTER_KEY)
+#undef TRAINER_REGISTER_KEY
+    return keys;
+  }();
+  return registry;
+}
+
+const KeyInfo* find_key(const std::string& name) {
+  for (const auto& key : key_registry())
+    if (key.name == name) return &key;
+  return nullptr;
+}
+
+std::string nearest_key(const std::string& name) {
+  std::string best;
+  size_t best_distance = std::string::npos;
+  for (const auto& key : key_registry()) {
+    const size_t d = edit_distance(name, key.name);
+    if (d < best_distance) best_distance = d, best = key.name;
+  }
+  return best;
+}
+
+std::string node_text(const YAML::Node& node) {
+  if (node.IsScalar()) return node.Scalar();
+  if (node.IsNull()) return "";
+  YAML::Emitter out;
+  out << YAML::Flow << node;
+  return out.c_str();
+}
+
+}  // namespace trainer::config_detail
+
+namespace trainer {
+const std::vector<std::string>& config_key_names() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> out;
+    for (const auto& key : config_detail::key_registry()) out.push_back(key.name);
+    return out;
+  }();
+  return names;
+}
+}  // namespace trainer

@@ -1,0 +1,74 @@
+// Metric sinks: JSON lines (every step) and the MaxText-style console line (every log_period).
+#include "trainer/metrics/metrics.h"
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+
+#include <spdlog/spdlog.h>
+
+#include "trainer/util/error.h"
+
+namespace trainer {
+
+double metric_get(const MetricValues& values, const std::string& name) {
+  for (const auto& [key, value] : values)
+    if (key == name) return value;
+  throw std::out_of_range("no metric named " + name);
+}
+
+namespace {
+std::string json_number(double v) {
+  if (std::isnan(v)) return "NaN";
+  if (std::isinf(v)) return v > 0 ? "Infinity" : "-Infinity";
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+}  // namespace
+
+std::string metrics_to_json(int64_t step, const MetricValues& values) {
+  std::string out = "{\"step\": " + std::to_string(step);
+  for (const auto& [name, value] : values) out += ", \"" + name + "\": " + json_number(value);
+  return out + "}";
+}
+
+MetricsLogger::MetricsLogger(const Config& config) : config_(config) {
+  const std::filesystem::path path(config.metrics_file);
+  if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path());
+  file_ = std::fopen(path.c_str(), "w");
+  if (!file_)
+    throw Error(kExitFailure, "cannot open metrics_file " + path.string() + ": " + std::strerror(errno));
+}
+
+MetricsLogger::~MetricsLogger() {
+  if (file_) std::fclose(file_);
+}
+
+void MetricsLogger::log(int64_t step, const MetricValues& values) {
+  const std::string line = metrics_to_json(step, values) + "\n";
+  // Flushed per line so a crash or kill loses nothing already reported.
+  if (std::fputs(line.c_str(), file_) < 0 || std::fflush(file_) != 0)
+    throw Error(kExitFailure, "cannot write metrics_file " + config_.metrics_file + ": " + std::strerror(errno));
+  history_.emplace_back(step, values);
+  while (history_.size() > kHistoryLength) history_.pop_front();
+  if (step % config_.log_period == 0 || step + 1 == config_.steps) console_line(step, values);
+}
+
+void MetricsLogger::console_line(int64_t step, const MetricValues& v) {
+  std::string line = fmt::format(
+      "completed step: {}, seconds: {:.3f}, TFLOP/s/device: {:.3f}, Tokens/s/device: {:.1f}, "
+      "total_weights: {:.0f}, loss: {:.4f}, lm_loss: {:.4f}, grad_norm: {:.3f}, lr: {:.3e}",
+      step, metric_get(v, "perf/step_time_seconds"), metric_get(v, "perf/per_device_tflops_per_sec"),
+      metric_get(v, "perf/per_device_tokens_per_sec"), metric_get(v, "learning/total_weights"),
+      metric_get(v, "learning/loss"), metric_get(v, "learning/lm_loss"), metric_get(v, "learning/grad_norm"),
+      metric_get(v, "learning/current_learning_rate"));
+  if (config_.z_loss_multiplier > 0) line += fmt::format(", z_loss: {:.4f}", metric_get(v, "learning/z_loss"));
+  if (metric_get(v, "optim/step_skipped") > 0) line += ", step skipped";
+  if (metric_get(v, "learning/is_nan") > 0) line += ", NaN";
+  if (metric_get(v, "learning/is_inf") > 0) line += ", Inf";
+  spdlog::info("{}", line);
+}
+
+}  // namespace trainer

@@ -1,0 +1,40 @@
+// Public face of metrics/: named scalar metrics per step, written to the console (every
+// log_period steps, MaxText style) and to the JSON-lines metrics file (every step).
+#pragma once
+#include <cstdint>
+#include <cstdio>
+#include <deque>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "trainer/config/config.h"
+
+namespace trainer {
+
+using MetricValues = std::vector<std::pair<std::string, double>>;  // name -> value, in log order
+
+double metric_get(const MetricValues& values, const std::string& name);  // throws if absent
+
+// One JSON object: {"step": N, "name": value, ...}, floats with 17 significant digits
+// (round-trippable); NaN and infinities as NaN / Infinity / -Infinity (Python's json reads them).
+std::string metrics_to_json(int64_t step, const MetricValues& values);
+
+class MetricsLogger {
+ public:
+  static constexpr size_t kHistoryLength = 128;  // bounded in-memory history
+
+  explicit MetricsLogger(const Config& config);
+  ~MetricsLogger();
+  void log(int64_t step, const MetricValues& values);
+  const std::deque<std::pair<int64_t, MetricValues>>& history() const { return history_; }
+
+ private:
+  void console_line(int64_t step, const MetricValues& values);
+
+  Config config_;
+  std::FILE* file_ = nullptr;
+  std::deque<std::pair<int64_t, MetricValues>> history_;
+};
+
+}  // namespace trainer

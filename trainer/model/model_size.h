@@ -1,0 +1,23 @@
+// Parameter count and training FLOPs computed from the config alone (no tensors allocated),
+// so a 7B config can be checked on a laptop. Formulas in docs/model.md.
+#pragma once
+#include <cstdint>
+
+#include "trainer/config/config.h"
+
+namespace trainer {
+
+struct ModelSize {
+  int64_t total_params = 0;
+  int64_t embedding_params = 0;     // token embedding (+ separate output head when untied)
+  int64_t per_layer_params = 0;
+  // MaxText's calculate_tflops_training_per_device: 3x forward FLOPs (forward + backward),
+  // causal attention counted at half. Per device, per optimizer step (all K micro-batches).
+  double flops_per_step_per_device = 0;
+  double learnable_weight_flops = 0;  // the matmul-with-weights part of the above
+  double attention_flops = 0;         // the QK^T and AV part of the above
+};
+
+ModelSize model_size(const Config& config);
+
+}  // namespace trainer

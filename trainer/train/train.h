@@ -1,0 +1,85 @@
+// Public face of train/: the Trainer (one method per phase) and the step it runs.
+// The normative math is DESIGN section 5; the derivation is in step.cpp and docs/training.md.
+#pragma once
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "trainer/config/config.h"
+#include "trainer/data/data.h"
+#include "trainer/metrics/metrics.h"
+#include "trainer/model/model.h"
+
+namespace trainer {
+
+// Learning rate after `update_count` applied updates (MaxText schedules; plain C++).
+double learning_rate_at(const Config& config, int64_t update_count);
+
+// Everything one optimizer step produced, still on the device (nothing read back yet),
+// plus the host-side facts the step already knew without a sync.
+struct StepOutput {
+  int64_t step = 0;
+  // 0-dim device tensors (float64 unless noted); the terms of the J that was differentiated.
+  torch::Tensor lm_loss, z_loss, moe_lb_loss, mtp_loss, loss;
+  torch::Tensor raw_grad_norm;  // fp32 norm of the normalized gradient, before clipping
+  torch::Tensor grad_norm;      // after clipping
+  torch::Tensor num_zeros;      // int64: gradient elements exactly 0.0 after normalization
+  torch::Tensor param_norm;     // fp32 norm of the parameters after the update
+  double total_weights = 0;           // W: unmasked target tokens in the step (host-known)
+  double learning_rate = 0;
+  bool step_skipped = false;          // spike guard or W == 0
+  double step_time_seconds = 0;
+  std::vector<int64_t> sample_indices;  // global samples of the step, for error messages
+};
+
+class Trainer {
+ public:
+  explicit Trainer(Config config);
+  ~Trainer();
+
+  // The whole run: steps, deferred metric readback, logging, NaN/Inf aborts (exit code 4).
+  void train();
+
+  // One optimizer step = forward_backward + optimizer_update. Returns device-side metrics.
+  StepOutput train_step(int64_t step);
+
+  // Phases, public for tests:
+  // K micro-batches of `step`, gradients accumulated in the flat buffer and normalized,
+  // grad norm / zero count / NaN checks computed (but not clipped, not applied).
+  StepOutput forward_backward(int64_t step);
+  // Spike guard, clipping and AdamW on the flat buffers; fills step_skipped and learning_rate.
+  void optimizer_update(StepOutput& out);
+  // Reads a step's metrics to the host (the one sync per step), named as in docs/metrics.md.
+  MetricValues read_metrics(const StepOutput& out) const;
+
+  const Config& config() const { return config_; }
+  Transformer& model() { return model_; }
+  torch::Tensor flat_params() const { return flat_params_; }  // (P) fp32, every parameter is a view
+  torch::Tensor flat_grads() const { return flat_grads_; }    // (P) fp32, every .grad is a view
+  const DataLoader& data() const { return data_; }
+  int64_t updates_applied() const { return updates_applied_; }
+
+ private:
+  void build_flat_buffers();
+  bool spike_guard_rejects(double loss, double grad_norm);
+
+  Config config_;
+  torch::Device device_;
+  Transformer model_{nullptr};
+  DataLoader data_;
+  ModelSize size_;
+  torch::Tensor flat_params_;   // (P) fp32
+  torch::Tensor flat_grads_;    // (P) fp32
+  torch::Tensor adam_m_;        // (P) fp32, first moment
+  torch::Tensor adam_v_;        // (P) fp32, second moment
+  torch::Tensor adam_scratch_;  // (P) fp32, denominator workspace (no per-step allocation)
+  int64_t updates_applied_ = 0;
+  std::deque<double> spike_losses_, spike_grad_norms_;  // last skip_step_interval accepted steps
+  std::unique_ptr<MetricsLogger> logger_;
+};
+
+}  // namespace trainer

@@ -1,0 +1,84 @@
+// The one place where differences between LibTorch versions live: Debian's 1.13 (CPU) and the
+// 2.x that ships inside the PyTorch wheel (CUDA). Everything else calls these wrappers.
+#pragma once
+#include <torch/torch.h>
+#include <torch/version.h>
+#include <ATen/autocast_mode.h>
+
+#define TRAINER_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR * 100 + TORCH_VERSION_MINOR >= (major) * 100 + (minor))
+
+namespace trainer::compat {
+
+// Autocast for bf16 compute on CPU or CUDA; weights and gradients stay fp32.
+// 1.13 has per-device-type setters with distinct names; 2.x takes a DeviceType argument.
+struct AutocastGuard {
+  AutocastGuard(bool enabled, bool cuda) : enabled_(enabled), cuda_(cuda) {
+    if (!enabled_) return;
+#if TRAINER_TORCH_AT_LEAST(2, 4)
+    const auto type = cuda_ ? at::kCUDA : at::kCPU;
+    prev_enabled_ = at::autocast::is_autocast_enabled(type);
+    prev_dtype_ = at::autocast::get_autocast_dtype(type);
+    at::autocast::set_autocast_enabled(type, true);
+    at::autocast::set_autocast_dtype(type, at::kBFloat16);
+#else
+    if (cuda_) {
+      prev_enabled_ = at::autocast::is_enabled();
+      prev_dtype_ = at::autocast::get_autocast_gpu_dtype();
+      at::autocast::set_enabled(true);
+      at::autocast::set_autocast_gpu_dtype(at::kBFloat16);
+    } else {
+      prev_enabled_ = at::autocast::is_cpu_enabled();
+      prev_dtype_ = at::autocast::get_autocast_cpu_dtype();
+      at::autocast::set_cpu_enabled(true);
+      at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
+    }
+#endif
+    at::autocast::increment_nesting();
+  }
+  ~AutocastGuard() {
+    if (!enabled_) return;
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+#if TRAINER_TORCH_AT_LEAST(2, 4)
+    const auto type = cuda_ ? at::kCUDA : at::kCPU;
+    at::autocast::set_autocast_enabled(type, prev_enabled_);
+    at::autocast::set_autocast_dtype(type, prev_dtype_);
+#else
+    if (cuda_) {
+      at::autocast::set_enabled(prev_enabled_);
+      at::autocast::set_autocast_gpu_dtype(prev_dtype_);
+    } else {
+      at::autocast::set_cpu_enabled(prev_enabled_);
+      at::autocast::set_autocast_cpu_dtype(prev_dtype_);
+    }
+#endif
+  }
+  AutocastGuard(const AutocastGuard&) = delete;
+  AutocastGuard& operator=(const AutocastGuard&) = delete;
+
+ private:
+  bool enabled_;
+  bool cuda_;
+  bool prev_enabled_ = false;
+  at::ScalarType prev_dtype_ = at::kBFloat16;
+};
+
+}  // namespace trainer::compat
+
+namespace trainer::compat {
+
+// softmax(q k^T / sqrt(hd), masked to `allowed`) v. q, k, v: (B, H, L, hd); allowed:
+// (B, 1, L, L) bool with at least one true per row. 2.x has a fused kernel; 1.13 does not.
+inline torch::Tensor masked_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                      const torch::Tensor& v, const torch::Tensor& allowed) {
+#if TRAINER_TORCH_AT_LEAST(2, 0)
+  return at::scaled_dot_product_attention(q, k, v, allowed);
+#else
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  auto scores = torch::matmul(q, k.transpose(-2, -1)) * scale;  // (B, H, L, L)
+  scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity());
+  return torch::matmul(torch::softmax(scores, -1).to(v.scalar_type()), v);
+#endif
+}
+
+}  // namespace trainer::compat
