@@ -1,0 +1,166 @@
+// Config: layering, coercion, errors with exit code 2, derived values, parameter counts.
+#include <catch2/catch.hpp>
+
+#include <fstream>
+#include <regex>
+#include <set>
+
+#include "test_support.h"
+#include "trainer/model/model_size.h"
+#include "trainer/train/schedule.h"
+#include "trainer/util/error.h"
+
+using namespace trainer;
+using namespace trainer::testing;
+
+namespace {
+// Loads base.yml with `overrides`; returns the error (exit code and message) it throws.
+Error load_error(std::vector<std::string> overrides, std::vector<std::string> env = {}) {
+  try {
+    config_load(source_path("configs/base.yml"), overrides, env);
+  } catch (const Error& e) {
+    return e;
+  }
+  FAIL("config_load accepted an invalid config");
+  return Error(kExitOk, "");
+}
+}  // namespace
+
+TEST_CASE("base.yml defines every key, each with a comment, and nothing else", "[config]") {
+  std::set<std::string> in_file;
+  const std::regex key_line(R"(^([a-z_0-9]+):\s*(.*)$)");
+  for (const auto& line : read_lines(source_path("configs/base.yml"))) {
+    std::smatch m;
+    if (!std::regex_match(line, m, key_line)) continue;
+    in_file.insert(m[1]);
+    INFO("key " << m[1]);
+    CHECK(m[2].str().find('#') != std::string::npos);
+  }
+  const auto& names = config_key_names();
+  CHECK(in_file == std::set<std::string>(names.begin(), names.end()));
+}
+
+TEST_CASE("layering: base -> model file -> CLI -> environment, and derived values", "[config]") {
+  const Config c = config_load(source_path("configs/base.yml"),
+                               {"model_name=test-tiny", "steps=7", "gradient_accumulation_steps=3",
+                                "per_device_batch_size=2", "run_name=abc", "base_output_directory=/tmp/x"},
+                               {"M_LEARNING_RATE=0.5", "M_STEPS=9", "PATH=/bin"});
+  CHECK(c.base_emb_dim == 32);  // from models/test-tiny.yml, overriding base.yml's 128
+  CHECK(c.steps == 9);          // environment beats CLI
+  CHECK(c.learning_rate == 0.5);
+  CHECK(c.learning_rate_schedule_steps == 9);  // defaults to steps
+  CHECK(c.global_batch_size == 6);
+  CHECK(c.run_dir == "/tmp/x/abc");
+  CHECK(c.metrics_file == "/tmp/x/abc/metrics.jsonl");
+  const Config d = tiny_config({"steps=-1", "learning_rate_schedule_steps=11", "run_name="});
+  CHECK(d.steps == 11);
+  CHECK(d.run_name.rfind("test-tiny_", 0) == 0);
+}
+
+TEST_CASE("resolved config round-trips through --print-config's YAML", "[config]") {
+  const Config a = tiny_config({"learning_rate=1.25e-4", "dtype=bfloat16", "z_loss_multiplier=1e-4"});
+  const std::string path = "/tmp/trainer-tests-roundtrip.yml";
+  std::ofstream(path) << config_to_yaml(a);
+  // The dumped file lives outside configs/ (no models/ beside it): model_name="" loads no model file.
+  const Config b = config_load(path, {"model_name="}, {});
+  CHECK(b.learning_rate == a.learning_rate);
+  CHECK(b.dtype == "bfloat16");
+  CHECK(b.z_loss_multiplier == a.z_loss_multiplier);
+  CHECK(b.base_emb_dim == a.base_emb_dim);
+}
+
+TEST_CASE("config errors name the key and exit with code 2", "[config]") {
+  SECTION("unknown key suggests the nearest known key") {
+    const Error e = load_error({"stepz=3"});
+    CHECK(e.exit_code() == kExitUsage);
+    CHECK_THAT(e.what(), Catch::Contains("'stepz'") && Catch::Contains("did you mean 'steps'"));
+  }
+  SECTION("unknown environment key") {
+    const Error e = load_error({}, {"M_LERNING_RATE=1"});
+    CHECK_THAT(e.what(), Catch::Contains("M_LERNING_RATE") && Catch::Contains("learning_rate"));
+  }
+  SECTION("lossy integer") {
+    const Error e = load_error({"steps=1.5"});
+    CHECK(e.exit_code() == kExitUsage);
+    CHECK_THAT(e.what(), Catch::Contains("'steps'") && Catch::Contains("'1.5'") && Catch::Contains("integer"));
+  }
+  SECTION("value outside the allowed set lists the allowed values") {
+    const Error e = load_error({"dtype=float33"});
+    CHECK_THAT(e.what(), Catch::Contains("'dtype'") && Catch::Contains("float33") &&
+                             Catch::Contains("float32, bfloat16"));
+  }
+  SECTION("bad bool") {
+    CHECK_THAT(load_error({"use_qk_norm=maybe"}).what(), Catch::Contains("use_qk_norm"));
+  }
+  SECTION("model-file key overridden without override_model_config") {
+    const Error e = load_error({"model_name=test-tiny", "base_emb_dim=64"});
+    CHECK(e.exit_code() == kExitUsage);
+    CHECK_THAT(e.what(), Catch::Contains("base_emb_dim") && Catch::Contains("override_model_config"));
+    // The same value is not a conflict, and the flag allows a different one.
+    CHECK(tiny_config({"base_emb_dim=32"}).base_emb_dim == 32);
+    CHECK(tiny_config({"base_emb_dim=64", "override_model_config=true"}).base_emb_dim == 64);
+  }
+  SECTION("cross-field error names every field involved") {
+    const Error e = load_error({"model_name=test-tiny", "override_model_config=true", "base_num_kv_heads=3"});
+    CHECK(e.exit_code() == kExitUsage);
+    CHECK_THAT(e.what(), Catch::Contains("base_num_kv_heads") && Catch::Contains("base_num_query_heads"));
+  }
+  SECTION("unknown model") {
+    CHECK_THAT(load_error({"model_name=llama9"}).what(), Catch::Contains("llama9") && Catch::Contains("qwen3-0.6b"));
+  }
+}
+
+TEST_CASE("the binary exits 2 on config errors and 0 on --print-config / --dry-run", "[config][cli]") {
+  auto r = run_trainer("stepz=3");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.output, Catch::Contains("stepz") && Catch::Contains("steps"));
+  r = run_trainer("steps=1.5");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.output, Catch::Contains("1.5"));
+  r = run_trainer("model_name=test-tiny base_mlp_dim=7");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.output, Catch::Contains("base_mlp_dim") && Catch::Contains("override_model_config"));
+  r = run_trainer("--print-config steps=5", "M_LOG_PERIOD=3");
+  CHECK(r.exit_code == 0);
+  CHECK_THAT(r.output, Catch::Contains("steps: 5") && Catch::Contains("log_period: 3"));
+  r = run_trainer("--dry-run model_name=llama2-7b");
+  CHECK(r.exit_code == 0);
+  CHECK_THAT(r.output, Catch::Contains("parameters: 6738415616"));
+  r = run_trainer("--no-such-flag");
+  CHECK(r.exit_code == 2);
+}
+
+TEST_CASE("parameter counts from the config alone", "[config][model]") {
+  const auto count = [](const std::string& model) {
+    return model_size(config_load(source_path("configs/base.yml"), {"model_name=" + model}, {})).total_params;
+  };
+  CHECK(count("llama2-7b") == 6738415616LL);
+  CHECK(count("qwen3-0.6b") == 596049920LL);
+  CHECK(count("llama3.1-8b") == 8030261248LL);
+}
+
+TEST_CASE("training FLOPs follow MaxText's formula", "[config][model]") {
+  // Hand-computed for test-tiny: D=32, F=64, V=64, Hq=4, Hkv=2, hd=8, 2 layers, L=16, 2 x 3 sequences.
+  const Config c = tiny_config({"per_device_batch_size=2", "gradient_accumulation_steps=3"});
+  const double T = 2 * 3 * 16;
+  const double ffn = 2 * T * 3 * 32 * 64, qkv = 2 * T * 32 * (4 + 4) * 8, proj = 2 * T * 32 * 32;
+  const double emb = 2 * T * 32 * 64, attn = 4 * T * 16 * 32 / 2.0;
+  const double expected = 3 * ((ffn + qkv + proj) * 2 + emb) + 3 * attn * 2;
+  CHECK(model_size(c).flops_per_step_per_device == Approx(expected).epsilon(1e-12));
+}
+
+TEST_CASE("learning-rate schedules", "[config][schedule]") {
+  Config c = tiny_config({"steps=100", "learning_rate=1.0", "warmup_steps_fraction=0.1",
+                          "learning_rate_final_fraction=0.1"});
+  CHECK(learning_rate_at(c, 0) == 0.0);
+  CHECK(learning_rate_at(c, 5) == Approx(0.5));
+  CHECK(learning_rate_at(c, 10) == Approx(1.0));
+  CHECK(learning_rate_at(c, 55) == Approx(0.1 + 0.9 * 0.5));  // cosine midpoint
+  CHECK(learning_rate_at(c, 100) == Approx(0.1));
+  c.lr_schedule_type = "wsd";
+  c.wsd_decay_steps_fraction = 0.2;
+  CHECK(learning_rate_at(c, 50) == Approx(1.0));
+  CHECK(learning_rate_at(c, 90) == Approx(0.1 + 0.9 * 0.5));  // linear decay over 80..100
+  c.lr_schedule_type = "constant";
+  CHECK(learning_rate_at(c, 0) == 1.0);
+}

@@ -14,8 +14,9 @@ RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
 }
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
-  const auto x32 = x.to(torch::kFloat32);
-  const auto normed = x32 * torch::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + eps_);
+  // At least fp32 (bf16 inputs are upcast; float64, used by gradient checks, is kept).
+  const auto wide = x.to(at::promote_types(x.scalar_type(), torch::kFloat32));
+  const auto normed = wide * torch::rsqrt(wide.pow(2).mean(-1, /*keepdim=*/true) + eps_);
   return (normed * weight).to(x.scalar_type());
 }
 
@@ -139,7 +140,7 @@ torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens, const torch:
                                        const torch::Tensor& segment_ids) {
   const auto hidden = model(tokens, positions, segment_ids);
   const auto logits = lm_head ? lm_head(hidden) : F::linear(hidden, model->embed_tokens->weight);
-  return logits.to(torch::kFloat32);
+  return logits.to(at::promote_types(logits.scalar_type(), torch::kFloat32));
 }
 
 Transformer model_build(const Config& config) {

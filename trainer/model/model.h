@@ -83,7 +83,8 @@ TORCH_MODULE(DecoderStack);
 class TransformerImpl : public torch::nn::Module {
  public:
   explicit TransformerImpl(const Config& config);
-  // tokens, positions, segment_ids: (B, L) int64. Returns fp32 logits (B, L, V).
+  // tokens, positions, segment_ids: (B, L) int64. Returns logits (B, L, V) in fp32
+  // (or float64 when the model was converted to float64, as gradient checks do).
   torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& positions,
                         const torch::Tensor& segment_ids);
   DecoderStack model{nullptr};

@@ -2,7 +2,7 @@
 // number of updates applied so far, so a skipped step freezes the schedule.
 #include <cmath>
 
-#include "trainer/config/config.h"
+#include "trainer/train/schedule.h"
 
 namespace trainer {
 

@@ -13,11 +13,9 @@
 #include "trainer/data/data.h"
 #include "trainer/metrics/metrics.h"
 #include "trainer/model/model.h"
+#include "trainer/train/schedule.h"
 
 namespace trainer {
-
-// Learning rate after `update_count` applied updates (MaxText schedules; plain C++).
-double learning_rate_at(const Config& config, int64_t update_count);
 
 // Everything one optimizer step produced, still on the device (nothing read back yet),
 // plus the host-side facts the step already knew without a sync.

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <numeric>
 #include <optional>
 
@@ -151,7 +152,11 @@ StepOutput Trainer::train_step(int64_t step) {
 }
 
 MetricValues Trainer::read_metrics(const StepOutput& out) const {
-  const auto f64 = [](const torch::Tensor& t) { return t.to(torch::kFloat64); };
+  // Tensors not yet computed (grad_norm and param_norm before optimizer_update) read as NaN.
+  const auto f64 = [&](const torch::Tensor& t) {
+    return t.defined() ? t.to(torch::kFloat64)
+                       : torch::full({}, std::numeric_limits<double>::quiet_NaN(), out.loss.options());
+  };
   // One device->host copy for all device scalars of the step.
   const auto host = torch::stack({f64(out.loss), f64(out.lm_loss), f64(out.moe_lb_loss),
                                   f64(out.mtp_loss), f64(out.z_loss), f64(out.grad_norm),
