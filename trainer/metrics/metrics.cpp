@@ -59,11 +59,11 @@ void MetricsLogger::log(int64_t step, const MetricValues& values) {
 void MetricsLogger::console_line(int64_t step, const MetricValues& v) {
   std::string line = fmt::format(
       "completed step: {}, seconds: {:.3f}, TFLOP/s/device: {:.3f}, Tokens/s/device: {:.1f}, "
-      "total_weights: {:.0f}, loss: {:.4f}, lm_loss: {:.4f}, grad_norm: {:.3f}, lr: {:.3e}",
+      "total_weights: {:.0f}, loss: {:.4f}, lm_loss: {:.4f}, grad_norm: {:.3f} (raw {:.3f}), lr: {:.3e}",
       step, metric_get(v, "perf/step_time_seconds"), metric_get(v, "perf/per_device_tflops_per_sec"),
       metric_get(v, "perf/per_device_tokens_per_sec"), metric_get(v, "learning/total_weights"),
       metric_get(v, "learning/loss"), metric_get(v, "learning/lm_loss"), metric_get(v, "learning/grad_norm"),
-      metric_get(v, "learning/current_learning_rate"));
+      metric_get(v, "learning/raw_grad_norm"), metric_get(v, "learning/current_learning_rate"));
   if (config_.z_loss_multiplier > 0) line += fmt::format(", z_loss: {:.4f}", metric_get(v, "learning/z_loss"));
   if (metric_get(v, "optim/step_skipped") > 0) line += ", step skipped";
   if (metric_get(v, "learning/is_nan") > 0) line += ", NaN";
