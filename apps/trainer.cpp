@@ -17,9 +17,12 @@ void print_dry_run(const trainer::Config& c) {
   const auto s = trainer::model_size(c);
   std::printf("model_name: %s\n", c.model_name.c_str());
   std::printf("parameters: %lld\n", static_cast<long long>(s.total_params));
+  std::printf("active parameters per token: %lld\n", static_cast<long long>(s.active_params));
+  if (s.mtp_params > 0) std::printf("  of which MTP: %lld\n", static_cast<long long>(s.mtp_params));
   std::printf("  embedding and output head: %lld\n", static_cast<long long>(s.embedding_params));
-  std::printf("  per decoder layer: %lld x %lld layers\n", static_cast<long long>(s.per_layer_params),
-              static_cast<long long>(c.base_num_decoder_layers));
+  if (c.num_experts <= 1)
+    std::printf("  per decoder layer: %lld x %lld layers\n", static_cast<long long>(s.per_layer_params),
+                static_cast<long long>(c.base_num_decoder_layers));
   std::printf("training FLOPs per step per device: %.6e (%.3f TFLOP)\n", s.flops_per_step_per_device,
               s.flops_per_step_per_device / 1e12);
   std::printf("  learnable weights: %.6e, causal attention: %.6e\n", s.learnable_weight_flops,

@@ -26,10 +26,10 @@ TEST_CASE("causality: a future token never changes earlier logits", "[model]") {
   auto model = model_build(tiny_config({"use_qk_norm=true", "override_model_config=true"}));
   const int64_t L = 16;
   auto in = two_documents(L, L);  // one document
-  const auto before = model->forward(in.tokens, in.positions, in.segments);
+  const auto before = model->forward(in.tokens, in.positions, in.segments).logits;
   auto changed = in.tokens.clone();
   changed[0][10] = changed[0][10].item<int64_t>() % 63 + 1;  // a different id in [1, 64)
-  const auto after = model->forward(changed, in.positions, in.segments);
+  const auto after = model->forward(changed, in.positions, in.segments).logits;
   CHECK(torch::equal(before.narrow(1, 0, 10), after.narrow(1, 0, 10)));
   CHECK_FALSE(torch::allclose(before.narrow(1, 10, 1), after.narrow(1, 10, 1)));  // the test can fail
 }
@@ -39,16 +39,16 @@ TEST_CASE("segments: packed documents never see each other", "[model]") {
   auto model = model_build(tiny_config());
   const int64_t L = 16, split = 6;
   auto in = two_documents(L, split);
-  const auto before = model->forward(in.tokens, in.positions, in.segments);
+  const auto before = model->forward(in.tokens, in.positions, in.segments).logits;
   auto changed = in.tokens.clone();
   changed[0][2] = changed[0][2].item<int64_t>() == 5 ? 6 : 5;  // a token of document 1
-  const auto after = model->forward(changed, in.positions, in.segments);
+  const auto after = model->forward(changed, in.positions, in.segments).logits;
   // Document 2 (positions split..L) is untouched; document 1 after position 2 does change.
   CHECK(torch::equal(before.narrow(1, split, L - split), after.narrow(1, split, L - split)));
   CHECK_FALSE(torch::allclose(before.narrow(1, 3, 1), after.narrow(1, 3, 1)));
   // A document's logits depend only on its own tokens and positions: run it alone.
   const auto alone = model->forward(in.tokens.narrow(1, split, L - split), in.positions.narrow(1, split, L - split),
-                                    in.segments.narrow(1, split, L - split));
+                                    in.segments.narrow(1, split, L - split)).logits;
   CHECK(torch::allclose(alone, before.narrow(1, split, L - split), 1e-5, 1e-5));
 }
 
@@ -78,11 +78,11 @@ TEST_CASE("RoPE uses rotate_half pairs (i, i + d/2) and respects the position in
   torch::manual_seed(3);
   auto model = model_build(tiny_config());
   auto in = two_documents(12, 12);
-  const auto base = model->forward(in.tokens, in.positions, in.segments);
-  const auto shifted = model->forward(in.tokens, in.positions + 7, in.segments);
+  const auto base = model->forward(in.tokens, in.positions, in.segments).logits;
+  const auto shifted = model->forward(in.tokens, in.positions + 7, in.segments).logits;
   CHECK(torch::allclose(base, shifted, 1e-4, 1e-4));
   // ... but reversing positions does change them (positions are really used).
-  const auto reversed = model->forward(in.tokens, in.positions.flip({1}), in.segments);
+  const auto reversed = model->forward(in.tokens, in.positions.flip({1}), in.segments).logits;
   CHECK_FALSE(torch::allclose(base, reversed, 1e-3, 1e-3));
 }
 

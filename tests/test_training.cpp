@@ -41,7 +41,7 @@ std::vector<Terms> reference_terms(Trainer& t, int64_t step, Transformer model) 
     const MicroBatch b = t.data().data_loader_next(step, m);
     const auto shape = std::vector<int64_t>{b.batch_size, b.seq_len};
     auto tensor = [&](const std::vector<int64_t>& v) { return torch::tensor(v).view(shape); };
-    const auto logits = model->forward(tensor(b.inputs), tensor(b.positions), tensor(b.segment_ids)).to(torch::kFloat64);
+    const auto logits = model->forward(tensor(b.inputs), tensor(b.positions), tensor(b.segment_ids)).logits.to(torch::kFloat64);
     const auto targets = tensor(b.targets);
     const auto mask = torch::tensor(b.loss_mask).view(shape).to(torch::kFloat64);
     const auto logp = torch::log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1);

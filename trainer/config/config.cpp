@@ -184,6 +184,28 @@ std::vector<std::string> validation_errors(const Config& c) {
   require(c.gradient_clipping_threshold >= 0,
           "gradient_clipping_threshold must be >= 0 (0 disables clipping)");
   require(c.skip_step_scaling_factor > 0, "skip_step_scaling_factor must be > 0");
+  if (c.num_experts > 1) {
+    require(c.num_experts_per_tok >= 1 && c.num_experts_per_tok <= c.num_experts,
+            "num_experts_per_tok (" + std::to_string(c.num_experts_per_tok) + ") must be in [1, num_experts (" +
+                std::to_string(c.num_experts) + ")]");
+    require(c.base_moe_mlp_dim > 0, "base_moe_mlp_dim must be > 0 when num_experts > 1");
+    require(c.first_num_dense_layers >= 0 && c.first_num_dense_layers < c.base_num_decoder_layers,
+            "first_num_dense_layers (" + std::to_string(c.first_num_dense_layers) +
+                ") must be in [0, base_num_decoder_layers (" + std::to_string(c.base_num_decoder_layers) +
+                ")) when num_experts > 1");
+  } else {
+    require(c.num_experts >= 0, "num_experts must be >= 0 (0 or 1 = dense)");
+    require(c.shared_experts == 0 && !c.routed_bias,
+            "shared_experts and routed_bias need num_experts > 1 (got num_experts = " +
+                std::to_string(c.num_experts) + ")");
+  }
+  require(c.shared_experts >= 0, "shared_experts must be >= 0");
+  require(c.routed_scaling_factor > 0, "routed_scaling_factor must be > 0");
+  require(c.load_balance_loss_weight >= 0, "load_balance_loss_weight must be >= 0");
+  require(c.router_z_loss_weight >= 0, "router_z_loss_weight must be >= 0");
+  require(c.routed_bias_update_rate >= 0, "routed_bias_update_rate must be >= 0");
+  require(c.mtp_num_layers >= 0, "mtp_num_layers must be >= 0");
+  require(c.mtp_loss_scaling_factor >= 0, "mtp_loss_scaling_factor must be >= 0");
   require(c.steps > 0 || c.learning_rate_schedule_steps > 0,
           "steps and learning_rate_schedule_steps are both unset (-1): set at least one");
   if (c.steps > 0 && c.learning_rate_schedule_steps > 0)

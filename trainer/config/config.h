@@ -39,6 +39,22 @@ using StringList = std::vector<std::string>;
   X(bool, logits_via_embedding)                   \
   X(std::string, dtype)                           \
   X(int64_t, init_weights_seed)                   \
+  /* mixture of experts */                        \
+  X(int64_t, num_experts)                         \
+  X(int64_t, num_experts_per_tok)                 \
+  X(int64_t, base_moe_mlp_dim)                    \
+  X(int64_t, shared_experts)                      \
+  X(int64_t, first_num_dense_layers)              \
+  X(std::string, routed_score_func)               \
+  X(bool, norm_topk_prob)                         \
+  X(double, routed_scaling_factor)                \
+  X(double, load_balance_loss_weight)             \
+  X(double, router_z_loss_weight)                 \
+  X(bool, routed_bias)                            \
+  X(double, routed_bias_update_rate)              \
+  /* multi-token prediction */                    \
+  X(int64_t, mtp_num_layers)                      \
+  X(double, mtp_loss_scaling_factor)              \
   /* data */                                      \
   X(std::string, dataset_type)                    \
   X(int64_t, max_target_length)                   \
@@ -70,7 +86,8 @@ using StringList = std::vector<std::string>;
   X(int64_t, skip_step_interval)                  \
   X(double, skip_step_scaling_factor)             \
   X(int64_t, debug_inject_nonfinite_step)         \
-  X(std::string, debug_inject_nonfinite_kind)
+  X(std::string, debug_inject_nonfinite_kind)     \
+  X(bool, debug_drop_aux_token_weighting)
 
 struct Config {
 #define TRAINER_DECLARE_FIELD(type, name) type name{};

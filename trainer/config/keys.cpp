@@ -23,6 +23,7 @@ const std::map<std::string, std::vector<std::string>>& allowed_values() {
       {"wsd_decay_style", {"linear", "cosine"}},
       {"debug_inject_nonfinite_kind", {"loss_nan", "loss_inf", "grad_nan", "grad_inf"}},
       {"mlp_activations", {"silu", "linear"}},
+      {"routed_score_func", {"softmax", "sigmoid"}},
   };
   return table;
 }

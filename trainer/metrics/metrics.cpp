@@ -64,6 +64,8 @@ void MetricsLogger::console_line(int64_t step, const MetricValues& v) {
       metric_get(v, "perf/per_device_tokens_per_sec"), metric_get(v, "learning/total_weights"),
       metric_get(v, "learning/loss"), metric_get(v, "learning/lm_loss"), metric_get(v, "learning/grad_norm"),
       metric_get(v, "learning/raw_grad_norm"), metric_get(v, "learning/current_learning_rate"));
+  if (config_.num_experts > 1) line += fmt::format(", moe_lb_loss: {:.4f}", metric_get(v, "learning/moe_lb_loss"));
+  if (config_.mtp_num_layers > 0) line += fmt::format(", mtp_loss: {:.4f}", metric_get(v, "learning/mtp_loss"));
   if (config_.z_loss_multiplier > 0) line += fmt::format(", z_loss: {:.4f}", metric_get(v, "learning/z_loss"));
   if (metric_get(v, "optim/step_skipped") > 0) line += ", step skipped";
   if (metric_get(v, "learning/is_nan") > 0) line += ", NaN";

@@ -78,69 +78,128 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const RopeTables& r
   return o_proj(out.transpose(1, 2).reshape({B, L, num_heads_ * head_dim_}));
 }
 
-MlpImpl::MlpImpl(const Config& c) {
-  gate_proj = register_module("gate_proj", linear(c.base_emb_dim, c.base_mlp_dim));
-  up_proj = register_module("up_proj", linear(c.base_emb_dim, c.base_mlp_dim));
-  down_proj = register_module("down_proj", linear(c.base_mlp_dim, c.base_emb_dim));
+MlpImpl::MlpImpl(int64_t dim, int64_t hidden) {
+  gate_proj = register_module("gate_proj", linear(dim, hidden));
+  up_proj = register_module("up_proj", linear(dim, hidden));
+  down_proj = register_module("down_proj", linear(hidden, dim));
 }
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
   return down_proj(F::silu(gate_proj(x)) * up_proj(x));
 }
 
-DecoderLayerImpl::DecoderLayerImpl(const Config& c) {
+DecoderLayerImpl::DecoderLayerImpl(const Config& c, bool use_moe) {
   input_layernorm = register_module("input_layernorm", RMSNorm(c.base_emb_dim, c.normalization_layer_epsilon));
   self_attn = register_module("self_attn", Attention(c));
   post_attention_layernorm =
       register_module("post_attention_layernorm", RMSNorm(c.base_emb_dim, c.normalization_layer_epsilon));
-  mlp = register_module("mlp", Mlp(c));
+  if (use_moe)
+    moe = register_module("mlp", Moe(c));
+  else
+    mlp = register_module("mlp", Mlp(c.base_emb_dim, c.base_mlp_dim));
 }
 
-torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const RopeTables& rope,
-                                        const torch::Tensor& allowed) {
-  const auto h = x + self_attn(input_layernorm(x), rope, allowed);
-  return h + mlp(post_attention_layernorm(h));
+torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const BlockContext& ctx) {
+  const auto h = x + self_attn(input_layernorm(x), ctx.rope, ctx.allowed);
+  const auto normed = post_attention_layernorm(h);
+  return h + (moe ? moe->forward(normed, ctx) : mlp(normed));
+}
+
+SharedHeadImpl::SharedHeadImpl(int64_t dim, double eps) {
+  norm = register_module("norm", RMSNorm(dim, eps));
+}
+
+MtpLayerImpl::MtpLayerImpl(const Config& c) : DecoderLayerImpl(c, /*use_moe=*/false) {
+  enorm = register_module("enorm", RMSNorm(c.base_emb_dim, c.normalization_layer_epsilon));
+  hnorm = register_module("hnorm", RMSNorm(c.base_emb_dim, c.normalization_layer_epsilon));
+  eh_proj = register_module("eh_proj", linear(2 * c.base_emb_dim, c.base_emb_dim));
+  shared_head = register_module("shared_head", SharedHead(c.base_emb_dim, c.normalization_layer_epsilon));
+}
+
+torch::Tensor MtpLayerImpl::forward_depth(const torch::Tensor& previous, const torch::Tensor& shifted_embeddings,
+                                          const BlockContext& ctx) {
+  const auto combined = torch::cat({enorm(shifted_embeddings), hnorm(previous)}, -1);  // (B, L, 2D)
+  return DecoderLayerImpl::forward(eh_proj(combined), ctx);
 }
 
 DecoderStackImpl::DecoderStackImpl(const Config& c)
-    : rotary_dim_(static_cast<int64_t>(std::llround(c.partial_rotary_factor * static_cast<double>(c.head_dim)))),
+    : num_decoder_layers(c.base_num_decoder_layers),
+      rotary_dim_(static_cast<int64_t>(std::llround(c.partial_rotary_factor * static_cast<double>(c.head_dim)))),
       rope_theta_(c.rope_max_timescale) {
   embed_tokens = register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.base_emb_dim));
   layers = register_module("layers", torch::nn::ModuleList());
-  for (int64_t i = 0; i < c.base_num_decoder_layers; ++i) layers->push_back(DecoderLayer(c));
+  const bool moe_model = c.num_experts > 1;
+  for (int64_t i = 0; i < c.base_num_decoder_layers; ++i)
+    layers->push_back(DecoderLayer(c, moe_model && i >= c.first_num_dense_layers));
+  for (int64_t k = 0; k < c.mtp_num_layers; ++k) layers->push_back(MtpLayer(c));
   norm = register_module("norm", RMSNorm(c.base_emb_dim, c.normalization_layer_epsilon));
 }
 
-torch::Tensor DecoderStackImpl::forward(const torch::Tensor& tokens, const torch::Tensor& positions,
-                                        const torch::Tensor& segment_ids) {
-  const auto L = tokens.size(1);
+BlockContext DecoderStackImpl::context(const torch::Tensor& positions, const torch::Tensor& segment_ids) const {
+  const auto L = positions.size(1);
   // RoPE in fp32: inv_freq_i = theta^(-2i/rotary_dim), angle = position * inv_freq.
-  const auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(tokens.device());
+  const auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(positions.device());
   const auto inv_freq =
       torch::pow(rope_theta_, -torch::arange(0, rotary_dim_, 2, opts) / static_cast<double>(rotary_dim_));
   const auto angles = positions.to(torch::kFloat32).unsqueeze(-1) * inv_freq;  // (B, L, rot/2)
   const auto emb = torch::cat({angles, angles}, -1).unsqueeze(1);               // (B, 1, L, rot)
-  const RopeTables rope{emb.cos(), emb.sin()};
   // Query i may attend key j when j <= i and both are in the same segment (packed documents).
-  const auto causal = torch::ones({L, L}, torch::TensorOptions().dtype(torch::kBool).device(tokens.device())).tril();
+  const auto causal = torch::ones({L, L}, opts.dtype(torch::kBool)).tril();
   const auto same_segment = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1);  // (B, L, L)
-  const auto allowed = (same_segment & causal).unsqueeze(1);                       // (B, 1, L, L)
-
-  auto x = embed_tokens(tokens);  // (B, L, D)
-  for (const auto& layer : *layers) x = layer->as<DecoderLayer>()->forward(x, rope, allowed);
-  return norm(x);
+  BlockContext ctx;
+  ctx.rope = {emb.cos(), emb.sin()};
+  ctx.allowed = (same_segment & causal).unsqueeze(1);  // (B, 1, L, L)
+  ctx.valid = segment_ids != 0;
+  return ctx;
 }
 
-TransformerImpl::TransformerImpl(const Config& c) {
+torch::Tensor DecoderStackImpl::forward(const torch::Tensor& embeddings, const BlockContext& ctx) {
+  auto x = embeddings;
+  for (int64_t i = 0; i < num_decoder_layers; ++i) x = layers[i]->as<DecoderLayerImpl>()->forward(x, ctx);
+  return x;
+}
+
+TransformerImpl::TransformerImpl(const Config& c) : mtp_num_layers_(c.mtp_num_layers), pad_id_(c.pad_id) {
   model = register_module("model", DecoderStack(c));
   if (!c.logits_via_embedding) lm_head = register_module("lm_head", linear(c.base_emb_dim, c.vocab_size));
 }
 
-torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens, const torch::Tensor& positions,
-                                       const torch::Tensor& segment_ids) {
-  const auto hidden = model(tokens, positions, segment_ids);
-  const auto logits = lm_head ? lm_head(hidden) : F::linear(hidden, model->embed_tokens->weight);
+torch::Tensor TransformerImpl::head(const torch::Tensor& normed_hidden) {
+  const auto logits = lm_head ? lm_head(normed_hidden) : F::linear(normed_hidden, model->embed_tokens->weight);
   return logits.to(at::promote_types(logits.scalar_type(), torch::kFloat32));
+}
+
+torch::Tensor mtp_shift_tokens(const torch::Tensor& tokens, const torch::Tensor& segment_ids, int64_t k,
+                               int64_t pad_id) {
+  const auto L = tokens.size(1);
+  const auto in_range = torch::arange(L, segment_ids.options()) < L - k;  // (L)
+  const auto same = (segment_ids.roll(-k, 1) == segment_ids) & in_range;   // (B, L)
+  return torch::where(same, tokens.roll(-k, 1), torch::full_like(tokens, pad_id));
+}
+
+ModelOutput TransformerImpl::forward(const torch::Tensor& tokens, const torch::Tensor& positions,
+                                     const torch::Tensor& segment_ids) {
+  ModelOutput out;
+  BlockContext ctx = model->context(positions, segment_ids);
+  ctx.moe_stats = &out.moe_stats;
+  auto hidden = model->forward(model->embed_tokens(tokens), ctx);  // (B, L, D) before the final norm
+  out.logits = head(model->norm(hidden));
+  for (int64_t k = 1; k <= mtp_num_layers_; ++k) {
+    auto mtp = model->layers[model->num_decoder_layers + k - 1]->as<MtpLayerImpl>();
+    const auto shifted = model->embed_tokens(mtp_shift_tokens(tokens, segment_ids, k, pad_id_));
+    hidden = mtp->forward_depth(hidden, shifted, ctx);
+    out.mtp_logits.push_back(head(mtp->shared_head->norm(hidden)));
+  }
+  return out;
+}
+
+std::vector<Moe> TransformerImpl::moe_layers() {
+  std::vector<Moe> out;
+  for (int64_t i = 0; i < model->num_decoder_layers; ++i) {
+    const auto layer = model->layers[i]->as<DecoderLayerImpl>();
+    if (layer->moe) out.push_back(layer->moe);
+  }
+  return out;
 }
 
 Transformer model_build(const Config& config) {

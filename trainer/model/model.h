@@ -46,7 +46,7 @@ TORCH_MODULE(Attention);
 // SwiGLU: down(silu(gate(x)) * up(x)).
 class MlpImpl : public torch::nn::Module {
  public:
-  explicit MlpImpl(const Config& config);
+  MlpImpl(int64_t dim, int64_t hidden);
   torch::Tensor forward(const torch::Tensor& x);
   torch::nn::Linear gate_proj{nullptr};  // (F, D)
   torch::nn::Linear up_proj{nullptr};    // (F, D)
@@ -54,43 +54,129 @@ class MlpImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Mlp);
 
+// What every MoE layer of one forward reports (see moe.cpp for the formulas).
+struct MoeLayerStats {
+  torch::Tensor load_balance;  // 0-dim: E * sum_e f_e P_e over valid tokens (1 when balanced)
+  torch::Tensor router_z;      // 0-dim: mean over valid tokens of logsumexp(router logits)^2
+  torch::Tensor counts;        // (E) fp32, detached: valid tokens routed to each expert
+};
+
+// Per-forward context shared by all blocks.
+struct BlockContext {
+  RopeTables rope;
+  torch::Tensor allowed;  // (B, 1, L, L) bool: causal and same segment
+  torch::Tensor valid;    // (B, L) bool: real tokens (segment id != 0)
+  std::vector<MoeLayerStats>* moe_stats = nullptr;  // MoE layers append here
+};
+
+// Router of a MoE layer ("mlp.gate" in DeepSeek-V3 names).
+class MoeGateImpl : public torch::nn::Module {
+ public:
+  MoeGateImpl(int64_t dim, int64_t num_experts);
+  torch::Tensor weight;                   // (E, D)
+  torch::Tensor e_score_correction_bias;  // (E) buffer: selection-only bias, updated outside autograd
+};
+TORCH_MODULE(MoeGate);
+
+// DeepSeek/Ling-style dropless MoE: router -> softmax|sigmoid scores -> top-k (on scores + bias)
+// -> optional renormalization -> routed_scaling_factor; routed SwiGLU experts plus shared experts.
+class MoeImpl : public torch::nn::Module {
+ public:
+  explicit MoeImpl(const Config& config);
+  // x: (B, L, D) -> (B, L, D); appends this layer's stats to ctx.moe_stats.
+  torch::Tensor forward(const torch::Tensor& x, const BlockContext& ctx);
+  MoeGate gate{nullptr};
+  torch::nn::ModuleList experts{nullptr};  // E x Mlp(D, base_moe_mlp_dim)
+  Mlp shared_experts{nullptr};             // Mlp(D, shared_experts * base_moe_mlp_dim), optional
+ private:
+  int64_t num_experts_, top_k_;
+  bool sigmoid_, norm_topk_prob_, use_bias_;
+  double scaling_;
+};
+TORCH_MODULE(Moe);
+
 class DecoderLayerImpl : public torch::nn::Module {
  public:
-  explicit DecoderLayerImpl(const Config& config);
-  torch::Tensor forward(const torch::Tensor& x, const RopeTables& rope, const torch::Tensor& allowed);
+  DecoderLayerImpl(const Config& config, bool use_moe);
+  torch::Tensor forward(const torch::Tensor& x, const BlockContext& ctx);
   RMSNorm input_layernorm{nullptr};
   Attention self_attn{nullptr};
   RMSNorm post_attention_layernorm{nullptr};
-  Mlp mlp{nullptr};
+  Mlp mlp{nullptr};  // registered as "mlp" when dense
+  Moe moe{nullptr};  // registered as "mlp" when MoE
 };
 TORCH_MODULE(DecoderLayer);
+
+// One DeepSeek-V3 multi-token-prediction depth, stored after the decoder layers as
+// model.layers.{N + k - 1}: h_k = Block(eh_proj([enorm(embed(t_{i+k})); hnorm(h_{k-1})])),
+// logits_k = head(shared_head.norm(h_k)). The embedding and the output head are shared with the
+// main model. The block uses the dense MLP (DeepSeek-V3 and Ling use MoE there).
+class SharedHeadImpl : public torch::nn::Module {
+ public:
+  SharedHeadImpl(int64_t dim, double eps);
+  RMSNorm norm{nullptr};
+};
+TORCH_MODULE(SharedHead);
+
+class MtpLayerImpl : public DecoderLayerImpl {
+ public:
+  explicit MtpLayerImpl(const Config& config);
+  // previous: (B, L, D) hidden of depth k-1 (pre final norm); shifted_embeddings: (B, L, D).
+  torch::Tensor forward_depth(const torch::Tensor& previous, const torch::Tensor& shifted_embeddings,
+                              const BlockContext& ctx);
+  RMSNorm enorm{nullptr};
+  RMSNorm hnorm{nullptr};
+  torch::nn::Linear eh_proj{nullptr};  // (D, 2D)
+  SharedHead shared_head{nullptr};
+};
+TORCH_MODULE(MtpLayer);
 
 // The decoder stack without the output head ("model." in HF names).
 class DecoderStackImpl : public torch::nn::Module {
  public:
   explicit DecoderStackImpl(const Config& config);
-  torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& positions,
-                        const torch::Tensor& segment_ids);  // -> (B, L, D) after the final norm
+  // Rotary tables, attention mask and validity for one batch.
+  BlockContext context(const torch::Tensor& positions, const torch::Tensor& segment_ids) const;
+  // The decoder layers (not MTP): embeddings (B, L, D) -> hidden (B, L, D) before the final norm.
+  torch::Tensor forward(const torch::Tensor& embeddings, const BlockContext& ctx);
   torch::nn::Embedding embed_tokens{nullptr};  // (V, D)
-  torch::nn::ModuleList layers{nullptr};
-  RMSNorm norm{nullptr};  // (D)
+  torch::nn::ModuleList layers{nullptr};       // N DecoderLayers, then mtp_num_layers MtpLayers
+  RMSNorm norm{nullptr};                       // (D)
+  int64_t num_decoder_layers = 0;
  private:
   int64_t rotary_dim_;
   double rope_theta_;
 };
 TORCH_MODULE(DecoderStack);
 
+struct ModelOutput {
+  torch::Tensor logits;                   // (B, L, V) fp32: position i predicts token i+1
+  std::vector<torch::Tensor> mtp_logits;  // mtp_num_layers x (B, L, V) fp32: depth k predicts token i+k+1
+  std::vector<MoeLayerStats> moe_stats;   // one entry per MoE layer, in layer order
+};
+
 class TransformerImpl : public torch::nn::Module {
  public:
   explicit TransformerImpl(const Config& config);
-  // tokens, positions, segment_ids: (B, L) int64. Returns logits (B, L, V) in fp32
-  // (or float64 when the model was converted to float64, as gradient checks do).
-  torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& positions,
-                        const torch::Tensor& segment_ids);
+  // tokens, positions, segment_ids: (B, L) int64. Logits are fp32 (or float64 when the model
+  // was converted to float64, as gradient checks do).
+  ModelOutput forward(const torch::Tensor& tokens, const torch::Tensor& positions,
+                      const torch::Tensor& segment_ids);
+  // The MoE layers in order (empty for dense models); their gate buffers hold the expert bias.
+  std::vector<Moe> moe_layers();
   DecoderStack model{nullptr};
   torch::nn::Linear lm_head{nullptr};  // (V, D); null with logits_via_embedding (tied)
+ private:
+  torch::Tensor head(const torch::Tensor& normed_hidden);
+  int64_t mtp_num_layers_;
+  int64_t pad_id_;
 };
 TORCH_MODULE(Transformer);
+
+// Depth-k MTP inputs: the token k positions ahead in the same segment, else pad_id.
+// tokens, segment_ids: (B, L). Returns (B, L).
+torch::Tensor mtp_shift_tokens(const torch::Tensor& tokens, const torch::Tensor& segment_ids, int64_t k,
+                               int64_t pad_id);
 
 // Builds the model on the CPU with deterministic weights from init_weights_seed:
 // every Linear and the embedding ~ N(0, 0.02^2), norms = 1. Parameters are drawn in

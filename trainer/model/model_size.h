@@ -9,8 +9,10 @@ namespace trainer {
 
 struct ModelSize {
   int64_t total_params = 0;
+  int64_t active_params = 0;        // used per token: k routed experts instead of all E
   int64_t embedding_params = 0;     // token embedding (+ separate output head when untied)
-  int64_t per_layer_params = 0;
+  int64_t per_layer_params = 0;     // one dense decoder layer
+  int64_t mtp_params = 0;           // all MTP depths (included in the totals)
   // MaxText's calculate_tflops_training_per_device: 3x forward FLOPs (forward + backward),
   // causal attention counted at half. Per device, per optimizer step (all K micro-batches).
   double flops_per_step_per_device = 0;

@@ -4,7 +4,10 @@
 // Notation: micro-batches i = 1..K on each of R ranks. For micro-batch i
 //   ce_i = sum over unmasked targets of (cross-entropy + z * logsumexp^2)
 //   w_i  = number of unmasked targets,  W = sum_{r,i} w_i
-//   lb_i, mtp_i = auxiliary losses, already at per-token scale (0 until MoE/MTP land)
+//   lb_i  = load_balance_loss_weight * mean over MoE layers of LB
+//           + router_z_loss_weight * mean over MoE layers of the router z-loss   (moe.cpp)
+//   mtp_i = mtp_loss_scaling_factor * mean over depths k of (depth-k CE sum / depth-k targets)
+//   (aux losses are per-token-scale numbers computed on micro-batch i's tokens)
 //
 // Per-token mode (calculate_per_token_loss: true), the sum/sum objective
 //   J = ( sum ce_i + sum (lb_i + mtp_i) * w_i ) / W
@@ -25,6 +28,10 @@
 //
 // The reported metrics are the terms of that same J (lm_loss = its CE term, and so on), so
 // learning/loss is exactly the optimized objective.
+//
+// LB and the per-micro-batch MTP means are statistics of the micro-batch's tokens, not sums
+// over tokens, so with aux losses on, (K=4, b) and (K=1, 4b) differ by how those statistics
+// change with the batch (small; bounded in the tests), while the CE part stays exact.
 #include <limits>
 
 #include "trainer/train/train.h"
@@ -72,6 +79,26 @@ CrossEntropySums cross_entropy_sums(const torch::Tensor& logits, const torch::Te
   return {(per_token * mask).sum(), z_sum};
 }
 
+// Multi-token prediction: depth k at position i predicts token i+k+1 = targets[i+k]. The target
+// counts only inside the sequence, in the same segment, and where that target is itself
+// unmasked, so no prediction crosses a document boundary. Each depth is a per-token mean on its
+// own; the depths are averaged (unscaled; the caller multiplies by mtp_loss_scaling_factor).
+torch::Tensor mtp_raw_loss(const std::vector<torch::Tensor>& mtp_logits, const MicroBatchTensors& t) {
+  const auto L = t.targets.size(1);
+  auto total = torch::zeros({}, mtp_logits.front().options());
+  for (size_t depth = 0; depth < mtp_logits.size(); ++depth) {
+    const int64_t k = static_cast<int64_t>(depth) + 1;
+    const auto in_range = torch::arange(L, t.segment_ids.options()) < L - k;
+    const auto valid = (in_range & (t.segment_ids.roll(-k, 1) == t.segment_ids) & (t.loss_mask.roll(-k, 1) > 0))
+                           .to(mtp_logits[depth].scalar_type());  // (B, L)
+    const auto& logits = mtp_logits[depth];
+    const auto targets = t.targets.roll(-k, 1);
+    const auto ce = torch::logsumexp(logits, -1) - logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1);
+    total = total + (ce * valid).sum() / valid.sum().clamp_min(1.0);
+  }
+  return total / static_cast<double>(mtp_logits.size());
+}
+
 }  // namespace
 
 StepOutput Trainer::forward_backward(int64_t step) {
@@ -87,6 +114,8 @@ StepOutput Trainer::forward_backward(int64_t step) {
   // Detached float64 accumulators of the terms of J (before the final scale).
   auto ce_acc = torch::zeros({}, f64), z_acc = torch::zeros({}, f64);
   auto lb_acc = torch::zeros({}, f64), mtp_acc = torch::zeros({}, f64);
+  auto router_z_acc = torch::zeros({}, f64), mtp_raw_acc = torch::zeros({}, f64);
+  torch::Tensor expert_counts;  // (MoE layers, E): summed over micro-batches here, averaged below
   double W = 0;
 
   for (int64_t micro = 0; micro < K; ++micro) {
@@ -97,24 +126,40 @@ StepOutput Trainer::forward_backward(int64_t step) {
     for (float m : batch.loss_mask) w += m;
     const auto t = to_device(batch, device_);
 
-    torch::Tensor logits;  // (B, L, V) fp32
+    ModelOutput output;
     {
       compat::AutocastGuard autocast(c.dtype == "bfloat16", device_.is_cuda());
-      logits = model_->forward(t.inputs, t.positions, t.segment_ids);
+      output = model_->forward(t.inputs, t.positions, t.segment_ids);
     }
-    auto sums = cross_entropy_sums(logits, t.targets, t.loss_mask, c.z_loss_multiplier);
+    auto sums = cross_entropy_sums(output.logits, t.targets, t.loss_mask, c.z_loss_multiplier);
     if (inject && micro == 0 && c.debug_inject_nonfinite_kind.rfind("loss_", 0) == 0) {
       // A non-finite constant in the loss: the gradient stays finite, the loss does not.
       sums.ce = sums.ce + (c.debug_inject_nonfinite_kind == "loss_nan"
                                ? std::numeric_limits<double>::quiet_NaN()
                                : std::numeric_limits<double>::infinity());
     }
-    // Auxiliary-loss hooks (MoE load balancing, MTP): per-token-scale scalars, 0 for dense.
-    const auto lb = torch::zeros({}, sums.ce.options());
-    const auto mtp = torch::zeros({}, sums.ce.options());
+    // Auxiliary losses: per-token-scale scalars of this micro-batch (0 when off).
+    auto lb = torch::zeros({}, sums.ce.options());
+    auto router_z = torch::zeros({}, sums.ce.options());
+    if (!output.moe_stats.empty()) {
+      std::vector<torch::Tensor> balance, z, counts;
+      for (const auto& layer : output.moe_stats) {
+        balance.push_back(layer.load_balance);
+        z.push_back(layer.router_z);
+        counts.push_back(layer.counts);
+      }
+      router_z = c.router_z_loss_weight * torch::stack(z).mean();
+      lb = c.load_balance_loss_weight * torch::stack(balance).mean() + router_z;
+      const auto layer_counts = torch::stack(counts);  // (MoE layers, E)
+      expert_counts = expert_counts.defined() ? expert_counts + layer_counts : layer_counts;
+    }
+    auto mtp_raw = torch::zeros({}, sums.ce.options());
+    if (!output.mtp_logits.empty()) mtp_raw = mtp_raw_loss(output.mtp_logits, t);
+    const auto mtp = c.mtp_loss_scaling_factor * mtp_raw;
 
     const double inv_w = 1.0 / std::max(w, 1.0);
-    const auto objective = per_token ? sums.ce + (lb + mtp) * w : sums.ce * inv_w + lb + mtp;
+    const double aux_backward_weight = c.debug_drop_aux_token_weighting ? 1.0 : w;  // RFC change 4
+    const auto objective = per_token ? sums.ce + (lb + mtp) * aux_backward_weight : sums.ce * inv_w + lb + mtp;
     objective.backward();
 
     torch::NoGradGuard no_grad;
@@ -122,8 +167,10 @@ StepOutput Trainer::forward_backward(int64_t step) {
     const double aux_weight = per_token ? w : 1.0;        // (lb_i + mtp_i) * w_i or as is
     ce_acc.add_(sums.ce.detach().to(torch::kFloat64), term_weight);
     z_acc.add_(sums.z.to(torch::kFloat64), term_weight);
-    lb_acc.add_(lb.to(torch::kFloat64), aux_weight);
-    mtp_acc.add_(mtp.to(torch::kFloat64), aux_weight);
+    lb_acc.add_(lb.detach().to(torch::kFloat64), aux_weight);
+    mtp_acc.add_(mtp.detach().to(torch::kFloat64), aux_weight);
+    router_z_acc.add_(router_z.detach().to(torch::kFloat64), aux_weight);
+    mtp_raw_acc.add_(mtp_raw.detach().to(torch::kFloat64), aux_weight);
     W += w;
     if (inject && micro == 0 && c.debug_inject_nonfinite_kind.rfind("grad_", 0) == 0) {
       // A non-finite value that reaches only the gradient, as a bad backward kernel would.
@@ -144,7 +191,11 @@ StepOutput Trainer::forward_backward(int64_t step) {
   out.z_loss = z_acc * scale;
   out.moe_lb_loss = lb_acc * scale;
   out.mtp_loss = mtp_acc * scale;
+  out.moe_router_z_loss = router_z_acc * scale;
+  out.mtp_loss_raw = mtp_raw_acc * scale;
   out.loss = out.lm_loss + out.moe_lb_loss + out.mtp_loss;
+  // Expert load of the step: counts averaged over micro-batches (and, later, ranks), not summed.
+  if (expert_counts.defined()) out.expert_load = expert_counts / static_cast<double>(K);
   out.raw_grad_norm = flat_grads_.norm();
   out.num_zeros = flat_grads_.eq(0).sum();
   return out;

@@ -23,6 +23,9 @@ struct StepOutput {
   int64_t step = 0;
   // 0-dim device tensors (float64 unless noted); the terms of the J that was differentiated.
   torch::Tensor lm_loss, z_loss, moe_lb_loss, mtp_loss, loss;
+  torch::Tensor moe_router_z_loss;  // the router z-loss part of moe_lb_loss
+  torch::Tensor mtp_loss_raw;       // mtp_loss before mtp_loss_scaling_factor
+  torch::Tensor expert_load;        // (MoE layers, E) fp32: tokens per expert, mean over micro-batches
   torch::Tensor raw_grad_norm;  // fp32 norm of the normalized gradient, before clipping
   torch::Tensor grad_norm;      // after clipping
   torch::Tensor num_zeros;      // int64: gradient elements exactly 0.0 after normalization
@@ -64,6 +67,7 @@ class Trainer {
  private:
   void build_flat_buffers();
   bool spike_guard_rejects(double loss, double grad_norm);
+  void update_expert_bias(const StepOutput& out);
 
   Config config_;
   torch::Device device_;

@@ -140,9 +140,24 @@ void Trainer::optimizer_update(StepOutput& out) {
     flat_params_.mul_(1.0 - lr * c.adam_weight_decay);
     flat_params_.addcdiv_(adam_m_, adam_scratch_, -lr / bias1);
     ++updates_applied_;
+    update_expert_bias(out);
   }
   out.step_skipped = skip;
   out.param_norm = flat_params_.norm();
+}
+
+// Aux-loss-free balancing (DeepSeek-V3): after an applied update, each MoE layer's selection
+// bias moves by routed_bias_update_rate toward balance: up for experts below the mean load, down
+// for those above. The load is the step's counts averaged over micro-batches, so K does not
+// scale the update.
+void Trainer::update_expert_bias(const StepOutput& out) {
+  const Config& c = config_;
+  if (!c.routed_bias || c.routed_bias_update_rate <= 0 || !out.expert_load.defined()) return;
+  auto layers = model_->moe_layers();
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const auto load = out.expert_load[static_cast<int64_t>(i)];  // (E)
+    layers[i]->gate->e_score_correction_bias.add_(torch::sign(load.mean() - load), c.routed_bias_update_rate);
+  }
 }
 
 StepOutput Trainer::train_step(int64_t step) {
@@ -158,20 +173,28 @@ MetricValues Trainer::read_metrics(const StepOutput& out) const {
                        : torch::full({}, std::numeric_limits<double>::quiet_NaN(), out.loss.options());
   };
   // One device->host copy for all device scalars of the step.
-  const auto host = torch::stack({f64(out.loss), f64(out.lm_loss), f64(out.moe_lb_loss),
-                                  f64(out.mtp_loss), f64(out.z_loss), f64(out.grad_norm),
-                                  f64(out.raw_grad_norm), f64(out.param_norm), f64(out.num_zeros)})
-                        .cpu();
+  std::vector<torch::Tensor> scalars = {f64(out.loss), f64(out.lm_loss), f64(out.moe_lb_loss),
+                                        f64(out.mtp_loss), f64(out.z_loss), f64(out.grad_norm),
+                                        f64(out.raw_grad_norm), f64(out.param_norm), f64(out.num_zeros),
+                                        f64(out.mtp_loss_raw), f64(out.moe_router_z_loss)};
+  const bool moe = out.expert_load.defined();
+  if (moe) {  // imbalance: max over experts / mean over experts, averaged over MoE layers
+    const auto load = out.expert_load.to(torch::kFloat64);
+    scalars.push_back((std::get<0>(load.max(1)) / load.mean(1).clamp_min(1e-12)).mean());
+  }
+  const auto host = torch::stack(scalars).cpu();
   const double* v = host.data_ptr<double>();
   const double loss = v[0], raw_grad_norm = v[6];
   const double tokens = static_cast<double>(config_.per_device_batch_size *
                                             config_.gradient_accumulation_steps * config_.max_target_length);
   const double seconds = out.step_time_seconds;
-  return {
+  MetricValues values = {
       {"learning/loss", loss},
       {"learning/lm_loss", v[1]},
       {"learning/moe_lb_loss", v[2]},
       {"learning/mtp_loss", v[3]},
+      {"learning/mtp_loss_raw", v[9]},
+      {"moe/router_z_loss", v[10]},
       {"learning/z_loss", v[4]},
       {"learning/total_weights", out.total_weights},
       {"learning/grad_norm", v[5]},
@@ -186,6 +209,8 @@ MetricValues Trainer::read_metrics(const StepOutput& out) const {
       {"perf/per_device_tokens_per_sec", seconds > 0 ? tokens / seconds : 0.0},
       {"perf/per_device_tflops_per_sec", seconds > 0 ? size_.flops_per_step_per_device / seconds / 1e12 : 0.0},
   };
+  if (moe) values.emplace_back("moe/expert_load_max_over_mean", v[11]);
+  return values;
 }
 
 void Trainer::train() {
@@ -193,9 +218,9 @@ void Trainer::train() {
   std::filesystem::create_directories(c.run_dir);
   std::ofstream(std::filesystem::path(c.run_dir) / "config.yml") << config_to_yaml(c);
   logger_ = std::make_unique<MetricsLogger>(c);
-  spdlog::info("run_dir {} | model {}: {} parameters, {:.4g} TFLOP per step per device | device {} | "
-               "global batch {} sequences x {} tokens, K = {} | {} normalization",
-               c.run_dir, c.model_name, size_.total_params, size_.flops_per_step_per_device / 1e12,
+  spdlog::info("run_dir {} | model {}: {} parameters ({} active per token), {:.4g} TFLOP per step per device | "
+               "device {} | global batch {} sequences x {} tokens, K = {} | {} normalization",
+               c.run_dir, c.model_name, size_.total_params, size_.active_params, size_.flops_per_step_per_device / 1e12,
                device_.str(), c.global_batch_size, c.max_target_length, c.gradient_accumulation_steps,
                c.calculate_per_token_loss ? "per-token (sum/sum)" : "Megatron (mean of micro-batch means)");
 
