@@ -79,19 +79,21 @@ CrossEntropySums cross_entropy_sums(const torch::Tensor& logits, const torch::Te
   return {(per_token * mask).sum(), z_sum};
 }
 
-// Multi-token prediction: depth k at position i predicts token i+k+1 = targets[i+k]. The target
-// counts only inside the sequence, in the same segment, and where that target is itself
-// unmasked, so no prediction crosses a document boundary. Each depth is a per-token mean on its
-// own; the depths are averaged (unscaled; the caller multiplies by mtp_loss_scaling_factor).
+// Multi-token prediction: depth k at position i predicts input token i+k+1 (= targets[i+k]).
+// It counts only when that token lies inside the sequence (i+k+1 < L), in the same segment as
+// position i, and targets[i+k] is unmasked: no prediction crosses a document boundary or the end
+// of the sequence, even where the main loss (Megatron-style) predicts across an EOD. Each depth
+// is a per-token mean on its own; the depths are averaged (unscaled: the caller multiplies by
+// mtp_loss_scaling_factor).
 torch::Tensor mtp_raw_loss(const std::vector<torch::Tensor>& mtp_logits, const MicroBatchTensors& t) {
   const auto L = t.targets.size(1);
   auto total = torch::zeros({}, mtp_logits.front().options());
   for (size_t depth = 0; depth < mtp_logits.size(); ++depth) {
     const int64_t k = static_cast<int64_t>(depth) + 1;
-    const auto in_range = torch::arange(L, t.segment_ids.options()) < L - k;
-    const auto valid = (in_range & (t.segment_ids.roll(-k, 1) == t.segment_ids) & (t.loss_mask.roll(-k, 1) > 0))
-                           .to(mtp_logits[depth].scalar_type());  // (B, L)
-    const auto& logits = mtp_logits[depth];
+    const auto in_range = torch::arange(L, t.segment_ids.options()) < L - k - 1;
+    const auto same_segment = t.segment_ids.roll(-(k + 1), 1) == t.segment_ids;
+    const auto valid = (in_range & same_segment & (t.loss_mask.roll(-k, 1) > 0)).to(mtp_logits[depth].scalar_type());
+    const auto& logits = mtp_logits[depth];  // (B, L, V)
     const auto targets = t.targets.roll(-k, 1);
     const auto ce = torch::logsumexp(logits, -1) - logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1);
     total = total + (ce * valid).sum() / valid.sum().clamp_min(1.0);
@@ -100,6 +102,38 @@ torch::Tensor mtp_raw_loss(const std::vector<torch::Tensor>& mtp_logits, const M
 }
 
 }  // namespace
+
+MicroBatchLosses micro_batch_losses(Transformer& model, const MicroBatch& batch, const Config& c,
+                                    const torch::Device& device) {
+  MicroBatchLosses losses;
+  for (float m : batch.loss_mask) losses.weights += m;  // host-known: no device sync needed
+  const auto t = to_device(batch, device);
+  ModelOutput output;
+  {
+    compat::AutocastGuard autocast(c.dtype == "bfloat16", device.is_cuda());
+    output = model->forward(t.inputs, t.positions, t.segment_ids);
+  }
+  auto sums = cross_entropy_sums(output.logits, t.targets, t.loss_mask, c.z_loss_multiplier);
+  losses.ce = sums.ce;
+  losses.z = sums.z;
+  losses.lb = torch::zeros({}, sums.ce.options());
+  losses.router_z = torch::zeros({}, sums.ce.options());
+  if (!output.moe_stats.empty()) {
+    std::vector<torch::Tensor> balance, z, counts;
+    for (const auto& layer : output.moe_stats) {
+      balance.push_back(layer.load_balance);
+      z.push_back(layer.router_z);
+      counts.push_back(layer.counts);
+    }
+    losses.router_z = c.router_z_loss_weight * torch::stack(z).mean();
+    losses.lb = c.load_balance_loss_weight * torch::stack(balance).mean() + losses.router_z;
+    losses.expert_counts = torch::stack(counts);
+  }
+  losses.mtp_raw = output.mtp_logits.empty() ? torch::zeros({}, sums.ce.options())
+                                             : mtp_raw_loss(output.mtp_logits, t);
+  losses.mtp = c.mtp_loss_scaling_factor * losses.mtp_raw;
+  return losses;
+}
 
 StepOutput Trainer::forward_backward(int64_t step) {
   const Config& c = config_;
@@ -122,55 +156,30 @@ StepOutput Trainer::forward_backward(int64_t step) {
     const MicroBatch batch = data_.data_loader_next(step, micro);
     out.sample_indices.insert(out.sample_indices.end(), batch.sample_indices.begin(),
                               batch.sample_indices.end());
-    double w = 0;  // host-known: no device sync needed for the token count
-    for (float m : batch.loss_mask) w += m;
-    const auto t = to_device(batch, device_);
-
-    ModelOutput output;
-    {
-      compat::AutocastGuard autocast(c.dtype == "bfloat16", device_.is_cuda());
-      output = model_->forward(t.inputs, t.positions, t.segment_ids);
-    }
-    auto sums = cross_entropy_sums(output.logits, t.targets, t.loss_mask, c.z_loss_multiplier);
+    MicroBatchLosses m = micro_batch_losses(model_, batch, c, device_);
+    const double w = m.weights;
     if (inject && micro == 0 && c.debug_inject_nonfinite_kind.rfind("loss_", 0) == 0) {
       // A non-finite constant in the loss: the gradient stays finite, the loss does not.
-      sums.ce = sums.ce + (c.debug_inject_nonfinite_kind == "loss_nan"
-                               ? std::numeric_limits<double>::quiet_NaN()
-                               : std::numeric_limits<double>::infinity());
+      m.ce = m.ce + (c.debug_inject_nonfinite_kind == "loss_nan" ? std::numeric_limits<double>::quiet_NaN()
+                                                                 : std::numeric_limits<double>::infinity());
     }
-    // Auxiliary losses: per-token-scale scalars of this micro-batch (0 when off).
-    auto lb = torch::zeros({}, sums.ce.options());
-    auto router_z = torch::zeros({}, sums.ce.options());
-    if (!output.moe_stats.empty()) {
-      std::vector<torch::Tensor> balance, z, counts;
-      for (const auto& layer : output.moe_stats) {
-        balance.push_back(layer.load_balance);
-        z.push_back(layer.router_z);
-        counts.push_back(layer.counts);
-      }
-      router_z = c.router_z_loss_weight * torch::stack(z).mean();
-      lb = c.load_balance_loss_weight * torch::stack(balance).mean() + router_z;
-      const auto layer_counts = torch::stack(counts);  // (MoE layers, E)
-      expert_counts = expert_counts.defined() ? expert_counts + layer_counts : layer_counts;
-    }
-    auto mtp_raw = torch::zeros({}, sums.ce.options());
-    if (!output.mtp_logits.empty()) mtp_raw = mtp_raw_loss(output.mtp_logits, t);
-    const auto mtp = c.mtp_loss_scaling_factor * mtp_raw;
+    if (m.expert_counts.defined())
+      expert_counts = expert_counts.defined() ? expert_counts + m.expert_counts : m.expert_counts;
 
     const double inv_w = 1.0 / std::max(w, 1.0);
     const double aux_backward_weight = c.debug_drop_aux_token_weighting ? 1.0 : w;  // RFC change 4
-    const auto objective = per_token ? sums.ce + (lb + mtp) * aux_backward_weight : sums.ce * inv_w + lb + mtp;
+    const auto objective = per_token ? m.ce + (m.lb + m.mtp) * aux_backward_weight : m.ce * inv_w + m.lb + m.mtp;
     objective.backward();
 
     torch::NoGradGuard no_grad;
     const double term_weight = per_token ? 1.0 : inv_w;  // ce_i or ce_i / max(w_i, 1)
     const double aux_weight = per_token ? w : 1.0;        // (lb_i + mtp_i) * w_i or as is
-    ce_acc.add_(sums.ce.detach().to(torch::kFloat64), term_weight);
-    z_acc.add_(sums.z.to(torch::kFloat64), term_weight);
-    lb_acc.add_(lb.detach().to(torch::kFloat64), aux_weight);
-    mtp_acc.add_(mtp.detach().to(torch::kFloat64), aux_weight);
-    router_z_acc.add_(router_z.detach().to(torch::kFloat64), aux_weight);
-    mtp_raw_acc.add_(mtp_raw.detach().to(torch::kFloat64), aux_weight);
+    ce_acc.add_(m.ce.detach().to(torch::kFloat64), term_weight);
+    z_acc.add_(m.z.to(torch::kFloat64), term_weight);
+    lb_acc.add_(m.lb.detach().to(torch::kFloat64), aux_weight);
+    mtp_acc.add_(m.mtp.detach().to(torch::kFloat64), aux_weight);
+    router_z_acc.add_(m.router_z.detach().to(torch::kFloat64), aux_weight);
+    mtp_raw_acc.add_(m.mtp_raw.detach().to(torch::kFloat64), aux_weight);
     W += w;
     if (inject && micro == 0 && c.debug_inject_nonfinite_kind.rfind("grad_", 0) == 0) {
       // A non-finite value that reaches only the gradient, as a bad backward kernel would.

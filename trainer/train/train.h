@@ -37,6 +37,22 @@ struct StepOutput {
   std::vector<int64_t> sample_indices;  // global samples of the step, for error messages
 };
 
+// One micro-batch's terms of J (DESIGN section 5), differentiable, before any normalization.
+struct MicroBatchLosses {
+  double weights = 0;           // w_i: unmasked target tokens (host-known)
+  torch::Tensor ce;             // sum over unmasked targets of CE + z-loss term
+  torch::Tensor z;              // the z-loss part of ce (detached)
+  torch::Tensor lb;             // MoE aux term at per-token scale: weighted LB + router z (0 if dense)
+  torch::Tensor router_z;       // the router z-loss part of lb
+  torch::Tensor mtp;            // mtp_loss_scaling_factor * mtp_raw (0 without MTP)
+  torch::Tensor mtp_raw;        // mean over depths of each depth's per-token CE
+  torch::Tensor expert_counts;  // (MoE layers, E) fp32 tokens per expert; undefined if dense
+};
+
+// Runs the model on one micro-batch and computes its loss terms.
+MicroBatchLosses micro_batch_losses(Transformer& model, const MicroBatch& batch, const Config& config,
+                                    const torch::Device& device);
+
 class Trainer {
  public:
   explicit Trainer(Config config);
