@@ -39,10 +39,13 @@ int main(int argc, char** argv) {
   std::string config_path;
   std::vector<std::string> overrides;
   bool print_config = false, dry_run = false;
+  std::string export_path;
   app.add_option("config", config_path, "base config file, e.g. configs/base.yml")->required();
   app.add_option("overrides", overrides, "key=value overrides (YAML scalars)");
   app.add_flag("--print-config", print_config, "print the resolved config and exit");
   app.add_flag("--dry-run", dry_run, "validate, print parameter count and FLOPs per step, exit");
+  app.add_option("--export-safetensors", export_path,
+                 "write the model weights (newest checkpoint of run_dir, or load_*_path) to PATH and exit");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -61,6 +64,12 @@ int main(int argc, char** argv) {
       return trainer::kExitOk;
     }
     trainer::Trainer trainer(config);
+    if (!export_path.empty()) {
+      const int64_t step = trainer.load_initial_state();
+      trainer.export_model(export_path);
+      spdlog::info("wrote the weights at step {} to {}", step, export_path);
+      return trainer::kExitOk;
+    }
     trainer.train();
     return trainer::kExitOk;
   } catch (const trainer::Error& e) {

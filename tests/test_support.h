@@ -61,3 +61,45 @@ inline double json_metric(const std::string& line, const std::string& name) {
 }
 
 }  // namespace trainer::testing
+
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <sstream>
+
+namespace trainer::testing {
+
+// Starts `build/trainer configs/base.yml <args...>` in the background, output to `log_path`.
+inline pid_t spawn_trainer(const std::vector<std::string>& args, const std::string& log_path) {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const int fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(fd, 1);
+    dup2(fd, 2);
+    std::vector<std::string> all = {TRAINER_BINARY, source_path("configs/base.yml")};
+    all.insert(all.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (auto& a : all) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  return pid;
+}
+
+// Waits for `pid`; returns its exit code, or 128 + signal if it was killed.
+inline int wait_exit_code(pid_t pid) {
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+inline std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace trainer::testing

@@ -143,6 +143,10 @@ std::vector<std::string> validation_errors(const Config& c) {
   positive(c.gradient_accumulation_steps, "gradient_accumulation_steps");
   positive(c.log_period, "log_period");
   positive(c.skip_step_interval, "skip_step_interval");
+  positive(c.checkpoint_period, "checkpoint_period");
+  require(c.max_num_checkpoints_to_keep >= 0, "max_num_checkpoints_to_keep must be >= 0 (0 = keep all)");
+  require(c.load_parameters_path.empty() || c.load_full_state_path.empty(),
+          "load_parameters_path and load_full_state_path are both set: choose one");
   require(c.num_threads >= 0, "num_threads must be >= 0 (0 = LibTorch default)");
   if (c.base_num_query_heads > 0 && c.base_num_kv_heads > 0)
     require(c.base_num_query_heads % c.base_num_kv_heads == 0,

@@ -23,6 +23,15 @@ using StringList = std::vector<std::string>;
   X(int64_t, steps)                               \
   X(int64_t, log_period)                          \
   X(std::string, metrics_file)                    \
+  /* checkpoints */                               \
+  X(bool, enable_checkpointing)                   \
+  X(int64_t, checkpoint_period)                   \
+  X(bool, save_checkpoint_on_start)               \
+  X(bool, save_checkpoint_on_completion)          \
+  X(int64_t, max_num_checkpoints_to_keep)         \
+  X(bool, async_checkpointing)                    \
+  X(std::string, load_parameters_path)            \
+  X(std::string, load_full_state_path)            \
   /* model */                                     \
   X(int64_t, vocab_size)                          \
   X(int64_t, base_emb_dim)                        \

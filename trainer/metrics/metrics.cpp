@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 
 #include <spdlog/spdlog.h>
 
@@ -34,10 +35,19 @@ std::string metrics_to_json(int64_t step, const MetricValues& values) {
   return out + "}";
 }
 
-MetricsLogger::MetricsLogger(const Config& config) : config_(config) {
+MetricsLogger::MetricsLogger(const Config& config, int64_t first_step) : config_(config) {
   const std::filesystem::path path(config.metrics_file);
   if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path());
+  std::string kept;
+  if (first_step > 0) {
+    std::ifstream in(path);
+    for (std::string line; std::getline(in, line);) {
+      const auto at = line.find("\"step\": ");
+      if (at != std::string::npos && std::stoll(line.substr(at + 8)) < first_step) kept += line + "\n";
+    }
+  }
   file_ = std::fopen(path.c_str(), "w");
+  if (file_) std::fputs(kept.c_str(), file_);
   if (!file_)
     throw Error(kExitFailure, "cannot open metrics_file " + path.string() + ": " + std::strerror(errno));
 }

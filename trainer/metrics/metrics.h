@@ -24,7 +24,9 @@ class MetricsLogger {
  public:
   static constexpr size_t kHistoryLength = 128;  // bounded in-memory history
 
-  explicit MetricsLogger(const Config& config);
+  // Opens metrics_file. When resuming at `first_step` > 0, lines of steps >= first_step (written
+  // after the checkpoint by an interrupted run) are dropped and the rest kept.
+  MetricsLogger(const Config& config, int64_t first_step = 0);
   ~MetricsLogger();
   void log(int64_t step, const MetricValues& values);
   const std::deque<std::pair<int64_t, MetricValues>>& history() const { return history_; }

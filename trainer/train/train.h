@@ -9,6 +9,7 @@
 
 #include <torch/torch.h>
 
+#include "trainer/ckpt/ckpt.h"
 #include "trainer/config/config.h"
 #include "trainer/data/data.h"
 #include "trainer/metrics/metrics.h"
@@ -58,8 +59,18 @@ class Trainer {
   explicit Trainer(Config config);
   ~Trainer();
 
-  // The whole run: steps, deferred metric readback, logging, NaN/Inf aborts (exit code 4).
+  // The whole run: resume, steps, deferred metric readback, logging, NaN/Inf aborts (exit 4),
+  // checkpoints, and a clean stop on SIGTERM/SIGINT (save, exit 0).
   void train();
+
+  // Restores the starting state: the newest valid checkpoint in run_dir, else
+  // load_full_state_path, else load_parameters_path (weights only), else fresh. Returns the
+  // step index to start at. Throws trainer::Error (exit 2) on a model/checkpoint mismatch.
+  int64_t load_initial_state();
+  // Host-side copy of everything a bit-exact resume needs, after `completed_steps` steps.
+  CheckpointContents snapshot(int64_t completed_steps) const;
+  // Writes the model weights alone (HF names) to a safetensors file.
+  void export_model(const std::string& path) const;
 
   // One optimizer step = forward_backward + optimizer_update. Returns device-side metrics.
   StepOutput train_step(int64_t step);
@@ -83,6 +94,8 @@ class Trainer {
  private:
   void build_flat_buffers();
   bool spike_guard_rejects(double loss, double grad_norm);
+  void restore(const CheckpointContents& contents, bool full_state, const std::string& source);
+  NamedTensors model_tensors() const;  // parameters then buffers, HF names, views (not copies)
   void update_expert_bias(const StepOutput& out);
 
   Config config_;
@@ -98,6 +111,7 @@ class Trainer {
   int64_t updates_applied_ = 0;
   std::deque<double> spike_losses_, spike_grad_norms_;  // last skip_step_interval accepted steps
   std::unique_ptr<MetricsLogger> logger_;
+  std::unique_ptr<Checkpointer> checkpointer_;
 };
 
 }  // namespace trainer

@@ -4,6 +4,10 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <atomic>
+#include <csignal>
+#include <map>
+#include <sstream>
 #include <limits>
 #include <numeric>
 #include <optional>
@@ -54,6 +58,9 @@ Trainer::Trainer(Config config)
       data_(config_, /*rank=*/0),
       size_(model_size(config_)) {
   if (config_.num_threads > 0) torch::set_num_threads(static_cast<int>(config_.num_threads));
+  // Nothing in a step draws from the global generator today; seeding it anyway makes its state
+  // (saved in checkpoints) a function of the config, so future random ops resume bit-exactly.
+  torch::manual_seed(static_cast<uint64_t>(config_.init_weights_seed));
   model_ = model_build(config_);
   model_->to(device_);
   build_flat_buffers();
@@ -213,16 +220,197 @@ MetricValues Trainer::read_metrics(const StepOutput& out) const {
   return values;
 }
 
+NamedTensors Trainer::model_tensors() const {
+  NamedTensors out;
+  for (const auto& item : model_->named_parameters()) out.emplace_back(item.key(), item.value());
+  for (const auto& item : model_->named_buffers()) out.emplace_back(item.key(), item.value());
+  return out;
+}
+
+CheckpointContents Trainer::snapshot(int64_t completed_steps) const {
+  torch::NoGradGuard no_grad;
+  CheckpointContents c;
+  // One copy per flat buffer; the named tensors are views into those copies.
+  const auto params = flat_params_.to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
+  const auto m = adam_m_.to(torch::kCPU, false, true), v = adam_v_.to(torch::kCPU, false, true);
+  int64_t offset = 0;
+  NamedTensors exp_avg, exp_avg_sq;
+  for (const auto& item : model_->named_parameters()) {
+    const auto n = item.value().numel();
+    const auto shape = item.value().sizes();
+    c.model.emplace_back(item.key(), params.narrow(0, offset, n).view(shape));
+    exp_avg.emplace_back("exp_avg." + item.key(), m.narrow(0, offset, n).view(shape));
+    exp_avg_sq.emplace_back("exp_avg_sq." + item.key(), v.narrow(0, offset, n).view(shape));
+    offset += n;
+  }
+  for (const auto& item : model_->named_buffers())
+    c.model.emplace_back(item.key(), item.value().to(torch::kCPU, torch::kFloat32, false, true).contiguous());
+  c.optimizer = std::move(exp_avg);
+  c.optimizer.insert(c.optimizer.end(), exp_avg_sq.begin(), exp_avg_sq.end());
+  c.state.step = completed_steps;
+  c.state.updates_applied = updates_applied_;
+  c.state.consumed_samples = completed_steps * config_.global_batch_size;
+  c.state.spike_losses.assign(spike_losses_.begin(), spike_losses_.end());
+  c.state.spike_grad_norms.assign(spike_grad_norms_.begin(), spike_grad_norms_.end());
+  const auto rng = at::detail::getDefaultCPUGenerator().get_state();
+  static const char* digits = "0123456789abcdef";
+  for (int64_t i = 0; i < rng.numel(); ++i) {
+    const auto byte = rng.data_ptr<uint8_t>()[i];
+    c.state.cpu_rng_state += digits[byte >> 4];
+    c.state.cpu_rng_state += digits[byte & 15];
+  }
+  c.state.world_size = config_.data_parallel_size;
+  c.config_yaml = config_to_yaml(config_);
+  c.state.config_hash = checkpoint_hash_text(c.config_yaml);
+  return c;
+}
+
+// Copies checkpoint tensors into the model (and, for a full state, the optimizer and counters).
+// Names and shapes must match exactly; every difference is listed (exit code 2).
+void Trainer::restore(const CheckpointContents& c, bool full_state, const std::string& source) {
+  torch::NoGradGuard no_grad;
+  std::map<std::string, torch::Tensor> saved(c.model.begin(), c.model.end());
+  std::vector<std::string> problems;
+  for (auto& [name, tensor] : model_tensors()) {
+    auto it = saved.find(name);
+    const bool is_buffer = !model_->named_parameters().contains(name);
+    if (it == saved.end()) {
+      if (!is_buffer || full_state) problems.push_back("missing " + name);
+      continue;
+    }
+    if (it->second.sizes() != tensor.sizes()) {
+      std::ostringstream msg;
+      msg << name << " has shape " << it->second.sizes() << " in the checkpoint, " << tensor.sizes() << " in the model";
+      problems.push_back(msg.str());
+    } else {
+      tensor.copy_(it->second);
+    }
+    saved.erase(it);
+  }
+  for (const auto& [name, tensor] : saved) problems.push_back("unexpected " + name);
+  if (!problems.empty()) {
+    std::string message = source + " does not match the model of this config:";
+    for (size_t i = 0; i < problems.size() && i < 20; ++i) message += "\n  - " + problems[i];
+    if (problems.size() > 20) message += "\n  - ... and " + std::to_string(problems.size() - 20) + " more";
+    throw config_error(message);
+  }
+  if (!full_state) return;
+  std::map<std::string, torch::Tensor> moments(c.optimizer.begin(), c.optimizer.end());
+  int64_t offset = 0;
+  for (const auto& item : model_->named_parameters()) {
+    const auto n = item.value().numel();
+    for (auto [prefix, flat] : {std::pair{"exp_avg.", adam_m_}, std::pair{"exp_avg_sq.", adam_v_}}) {
+      auto it = moments.find(prefix + item.key());
+      if (it == moments.end() || it->second.numel() != n)
+        throw config_error(source + ": optimizer state lacks " + prefix + item.key() + " or its shape differs");
+      flat.narrow(0, offset, n).copy_(it->second.reshape({n}));
+    }
+    offset += n;
+  }
+  if (c.state.world_size != config_.data_parallel_size)
+    spdlog::warn("{} was written with {} ranks, resuming with {}", source, c.state.world_size, config_.data_parallel_size);
+  updates_applied_ = c.state.updates_applied;
+  spike_losses_.assign(c.state.spike_losses.begin(), c.state.spike_losses.end());
+  spike_grad_norms_.assign(c.state.spike_grad_norms.begin(), c.state.spike_grad_norms.end());
+  if (!c.state.cpu_rng_state.empty()) {
+    auto rng = torch::empty({static_cast<int64_t>(c.state.cpu_rng_state.size() / 2)}, torch::kUInt8);
+    for (int64_t i = 0; i < rng.numel(); ++i)
+      rng.data_ptr<uint8_t>()[i] = static_cast<uint8_t>(std::stoi(c.state.cpu_rng_state.substr(2 * i, 2), nullptr, 16));
+    auto generator = at::detail::getDefaultCPUGenerator();
+    generator.set_state(rng);
+  }
+  const std::string current_yaml = config_to_yaml(config_);
+  if (checkpoint_hash_text(current_yaml) != c.state.config_hash) {
+    // Name the keys that changed (steps or log_period may legitimately change on resume).
+    std::map<std::string, std::string> before, after;
+    auto parse = [](const std::string& yaml, std::map<std::string, std::string>& out) {
+      std::istringstream in(yaml);
+      for (std::string line; std::getline(in, line);)
+        if (const auto colon = line.find(": "); colon != std::string::npos && line[0] != '#')
+          out[line.substr(0, colon)] = line.substr(colon + 2);
+    };
+    parse(c.config_yaml, before);
+    parse(current_yaml, after);
+    std::string changed;
+    for (const auto& [key, value] : after)
+      if (before.count(key) && before[key] != value) changed += (changed.empty() ? "" : ", ") + key + " " + before[key] + " -> " + value;
+    if (!changed.empty()) spdlog::warn("resuming with a config that differs from the checkpoint's: {}", changed);
+  }
+}
+
+int64_t Trainer::load_initial_state() {
+  const Config& c = config_;
+  const auto own = checkpoint_find_latest((std::filesystem::path(c.run_dir) / "checkpoints").string());
+  if (own) {
+    const auto contents = checkpoint_load(*own);
+    restore(contents, /*full_state=*/true, "checkpoint " + *own);
+    spdlog::info("resumed from checkpoint {} (step {}, {} updates applied)", *own, contents.state.step,
+                 contents.state.updates_applied);
+    return contents.state.step;
+  }
+  if (!c.load_full_state_path.empty()) {
+    const auto contents = checkpoint_load(c.load_full_state_path);
+    restore(contents, /*full_state=*/true, "load_full_state_path " + c.load_full_state_path);
+    spdlog::info("loaded full state from {} (step {})", c.load_full_state_path, contents.state.step);
+    return contents.state.step;
+  }
+  if (!c.load_parameters_path.empty()) {
+    std::string file = c.load_parameters_path;
+    if (std::filesystem::is_directory(file)) file = (std::filesystem::path(file) / "model.safetensors").string();
+    if (!std::filesystem::exists(file)) throw config_error("load_parameters_path: no file " + file);
+    CheckpointContents weights;
+    weights.model = checkpoint_read_tensors(file);
+    restore(weights, /*full_state=*/false, "load_parameters_path " + file);
+    spdlog::info("loaded weights from {}; optimizer and step start fresh", file);
+  }
+  return 0;
+}
+
+void Trainer::export_model(const std::string& path) const {
+  const auto c = snapshot(0);
+  const auto parent = std::filesystem::path(path).parent_path();
+  if (!parent.empty()) std::filesystem::create_directories(parent);
+  try {
+    checkpoint_write_tensors(path, c.model);
+  } catch (const std::exception& e) {
+    throw Error(kExitFailure, std::string("cannot export weights: ") + e.what());
+  }
+}
+
+namespace {
+// SIGTERM/SIGINT: the first one asks the loop to finish the step, save and exit 0; a second
+// one exits at once (code 1) without saving.
+std::atomic<int> g_stop_signal{0};
+extern "C" void on_stop_signal(int signo) {
+  if (g_stop_signal.exchange(signo) != 0) std::_Exit(kExitFailure);
+}
+void install_stop_handlers() {
+  struct sigaction action {};
+  action.sa_handler = on_stop_signal;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGTERM, &action, nullptr);
+  sigaction(SIGINT, &action, nullptr);
+}
+}  // namespace
+
 void Trainer::train() {
   const Config& c = config_;
+  const int64_t start_step = load_initial_state();
+  if (start_step >= c.steps) {
+    spdlog::info("run_dir {} already reached step {} (steps = {}); nothing to do", c.run_dir, start_step, c.steps);
+    return;
+  }
   std::filesystem::create_directories(c.run_dir);
   std::ofstream(std::filesystem::path(c.run_dir) / "config.yml") << config_to_yaml(c);
-  logger_ = std::make_unique<MetricsLogger>(c);
+  logger_ = std::make_unique<MetricsLogger>(c, start_step);
+  if (c.enable_checkpointing) checkpointer_ = std::make_unique<Checkpointer>(c);
+  install_stop_handlers();
   spdlog::info("run_dir {} | model {}: {} parameters ({} active per token), {:.4g} TFLOP per step per device | "
-               "device {} | global batch {} sequences x {} tokens, K = {} | {} normalization",
+               "device {} | global batch {} sequences x {} tokens, K = {} | {} normalization | steps {}..{}",
                c.run_dir, c.model_name, size_.total_params, size_.active_params, size_.flops_per_step_per_device / 1e12,
                device_.str(), c.global_batch_size, c.max_target_length, c.gradient_accumulation_steps,
-               c.calculate_per_token_loss ? "per-token (sum/sum)" : "Megatron (mean of micro-batch means)");
+               c.calculate_per_token_loss ? "per-token (sum/sum)" : "Megatron (mean of micro-batch means)",
+               start_step, c.steps - 1);
 
   using Clock = std::chrono::steady_clock;
   // Metrics of step t are read after step t+1 has been dispatched, so the read never stalls
@@ -243,14 +431,41 @@ void Trainer::train() {
                       ". Set abort_on_nan_loss/abort_on_inf_loss=false to continue.");
     }
   };
-  for (int64_t step = 0; step < c.steps; ++step) {
+  auto flush = [&](Clock::time_point end) {
+    if (pending) report(*pending, end);
+    pending.reset();
+  };
+  // A save records the metrics first, so metrics.jsonl never runs behind a checkpoint.
+  auto save = [&](int64_t completed_steps, bool async) {
+    flush(Clock::now());
+    checkpointer_->save(snapshot(completed_steps), async);
+  };
+  if (checkpointer_ && c.save_checkpoint_on_start && start_step == 0) save(0, c.async_checkpointing);
+
+  for (int64_t step = start_step; step < c.steps; ++step) {
     const auto start = Clock::now();
     StepOutput out = train_step(step);
     if (pending) report(*pending, start);
     pending = std::move(out);
     pending_start = start;
+
+    const int64_t completed = step + 1;
+    const int signal = g_stop_signal.load();
+    const bool final_step = completed == c.steps || signal != 0;
+    if (checkpointer_ && (completed % c.checkpoint_period == 0 || (final_step && (c.save_checkpoint_on_completion || signal))))
+      save(completed, c.async_checkpointing && !final_step);
+    if (signal != 0) {
+      flush(Clock::now());
+      spdlog::warn("received {}: stopped after step {}{}; exiting", signal == SIGTERM ? "SIGTERM" : "SIGINT", step,
+                   checkpointer_ ? ", checkpoint " + std::to_string(completed) + " saved" : " (checkpointing disabled)");
+      break;
+    }
   }
-  if (pending) report(*pending, Clock::now());
+  flush(Clock::now());
+  if (checkpointer_) {
+    const std::string error = checkpointer_->wait();
+    if (!error.empty()) throw Error(kExitFailure, error);
+  }
   spdlog::info("done: {} steps, {} updates applied, metrics in {}", c.steps, updates_applied_, c.metrics_file);
 }
 

@@ -1,0 +1,280 @@
+// Checkpoints: bit-exact resume, crash safety (kill -9, partial and corrupted checkpoints),
+// SIGTERM, disabled checkpointing, the safetensors format read by hand, async == sync bytes.
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <filesystem>
+#include <random>
+#include <set>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "test_support.h"
+#include "trainer/train/train.h"
+
+using namespace trainer;
+using namespace trainer::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kOut = "/tmp/trainer-tests-ckpt";
+
+std::string args_of(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& a : v) s += a + " ";
+  return s;
+}
+
+// Every learning/, optim/ and moe/ value of every line, as printed (so "equal" means bit-equal).
+std::vector<std::map<std::string, std::string>> numeric_metrics(const std::string& path) {
+  std::vector<std::map<std::string, std::string>> out;
+  for (const auto& line : read_lines(path)) {
+    std::map<std::string, std::string> row;
+    const auto j = nlohmann::json::parse(line, nullptr, true, /*ignore_comments=*/false);
+    for (const auto& [key, value] : j.items())
+      if (key.rfind("perf/", 0) != 0) row[key] = value.dump();
+    out.push_back(row);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("bit-exact resume: N steps straight == N/2 + resume + N/2 (both modes, spike guard, MoE)", "[checkpoint]") {
+  for (const std::string mode : {"true", "false"}) {
+    const std::string common =
+        "model_name=ling2-tiny max_target_length=32 per_device_batch_size=2 gradient_accumulation_steps=2 "
+        "synthetic_min_valid_fraction=0.3 learning_rate_schedule_steps=8 checkpoint_period=2 "
+        "skip_step_on_spikes=true skip_step_interval=2 skip_step_scaling_factor=0.3 warmup_steps_fraction=0 "
+        "learning_rate=0.01 calculate_per_token_loss=" + mode + " base_output_directory=" + kOut + " ";
+    fs::remove_all(kOut + "/straight-" + mode);
+    fs::remove_all(kOut + "/split-" + mode);
+    REQUIRE(run_trainer(common + "steps=8 run_name=straight-" + mode).exit_code == 0);
+    REQUIRE(run_trainer(common + "steps=4 run_name=split-" + mode).exit_code == 0);
+    const auto resumed = run_trainer(common + "steps=8 run_name=split-" + mode);
+    REQUIRE(resumed.exit_code == 0);
+    CHECK_THAT(resumed.output, Catch::Contains("resumed from checkpoint") && Catch::Contains("(step 4"));
+
+    const auto a = numeric_metrics(kOut + "/straight-" + mode + "/metrics.jsonl");
+    const auto b = numeric_metrics(kOut + "/split-" + mode + "/metrics.jsonl");
+    REQUIRE(a.size() == 8);
+    REQUIRE(b.size() == 8);
+    int skipped = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      INFO("mode per_token=" << mode << " step " << i);
+      CHECK(a[i] == b[i]);
+      skipped += a[i].at("optim/step_skipped") == "1";
+    }
+    CHECK(skipped > 0);      // the spike guard really acted, so its window had to be restored
+    CHECK(skipped < 8);
+    CHECK(read_file(kOut + "/straight-" + mode + "/checkpoints/8/model.safetensors") ==
+          read_file(kOut + "/split-" + mode + "/checkpoints/8/model.safetensors"));
+    CHECK(read_file(kOut + "/straight-" + mode + "/checkpoints/8/optimizer.safetensors") ==
+          read_file(kOut + "/split-" + mode + "/checkpoints/8/optimizer.safetensors"));
+  }
+}
+
+TEST_CASE("a run that already reached steps says so and exits 0; more steps resume", "[checkpoint]") {
+  const std::string args = "model_name=test-tiny max_target_length=16 steps=3 base_output_directory=" + kOut + " run_name=done";
+  fs::remove_all(kOut + "/done");
+  REQUIRE(run_trainer(args).exit_code == 0);
+  const auto again = run_trainer(args);
+  CHECK(again.exit_code == 0);
+  CHECK_THAT(again.output, Catch::Contains("already reached step 3"));
+  CHECK(read_lines(kOut + "/done/metrics.jsonl").size() == 3);
+}
+
+TEST_CASE("kill -9 at random moments never leaves a checkpoint that is taken for complete", "[checkpoint]") {
+  const std::string dir = kOut + "/killed";
+  fs::remove_all(dir);
+  std::mt19937 rng(1234);
+  const std::vector<std::string> args = {"model_name=default", "per_device_batch_size=2", "max_target_length=64",
+                                         "steps=100000", "checkpoint_period=1", "async_checkpointing=false",
+                                         "base_output_directory=" + kOut, "run_name=killed"};
+  int saw_temp = 0;
+  for (int round = 0; round < 6; ++round) {
+    const pid_t pid = spawn_trainer(args, dir + ".log");
+    // Once the run is saving (a checkpoint exists), kill it at a random moment.
+    for (int i = 0; i < 600 && !checkpoint_find_latest(dir + "/checkpoints"); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 700));
+    kill(pid, SIGKILL);
+    CHECK(wait_exit_code(pid) == 128 + SIGKILL);
+    for (const auto& entry : fs::directory_iterator(dir + "/checkpoints"))
+      saw_temp += entry.path().filename().string().rfind(".tmp-", 0) == 0;
+    const auto latest = checkpoint_find_latest(dir + "/checkpoints");
+    REQUIRE(latest.has_value());
+    CHECK(checkpoint_verify(*latest).empty());
+    CHECK(fs::path(*latest).filename().string().rfind(".tmp", 0) == std::string::npos);
+  }
+  WARN("kills that interrupted a save (left a .tmp- directory): " << saw_temp << " of 6");
+  // Deterministic partial saves: a newer directory without a manifest and a temp directory.
+  const auto latest = *checkpoint_find_latest(dir + "/checkpoints");
+  const int64_t step = std::stoll(fs::path(latest).filename().string());
+  fs::copy(latest, dir + "/checkpoints/" + std::to_string(step + 50));
+  fs::remove(dir + "/checkpoints/" + std::to_string(step + 50) + "/manifest.json");
+  fs::copy(latest, dir + "/checkpoints/.tmp-" + std::to_string(step + 60));
+  CHECK(*checkpoint_find_latest(dir + "/checkpoints") == latest);
+  // The run resumes from it and completes.
+  auto finish = run_trainer("model_name=default per_device_batch_size=2 max_target_length=64 checkpoint_period=1000 "
+                            "steps=" + std::to_string(step + 2) + " base_output_directory=" + kOut + " run_name=killed");
+  CHECK(finish.exit_code == 0);
+  CHECK_THAT(finish.output, Catch::Contains("resumed from checkpoint " + latest));
+  const auto lines = read_lines(dir + "/metrics.jsonl");
+  REQUIRE(lines.size() == static_cast<size_t>(step + 2));
+  for (size_t i = 0; i < lines.size(); ++i) CHECK(json_metric(lines[i], "step") == static_cast<double>(i));
+}
+
+TEST_CASE("a flipped byte in model.safetensors is detected and the previous checkpoint used", "[checkpoint]") {
+  const std::string args = "model_name=test-tiny max_target_length=16 checkpoint_period=2 base_output_directory=" + kOut +
+                           " run_name=flip ";
+  fs::remove_all(kOut + "/flip");
+  REQUIRE(run_trainer(args + "steps=4").exit_code == 0);
+  const std::string file = kOut + "/flip/checkpoints/4/model.safetensors";
+  {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(fs::file_size(file) - 100));
+    char c;
+    f.read(&c, 1);
+    f.seekp(static_cast<std::streamoff>(fs::file_size(file) - 100));
+    c ^= 0x01;
+    f.write(&c, 1);
+  }
+  const auto r = run_trainer(args + "steps=6");
+  CHECK(r.exit_code == 0);
+  CHECK_THAT(r.output, Catch::Contains("checksum mismatch") && Catch::Contains("falling back") &&
+                           Catch::Contains("resumed from checkpoint " + kOut + "/flip/checkpoints/2"));
+}
+
+TEST_CASE("enable_checkpointing=false writes no checkpoint directory", "[checkpoint]") {
+  fs::remove_all(kOut + "/off");
+  const auto r = run_trainer("model_name=test-tiny max_target_length=16 steps=3 checkpoint_period=1 "
+                             "enable_checkpointing=false save_checkpoint_on_start=true base_output_directory=" + kOut +
+                             " run_name=off");
+  CHECK(r.exit_code == 0);
+  CHECK(fs::exists(kOut + "/off/metrics.jsonl"));
+  CHECK_FALSE(fs::exists(kOut + "/off/checkpoints"));
+}
+
+TEST_CASE("SIGTERM finishes the step, saves, and exits 0; a resume continues from there", "[checkpoint]") {
+  const std::string dir = kOut + "/sigterm";
+  fs::remove_all(dir);
+  const std::vector<std::string> args = {"model_name=test-tiny", "max_target_length=16", "steps=100000",
+                                         "checkpoint_period=100000", "base_output_directory=" + kOut, "run_name=sigterm"};
+  const pid_t pid = spawn_trainer(args, dir + ".log");
+  for (int i = 0; i < 200 && read_lines(dir + "/metrics.jsonl").size() < 3; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  kill(pid, SIGTERM);
+  CHECK(wait_exit_code(pid) == 0);
+  CHECK_THAT(read_file(dir + ".log"), Catch::Contains("received SIGTERM"));
+  const auto lines = read_lines(dir + "/metrics.jsonl");
+  const auto latest = checkpoint_find_latest(dir + "/checkpoints");
+  REQUIRE(latest.has_value());
+  CHECK(fs::path(*latest).filename().string() == std::to_string(lines.size()));  // metrics match the checkpoint
+  const auto r = run_trainer("model_name=test-tiny max_target_length=16 steps=" + std::to_string(lines.size() + 1) +
+                             " base_output_directory=" + kOut + " run_name=sigterm");
+  CHECK(r.exit_code == 0);
+  CHECK(read_lines(dir + "/metrics.jsonl").size() == lines.size() + 1);
+}
+
+TEST_CASE("model.safetensors follows the format spec and HF names (read by hand)", "[checkpoint]") {
+  fs::remove_all(kOut + "/format");
+  REQUIRE(run_trainer("model_name=moe-tiny max_target_length=16 steps=2 mtp_num_layers=1 base_output_directory=" + kOut +
+                      " run_name=format").exit_code == 0);
+  const std::string bytes = read_file(kOut + "/format/checkpoints/2/model.safetensors");
+  REQUIRE(bytes.size() > 8);
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(bytes[i]);
+  CHECK(n % 8 == 0);
+  const auto header = nlohmann::json::parse(bytes.substr(8, n));
+  // Compare with the weights the trainer restores from the same checkpoint.
+  Trainer t(tiny_config({"model_name=moe-tiny", "mtp_num_layers=1", "base_output_directory=" + kOut, "run_name=format"}));
+  REQUIRE(t.load_initial_state() == 2);
+  size_t expected_end = 0;
+  std::set<std::string> names;
+  for (const auto& item : t.model()->named_parameters()) {
+    INFO(item.key());
+    REQUIRE(header.contains(item.key()));
+    const auto& entry = header[item.key()];
+    CHECK(entry["dtype"] == "F32");
+    CHECK(entry["shape"].get<std::vector<int64_t>>() == item.value().sizes().vec());
+    const auto begin = entry["data_offsets"][0].get<size_t>(), end = entry["data_offsets"][1].get<size_t>();
+    REQUIRE(end - begin == static_cast<size_t>(item.value().numel()) * 4);
+    CHECK(std::memcmp(bytes.data() + 8 + n + begin, item.value().contiguous().data_ptr<float>(), end - begin) == 0);
+    expected_end = std::max(expected_end, end);
+    names.insert(item.key());
+  }
+  CHECK(names.count("model.embed_tokens.weight") == 1);
+  CHECK(names.count("model.layers.2.mlp.experts.0.gate_proj.weight") == 1);
+  CHECK(header.contains("model.layers.1.mlp.gate.e_score_correction_bias"));
+  CHECK(header["__metadata__"]["format"] == "pt");
+  CHECK(bytes.size() == 8 + n + expected_end + 4 * 2 * 8);  // + the two (E = 8) bias buffers
+  // --export-safetensors writes exactly the same bytes.
+  const auto r = run_trainer("model_name=moe-tiny max_target_length=16 steps=2 mtp_num_layers=1 base_output_directory=" +
+                             kOut + " run_name=format --export-safetensors " + kOut + "/exported.safetensors");
+  CHECK(r.exit_code == 0);
+  CHECK(read_file(kOut + "/exported.safetensors") == bytes);
+}
+
+TEST_CASE("async and sync checkpoints are byte-identical", "[checkpoint]") {
+  for (const std::string async : {"true", "false"}) {
+    fs::remove_all(kOut + "/async-" + async);
+    REQUIRE(run_trainer("model_name=test-tiny max_target_length=16 steps=4 checkpoint_period=2 async_checkpointing=" +
+                        async + " base_output_directory=" + kOut + " run_name=async-" + async).exit_code == 0);
+  }
+  for (const std::string file : {"model.safetensors", "optimizer.safetensors"})
+    for (const std::string step : {"2", "4"})
+      CHECK(read_file(kOut + "/async-true/checkpoints/" + step + "/" + file) ==
+            read_file(kOut + "/async-false/checkpoints/" + step + "/" + file));
+  auto state = [](const std::string& path) {
+    auto j = nlohmann::json::parse(read_file(path));
+    j.erase("config_hash");  // run_name and async_checkpointing differ, nothing else
+    return j;
+  };
+  CHECK(state(kOut + "/async-true/checkpoints/2/state.json") == state(kOut + "/async-false/checkpoints/2/state.json"));
+}
+
+TEST_CASE("a checkpoint of another model shape is refused with the differing tensors named", "[checkpoint]") {
+  fs::remove_all(kOut + "/shape");
+  const std::string base = "model_name=test-tiny max_target_length=16 base_output_directory=" + kOut + " run_name=shape ";
+  REQUIRE(run_trainer(base + "steps=2").exit_code == 0);
+  const auto r = run_trainer(base + "steps=4 override_model_config=true base_mlp_dim=48");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.output, Catch::Contains("model.layers.0.mlp.gate_proj.weight has shape [64, 32] in the checkpoint, [48, 32]"));
+}
+
+TEST_CASE("an unwritable checkpoint directory: sync saves stop with exit 1, async keeps training", "[checkpoint]") {
+  for (const std::string async : {"false", "true"}) {
+    const std::string dir = kOut + "/unwritable-" + async;
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+    std::ofstream(dir + "/checkpoints") << "not a directory";  // mkdir and every write under it fail
+    const auto r = run_trainer("model_name=test-tiny max_target_length=16 steps=4 checkpoint_period=1 async_checkpointing=" +
+                               async + " base_output_directory=" + kOut + " run_name=unwritable-" + async);
+    INFO("async=" << async);
+    CHECK(r.exit_code == 1);
+    CHECK_THAT(r.output, Catch::Contains("saving checkpoint 1 under " + dir + "/checkpoints failed"));
+    CHECK(read_lines(dir + "/metrics.jsonl").size() == (async == "true" ? 4u : 1u));
+  }
+}
+
+TEST_CASE("load_parameters_path starts from exported weights with a fresh optimizer", "[checkpoint]") {
+  fs::remove_all(kOut + "/weights-src");
+  fs::remove_all(kOut + "/weights-dst");
+  const std::string base = "model_name=test-tiny max_target_length=16 base_output_directory=" + kOut + " ";
+  REQUIRE(run_trainer(base + "steps=3 run_name=weights-src").exit_code == 0);
+  Trainer t(tiny_config({"run_name=weights-dst", "base_output_directory=" + kOut,
+                         "load_parameters_path=" + kOut + "/weights-src/checkpoints/3/model.safetensors"}));
+  CHECK(t.load_initial_state() == 0);
+  CHECK(t.updates_applied() == 0);
+  Trainer src(tiny_config({"run_name=weights-src", "base_output_directory=" + kOut}));
+  CHECK(src.load_initial_state() == 3);
+  CHECK(torch::equal(t.flat_params(), src.flat_params()));
+  // A file that is not safetensors is a clear error (exit code 2).
+  std::ofstream(kOut + "/bogus.safetensors") << "nonsense";
+  const auto r = run_trainer(base + "steps=1 run_name=weights-bogus load_parameters_path=" + kOut + "/bogus.safetensors");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.output, Catch::Contains("bogus.safetensors"));
+}

@@ -1,0 +1,187 @@
+// Safetensors reader/writer, CRC32C, and durable file writes (see safetensors.h).
+#include "trainer/ckpt/safetensors.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <array>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <stdexcept>
+
+#include <nlohmann/json.hpp>
+
+namespace trainer {
+namespace {
+
+const std::array<uint32_t, 256>& crc32c_table() {
+  static const std::array<uint32_t, 256> table = [] {
+    std::array<uint32_t, 256> t{};
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+      t[i] = c;
+    }
+    return t;
+  }();
+  return table;
+}
+
+[[noreturn]] void io_error(const std::string& what, const std::string& path) {
+  throw std::runtime_error(what + " " + path + ": " + std::strerror(errno));
+}
+
+// Writes all of [data, data+n) to fd, updating crc.
+void write_all(int fd, const void* data, size_t n, const std::string& path, uint32_t& crc) {
+  const char* p = static_cast<const char*>(data);
+  crc = crc32c_update(crc, data, n);
+  while (n > 0) {
+    const ssize_t written = ::write(fd, p, n);
+    if (written < 0) {
+      if (errno == EINTR) continue;
+      io_error("cannot write", path);
+    }
+    p += written;
+    n -= static_cast<size_t>(written);
+  }
+}
+
+size_t dtype_size(const std::string& dtype) {
+  if (dtype == "F64" || dtype == "I64") return 8;
+  if (dtype == "F32" || dtype == "I32") return 4;
+  if (dtype == "BF16" || dtype == "F16" || dtype == "I16") return 2;
+  if (dtype == "U8" || dtype == "I8" || dtype == "BOOL") return 1;
+  throw std::runtime_error("unsupported safetensors dtype " + dtype);
+}
+
+}  // namespace
+
+uint32_t crc32c_update(uint32_t crc, const void* data, size_t n) {
+  const auto& table = crc32c_table();
+  const auto* p = static_cast<const unsigned char*>(data);
+  crc = ~crc;
+  for (size_t i = 0; i < n; ++i) crc = table[(crc ^ p[i]) & 0xFF] ^ (crc >> 8);
+  return ~crc;
+}
+
+uint32_t crc32c_file(const std::string& path, uint64_t* size) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) io_error("cannot open", path);
+  std::vector<char> buf(1 << 20);
+  uint32_t crc = 0;
+  uint64_t total = 0;
+  while (in) {
+    in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+    const auto got = static_cast<size_t>(in.gcount());
+    crc = crc32c_update(crc, buf.data(), got);
+    total += got;
+  }
+  if (size) *size = total;
+  return crc;
+}
+
+uint32_t safetensors_write(const std::string& path, const std::vector<SafetensorsEntry>& entries,
+                           const std::map<std::string, std::string>& metadata) {
+  nlohmann::ordered_json header;
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  size_t offset = 0;
+  for (const auto& e : entries) {
+    header[e.name] = {{"dtype", e.dtype}, {"shape", e.shape}, {"data_offsets", {offset, offset + e.nbytes}}};
+    offset += e.nbytes;
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  const uint64_t header_size = text.size();
+  unsigned char size_bytes[8];
+  for (int i = 0; i < 8; ++i) size_bytes[i] = static_cast<unsigned char>(header_size >> (8 * i));
+
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) io_error("cannot create", path);
+  uint32_t crc = 0;
+  try {
+    write_all(fd, size_bytes, 8, path, crc);
+    write_all(fd, text.data(), text.size(), path, crc);
+    for (const auto& e : entries) write_all(fd, e.data, e.nbytes, path, crc);
+    if (::fsync(fd) != 0) io_error("cannot fsync", path);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  if (::close(fd) != 0) io_error("cannot close", path);
+  return crc;
+}
+
+SafetensorsFile safetensors_read(const std::string& path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) io_error("cannot open", path);
+  const auto file_size = static_cast<uint64_t>(in.tellg());
+  in.seekg(0);
+  auto fail = [&](const std::string& why) -> std::runtime_error {
+    return std::runtime_error("invalid safetensors file " + path + ": " + why);
+  };
+  if (file_size < 8) throw fail("shorter than its 8-byte header length");
+  unsigned char size_bytes[8];
+  in.read(reinterpret_cast<char*>(size_bytes), 8);
+  uint64_t header_size = 0;
+  for (int i = 7; i >= 0; --i) header_size = (header_size << 8) | size_bytes[i];
+  if (header_size > file_size - 8) throw fail("header length " + std::to_string(header_size) + " exceeds the file");
+  std::string text(header_size, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(header_size));
+  SafetensorsFile file;
+  file.data.resize(file_size - 8 - header_size);
+  in.read(file.data.data(), static_cast<std::streamsize>(file.data.size()));
+  if (!in) throw fail("short read");
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(text);
+  } catch (const std::exception& e) {
+    throw fail(std::string("header is not JSON: ") + e.what());
+  }
+  for (const auto& [name, value] : header.items()) {
+    if (name == "__metadata__") {
+      for (const auto& [k, v] : value.items()) file.metadata[k] = v.get<std::string>();
+      continue;
+    }
+    SafetensorsTensor t;
+    try {
+      t.dtype = value.at("dtype").get<std::string>();
+      t.shape = value.at("shape").get<std::vector<int64_t>>();
+      const auto offsets = value.at("data_offsets").get<std::vector<uint64_t>>();
+      if (offsets.size() != 2 || offsets[0] > offsets[1] || offsets[1] > file.data.size())
+        throw fail("tensor " + name + " has data offsets outside the file");
+      t.offset = offsets[0];
+      t.nbytes = offsets[1] - offsets[0];
+    } catch (const nlohmann::json::exception& e) {
+      throw fail("tensor " + name + ": " + e.what());
+    }
+    uint64_t elements = 1;
+    for (auto d : t.shape) elements *= static_cast<uint64_t>(d);
+    if (elements * dtype_size(t.dtype) != t.nbytes) throw fail("tensor " + name + " size does not match its shape");
+    file.tensors[name] = t;
+  }
+  return file;
+}
+
+void file_write_durable(const std::string& path, const std::string& bytes) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) io_error("cannot create", path);
+  uint32_t unused = 0;
+  try {
+    write_all(fd, bytes.data(), bytes.size(), path, unused);
+    if (::fsync(fd) != 0) io_error("cannot fsync", path);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  if (::close(fd) != 0) io_error("cannot close", path);
+}
+
+void directory_sync(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) io_error("cannot open directory", path);
+  ::fsync(fd);
+  ::close(fd);
+}
+
+}  // namespace trainer

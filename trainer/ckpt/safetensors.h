@@ -1,0 +1,53 @@
+// Safetensors files (https://github.com/huggingface/safetensors, format section): an 8-byte
+// little-endian header length, a JSON header {name: {dtype, shape, data_offsets}, "__metadata__":
+// {...}} padded with spaces to a multiple of 8, then the raw little-endian tensor bytes.
+// Plain C++ (no LibTorch), plus the CRC32C checksums used by checkpoint manifests.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace trainer {
+
+struct SafetensorsEntry {
+  std::string name;
+  std::string dtype;           // "F32", "F64", "I64", "BF16", "U8"
+  std::vector<int64_t> shape;
+  const void* data = nullptr;  // nbytes little-endian bytes
+  size_t nbytes = 0;
+};
+
+// Writes `path` and fsyncs it. Returns the CRC32C of the whole file. Throws std::runtime_error
+// naming the path and errno text on any I/O failure (disk full included).
+uint32_t safetensors_write(const std::string& path, const std::vector<SafetensorsEntry>& entries,
+                           const std::map<std::string, std::string>& metadata = {});
+
+struct SafetensorsTensor {
+  std::string dtype;
+  std::vector<int64_t> shape;
+  size_t offset = 0;  // into SafetensorsFile::data
+  size_t nbytes = 0;
+};
+
+struct SafetensorsFile {
+  std::map<std::string, SafetensorsTensor> tensors;
+  std::map<std::string, std::string> metadata;
+  std::vector<char> data;  // the byte buffer after the header
+};
+
+// Reads and validates a file (header bounds, offsets inside the buffer, sizes matching shapes).
+// Throws std::runtime_error naming the path and the problem.
+SafetensorsFile safetensors_read(const std::string& path);
+
+// CRC32C (Castagnoli), incremental: crc = crc32c_update(crc, data, n), starting from 0.
+uint32_t crc32c_update(uint32_t crc, const void* data, size_t n);
+// CRC32C of a whole file; throws std::runtime_error if it cannot be read.
+uint32_t crc32c_file(const std::string& path, uint64_t* size = nullptr);
+
+// Writes `bytes` to `path` and fsyncs it (throws std::runtime_error on failure).
+void file_write_durable(const std::string& path, const std::string& bytes);
+// fsync of a directory, so a rename inside it is durable.
+void directory_sync(const std::string& path);
+
+}  // namespace trainer
