@@ -1,6 +1,8 @@
 // Metric sinks: JSON lines (every step) and the MaxText-style console line (every log_period).
 #include "trainer/metrics/metrics.h"
 
+#include <unistd.h>
+
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -38,16 +40,23 @@ std::string metrics_to_json(int64_t step, const MetricValues& values) {
 MetricsLogger::MetricsLogger(const Config& config, int64_t first_step) : config_(config) {
   const std::filesystem::path path(config.metrics_file);
   if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path());
-  std::string kept;
-  if (first_step > 0) {
+  if (first_step > 0 && std::filesystem::exists(path)) {
+    // Resuming: keep the lines of steps before first_step. The kept lines go to a temporary
+    // file that replaces the old one by rename, so a kill at any moment loses nothing.
+    std::string kept;
     std::ifstream in(path);
     for (std::string line; std::getline(in, line);) {
       const auto at = line.find("\"step\": ");
-      if (at != std::string::npos && std::stoll(line.substr(at + 8)) < first_step) kept += line + "\n";
+      if (at != std::string::npos && !line.empty() && line.back() == '}' && std::stoll(line.substr(at + 8)) < first_step) kept += line + "\n";
     }
+    const std::string tmp = path.string() + ".tmp";
+    std::FILE* out = std::fopen(tmp.c_str(), "w");
+    if (!out || std::fputs(kept.c_str(), out) < 0 || std::fflush(out) != 0 || ::fsync(fileno(out)) != 0)
+      throw Error(kExitFailure, "cannot rewrite metrics_file " + tmp + ": " + std::strerror(errno));
+    std::fclose(out);
+    std::filesystem::rename(tmp, path);
   }
-  file_ = std::fopen(path.c_str(), "w");
-  if (file_) std::fputs(kept.c_str(), file_);
+  file_ = std::fopen(path.c_str(), first_step > 0 ? "a" : "w");
   if (!file_)
     throw Error(kExitFailure, "cannot open metrics_file " + path.string() + ": " + std::strerror(errno));
 }
