@@ -438,7 +438,10 @@ void Trainer::train() {
   // A save records the metrics first, so metrics.jsonl never runs behind a checkpoint.
   auto save = [&](int64_t completed_steps, bool async) {
     flush(Clock::now());
+    const auto begin = Clock::now();
     checkpointer_->save(snapshot(completed_steps), async);
+    spdlog::info("checkpoint {}: training blocked for {:.3f} s ({})", completed_steps,
+                 std::chrono::duration<double>(Clock::now() - begin).count(), async ? "async" : "sync");
   };
   if (checkpointer_ && c.save_checkpoint_on_start && start_step == 0) save(0, c.async_checkpointing);
 
