@@ -7,6 +7,7 @@
 #include <spdlog/spdlog.h>
 
 #include "trainer/config/config.h"
+#include "trainer/data/data.h"
 #include "trainer/model/model_size.h"
 #include "trainer/train/train.h"
 #include "trainer/util/error.h"
@@ -40,10 +41,13 @@ int main(int argc, char** argv) {
   std::vector<std::string> overrides;
   bool print_config = false, dry_run = false;
   std::string export_path;
+  int64_t dump_samples = 0;
   app.add_option("config", config_path, "base config file, e.g. configs/base.yml")->required();
   app.add_option("overrides", overrides, "key=value overrides (YAML scalars)");
   app.add_flag("--print-config", print_config, "print the resolved config and exit");
   app.add_flag("--dry-run", dry_run, "validate, print parameter count and FLOPs per step, exit");
+  app.add_option("--dump-samples", dump_samples,
+                 "write the first N training samples in global order as JSON lines {\"index\", \"tokens\"} and exit");
   app.add_option("--export-safetensors", export_path,
                  "write the model weights (newest checkpoint of run_dir, or load_*_path) to PATH and exit");
   try {
@@ -61,6 +65,17 @@ int main(int argc, char** argv) {
     }
     if (dry_run) {
       print_dry_run(config);
+      return trainer::kExitOk;
+    }
+    if (dump_samples > 0) {
+      const trainer::DataLoader loader(config, /*rank=*/0);
+      for (int64_t i = 0; i < dump_samples; ++i) {
+        const auto b = loader.data_loader_sample(i);
+        std::string line = "{\"index\": " + std::to_string(i) + ", \"tokens\": [";
+        for (int64_t t = 0; t < b.seq_len; ++t) line += std::to_string(b.inputs[t]) + ", ";
+        line += std::to_string(b.targets[b.seq_len - 1]) + "]}\n";  // L + 1 tokens, as Megatron's sample
+        std::fputs(line.c_str(), stdout);
+      }
       return trainer::kExitOk;
     }
     trainer::Trainer trainer(config);

@@ -42,7 +42,7 @@ TEST_CASE("base.yml defines every key, each with a comment, and nothing else", "
 
 TEST_CASE("layering: base -> model file -> CLI -> environment, and derived values", "[config]") {
   const Config c = config_load(source_path("configs/base.yml"),
-                               {"model_name=test-tiny", "steps=7", "gradient_accumulation_steps=3",
+                               {"model_name=test-tiny", "dataset_type=synthetic", "pad_id=0", "steps=7", "gradient_accumulation_steps=3",
                                 "per_device_batch_size=2", "run_name=abc", "base_output_directory=/tmp/x"},
                                {"M_LEARNING_RATE=0.5", "M_STEPS=9", "PATH=/bin"});
   CHECK(c.base_emb_dim == 32);  // from models/test-tiny.yml, overriding base.yml's 128

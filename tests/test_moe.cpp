@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <filesystem>
 
 #include "test_support.h"
 #include "trainer/train/train.h"
@@ -341,6 +342,7 @@ TEST_CASE("gradient check with MoE, MTP and compensated aux losses (per-token an
 
 TEST_CASE("end to end: moe-tiny and ling2-tiny train with falling loss and report aux metrics", "[moe][cli]") {
   for (const std::string model : {"moe-tiny", "ling2-tiny"}) {
+    std::filesystem::remove_all("/tmp/trainer-tests/e2e-" + model);
     auto r = run_trainer("model_name=" + model + " max_target_length=32 steps=40 log_period=20 per_device_batch_size=4 "
                          "base_output_directory=/tmp/trainer-tests run_name=e2e-" + model);
     INFO(r.output);

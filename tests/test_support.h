@@ -20,6 +20,7 @@ inline std::string source_path(const std::string& relative) {
 // configs/base.yml + the test-tiny model + overrides; the process environment is ignored.
 inline Config tiny_config(std::vector<std::string> overrides = {}) {
   std::vector<std::string> all = {"model_name=test-tiny", "max_target_length=16", "run_name=test",
+                                  "dataset_type=synthetic", "pad_id=0", "data_shuffle_seed=0",
                                   "base_output_directory=" + std::string("/tmp/trainer-tests")};
   all.insert(all.end(), overrides.begin(), overrides.end());
   return config_load(source_path("configs/base.yml"), all, {});
@@ -30,10 +31,14 @@ struct CommandResult {
   std::string output;  // stdout and stderr together
 };
 
+// Tests run on synthetic data unless they name a dataset_type (base.yml's default is the corpus).
+constexpr const char* kSyntheticData = "dataset_type=synthetic pad_id=0 data_shuffle_seed=0";
+
 // Runs `build/trainer <args>` through the shell, with `env` prepended (e.g. "M_STEPS=3").
 inline CommandResult run_trainer(const std::string& args, const std::string& env = "") {
+  const std::string data = args.find("dataset_type=") == std::string::npos ? kSyntheticData : "";
   const std::string command =
-      env + " " + TRAINER_BINARY + " " + source_path("configs/base.yml") + " " + args + " 2>&1";
+      env + " " + TRAINER_BINARY + " " + source_path("configs/base.yml") + " " + data + " " + args + " 2>&1";
   CommandResult result;
   FILE* pipe = popen(command.c_str(), "r");
   if (!pipe) return result;
@@ -77,7 +82,8 @@ inline pid_t spawn_trainer(const std::vector<std::string>& args, const std::stri
     const int fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     dup2(fd, 1);
     dup2(fd, 2);
-    std::vector<std::string> all = {TRAINER_BINARY, source_path("configs/base.yml")};
+    std::vector<std::string> all = {TRAINER_BINARY, source_path("configs/base.yml"), "dataset_type=synthetic", "pad_id=0",
+                                    "data_shuffle_seed=0"};
     all.insert(all.end(), args.begin(), args.end());
     std::vector<char*> argv;
     for (auto& a : all) argv.push_back(a.data());

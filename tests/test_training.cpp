@@ -226,6 +226,8 @@ TEST_CASE("num_zeros counts exact zeros over every gradient; NaN/Inf flags", "[t
 TEST_CASE("end to end: NaN aborts with exit 4 naming step and samples; the spike guard skips it", "[training][cli]") {
   const std::string common = "model_name=test-tiny max_target_length=16 per_device_batch_size=2 steps=5 "
                              "base_output_directory=/tmp/trainer-tests debug_inject_nonfinite_step=2 ";
+  std::filesystem::remove_all("/tmp/trainer-tests/nan-abort");
+  std::filesystem::remove_all("/tmp/trainer-tests/nan-skip");
   auto r = run_trainer(common + "run_name=nan-abort debug_inject_nonfinite_kind=grad_nan");
   CHECK(r.exit_code == 4);
   CHECK_THAT(r.output, Catch::Contains("step 2") && Catch::Contains("NaN") && Catch::Contains("4-5"));
@@ -280,6 +282,7 @@ TEST_CASE("bf16 compute: weights and gradients stay fp32, loss close to fp32", "
 }
 
 TEST_CASE("end to end: the default-shaped run learns and writes every metric each step", "[training][cli]") {
+  std::filesystem::remove_all("/tmp/trainer-tests/learn");
   auto r = run_trainer("model_name=test-tiny max_target_length=32 steps=60 learning_rate=0.01 log_period=20 "
                        "base_output_directory=/tmp/trainer-tests run_name=learn gradient_accumulation_steps=2");
   REQUIRE(r.exit_code == 0);

@@ -4,7 +4,6 @@
 #include <fcntl.h>
 #include <unistd.h>
 
-#include <array>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -14,19 +13,6 @@
 
 namespace trainer {
 namespace {
-
-const std::array<uint32_t, 256>& crc32c_table() {
-  static const std::array<uint32_t, 256> table = [] {
-    std::array<uint32_t, 256> t{};
-    for (uint32_t i = 0; i < 256; ++i) {
-      uint32_t c = i;
-      for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
-      t[i] = c;
-    }
-    return t;
-  }();
-  return table;
-}
 
 [[noreturn]] void io_error(const std::string& what, const std::string& path) {
   throw std::runtime_error(what + " " + path + ": " + std::strerror(errno));
@@ -56,14 +42,6 @@ size_t dtype_size(const std::string& dtype) {
 }
 
 }  // namespace
-
-uint32_t crc32c_update(uint32_t crc, const void* data, size_t n) {
-  const auto& table = crc32c_table();
-  const auto* p = static_cast<const unsigned char*>(data);
-  crc = ~crc;
-  for (size_t i = 0; i < n; ++i) crc = table[(crc ^ p[i]) & 0xFF] ^ (crc >> 8);
-  return ~crc;
-}
 
 uint32_t crc32c_file(const std::string& path, uint64_t* size) {
   std::ifstream in(path, std::ios::binary);

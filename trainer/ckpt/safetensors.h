@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "trainer/util/crc32c.h"
+
 namespace trainer {
 
 struct SafetensorsEntry {
@@ -40,8 +42,6 @@ struct SafetensorsFile {
 // Throws std::runtime_error naming the path and the problem.
 SafetensorsFile safetensors_read(const std::string& path);
 
-// CRC32C (Castagnoli), incremental: crc = crc32c_update(crc, data, n), starting from 0.
-uint32_t crc32c_update(uint32_t crc, const void* data, size_t n);
 // CRC32C of a whole file; throws std::runtime_error if it cannot be read.
 uint32_t crc32c_file(const std::string& path, uint64_t* size = nullptr);
 

@@ -166,10 +166,22 @@ std::vector<std::string> validation_errors(const Config& c) {
   require(c.rope_max_timescale > 0, "rope_max_timescale must be > 0");
   require(c.synthetic_min_valid_fraction > 0 && c.synthetic_min_valid_fraction <= 1,
           "synthetic_min_valid_fraction must be in (0, 1]");
-  require(c.pad_id >= 0 && c.pad_id < c.vocab_size,
+  require(c.pad_id >= -1 && c.pad_id < c.vocab_size,
           "pad_id (" + std::to_string(c.pad_id) + ") must be in [0, vocab_size (" +
-              std::to_string(c.vocab_size) + "))");
-  require(c.vocab_size >= 4, "vocab_size must be >= 4 for synthetic data");
+              std::to_string(c.vocab_size) + ")), or -1 for none (Megatron data only)");
+  require(c.pad_id >= 0 || c.dataset_type != "synthetic", "pad_id must be >= 0 with synthetic data");
+  require(c.vocab_size >= 4, "vocab_size must be >= 4");
+  if (c.dataset_type != "synthetic") {
+    require(c.dataset_type == "megatron" || c.grain_file_type == "mmap_npy",
+            "dataset_type=grain needs grain_file_type=mmap_npy (Megatron .bin/.idx); other grain formats are not supported");
+    require(!c.dataset_path.empty(), "dataset_type=" + c.dataset_type + " needs dataset_path (a prefix or \"w1 prefix1 w2 prefix2\")");
+    require(c.eod_id < c.vocab_size, "eod_id (" + std::to_string(c.eod_id) + ") must be < vocab_size (" +
+                                         std::to_string(c.vocab_size) + "), or -1 for none");
+    require(!(c.eod_mask_loss || c.reset_position_ids || c.reset_attention_mask) || c.eod_id >= 0,
+            "eod_mask_loss, reset_position_ids and reset_attention_mask need eod_id >= 0");
+  }
+  require(c.eval_interval >= 0, "eval_interval must be >= 0 (0 = no evaluation)");
+  require(c.eval_steps > 0, "eval_steps must be > 0");
   require(c.z_loss_multiplier >= 0, "z_loss_multiplier must be >= 0");
   require(c.learning_rate >= 0, "learning_rate must be >= 0");
   require(c.warmup_steps_fraction >= 0 && c.warmup_steps_fraction <= 1,

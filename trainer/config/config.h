@@ -66,6 +66,16 @@ using StringList = std::vector<std::string>;
   X(double, mtp_loss_scaling_factor)              \
   /* data */                                      \
   X(std::string, dataset_type)                    \
+  X(std::string, grain_file_type)                 \
+  X(std::string, dataset_path)                    \
+  X(std::string, split)                           \
+  X(std::string, data_cache_path)                 \
+  X(bool, eod_mask_loss)                          \
+  X(bool, reset_position_ids)                     \
+  X(bool, reset_attention_mask)                   \
+  X(int64_t, eod_id)                              \
+  X(int64_t, eval_interval)                       \
+  X(int64_t, eval_steps)                          \
   X(int64_t, max_target_length)                   \
   X(int64_t, per_device_batch_size)               \
   X(int64_t, gradient_accumulation_steps)         \

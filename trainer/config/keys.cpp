@@ -18,7 +18,8 @@ const std::map<std::string, std::vector<std::string>>& allowed_values() {
   static const std::map<std::string, std::vector<std::string>> table = {
       {"hardware", {"cpu", "gpu"}},
       {"dtype", {"float32", "bfloat16"}},
-      {"dataset_type", {"synthetic"}},
+      {"dataset_type", {"synthetic", "megatron", "grain"}},
+      {"grain_file_type", {"", "mmap_npy"}},
       {"lr_schedule_type", {"cosine", "constant", "wsd"}},
       {"wsd_decay_style", {"linear", "cosine"}},
       {"debug_inject_nonfinite_kind", {"loss_nan", "loss_inf", "grad_nan", "grad_inf"}},

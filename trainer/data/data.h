@@ -1,8 +1,12 @@
-// Public face of data/: host-side micro-batches in the global sample order of DESIGN section 6.
-// Only synthetic data exists so far; the Megatron .bin/.idx pipeline will plug in behind
-// the same DataLoader interface.
+// Public face of data/: host-side micro-batches in the global sample order of DESIGN section 6,
+// from synthetic data or Megatron .bin/.idx datasets (docs/data.md), and a prefetching loader.
 #pragma once
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 #include "trainer/config/config.h"
@@ -16,9 +20,18 @@ struct MicroBatch {
   std::vector<int64_t> inputs;          // (B, L) token ids
   std::vector<int64_t> targets;         // (B, L) next-token ids
   std::vector<float> loss_mask;         // (B, L) 1 where the target counts, 0 for padding
-  std::vector<int64_t> segment_ids;     // (B, L) document id within the row, 0 for padding
+  std::vector<int64_t> segment_ids;     // (B, L) document id within the row (from 1), 0 for padding
   std::vector<int64_t> positions;       // (B, L) RoPE positions, restarting per document
   std::vector<int64_t> sample_indices;  // (B) global sample index of each row
+
+  void resize(int64_t batch, int64_t seq);
+};
+
+// Where samples come from: row `row` of `batch` becomes global sample `index`.
+class SampleSource {
+ public:
+  virtual ~SampleSource() = default;
+  virtual void fill_row(int64_t index, MicroBatch& batch, int64_t row) const = 0;
 };
 
 // Synthetic, learnable data: each sample is a pure function of (global index, seed), so any
@@ -26,11 +39,10 @@ struct MicroBatch {
 // A sample packs one or more documents; each document is an arithmetic progression of token
 // ids (random start and stride, skipping pad_id), so the next token is predictable from the
 // previous two. The valid length is drawn in [min_valid_fraction * L, L]; the rest is padding.
-class SyntheticDataset {
+class SyntheticDataset : public SampleSource {
  public:
   explicit SyntheticDataset(const Config& config);
-  // Writes sample `global_index` into row `row` of `batch` (which must be sized).
-  void fill_row(int64_t global_index, MicroBatch& batch, int64_t row) const;
+  void fill_row(int64_t global_index, MicroBatch& batch, int64_t row) const override;
 
  private:
   int64_t seq_len_, vocab_size_, pad_id_;
@@ -38,20 +50,57 @@ class SyntheticDataset {
   double min_valid_fraction_;
 };
 
+enum class DataSplit { kTrain = 0, kValid = 1, kTest = 2 };
+
+// Megatron GPTDataset samples of one split (train/valid/test) of a dataset or a blend, with
+// Megatron's masks and positions (eod_mask_loss, reset_position_ids, reset_attention_mask).
+// Index arrays are cached on disk. Errors in the data throw trainer::Error (exit code 3).
+std::unique_ptr<SampleSource> megatron_source(const Config& config, DataSplit split, int64_t num_samples);
+
 // Global sample order (DESIGN section 6): micro-batch m of data-parallel rank r in step k holds
 // global samples k*GBS + m*mbs*R + r*mbs + [0, mbs).
 int64_t data_first_sample_index(const Config& config, int64_t step, int64_t micro, int64_t rank);
 
 class DataLoader {
  public:
+  // The training split (synthetic data or Megatron's train split sized steps * GBS).
   DataLoader(const Config& config, int64_t rank);
-  // Micro-batch `micro` (0-based) of optimizer step `step` (0-based) for this rank.
+  // An explicit source (e.g. the validation split).
+  DataLoader(const Config& config, int64_t rank, std::shared_ptr<SampleSource> source);
+  // Micro-batch `micro` (0-based) of optimizer step `step` (0-based) for this rank: a pure
+  // function of (step, micro), so a loader re-created at any step continues exactly.
   MicroBatch data_loader_next(int64_t step, int64_t micro) const;
+  // One row: global sample `index` (for --dump-samples).
+  MicroBatch data_loader_sample(int64_t index) const;
 
  private:
   Config config_;
   int64_t rank_;
-  SyntheticDataset dataset_;
+  std::shared_ptr<SampleSource> source_;
+};
+
+// Produces micro-batches in order on a background thread, `depth` ahead of the consumer, so a
+// step does not wait for data in steady state.
+class DataPrefetcher {
+ public:
+  DataPrefetcher(const DataLoader& loader, int64_t first_step, int64_t last_step, int64_t micro_batches,
+                 size_t depth);
+  ~DataPrefetcher();
+  // The next micro-batch; must be called in (step, micro) order. Adds the time spent waiting
+  // to *wait_seconds.
+  MicroBatch data_prefetcher_next(int64_t step, int64_t micro, double* wait_seconds);
+
+ private:
+  void run();
+  const DataLoader& loader_;
+  int64_t next_step_, next_micro_, last_step_, micro_batches_;
+  size_t depth_;
+  std::deque<std::pair<std::pair<int64_t, int64_t>, MicroBatch>> queue_;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  bool stop_ = false;
+  std::exception_ptr error_;
+  std::thread thread_;
 };
 
 }  // namespace trainer

@@ -1,6 +1,8 @@
 // Synthetic data and the global sample order (see data.h).
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <stdexcept>
 
 #include "trainer/data/data.h"
 
@@ -74,23 +76,96 @@ int64_t data_first_sample_index(const Config& c, int64_t step, int64_t micro, in
   return step * c.global_batch_size + micro * mbs * c.data_parallel_size + rank * mbs;
 }
 
+void MicroBatch::resize(int64_t batch, int64_t seq) {
+  batch_size = batch;
+  seq_len = seq;
+  inputs.resize(batch * seq);
+  targets.resize(batch * seq);
+  loss_mask.resize(batch * seq);
+  segment_ids.resize(batch * seq);
+  positions.resize(batch * seq);
+  sample_indices.resize(batch);
+}
+
 DataLoader::DataLoader(const Config& config, int64_t rank)
-    : config_(config), rank_(rank), dataset_(config) {}
+    : config_(config),
+      rank_(rank),
+      source_(config.dataset_type == "synthetic"
+                  ? std::shared_ptr<SampleSource>(std::make_shared<SyntheticDataset>(config))
+                  : std::shared_ptr<SampleSource>(
+                        megatron_source(config, DataSplit::kTrain, config.steps * config.global_batch_size))) {}
+
+DataLoader::DataLoader(const Config& config, int64_t rank, std::shared_ptr<SampleSource> source)
+    : config_(config), rank_(rank), source_(std::move(source)) {}
 
 MicroBatch DataLoader::data_loader_next(int64_t step, int64_t micro) const {
-  const int64_t B = config_.per_device_batch_size, L = config_.max_target_length;
   MicroBatch b;
-  b.batch_size = B;
-  b.seq_len = L;
-  b.inputs.resize(B * L);
-  b.targets.resize(B * L);
-  b.loss_mask.resize(B * L);
-  b.segment_ids.resize(B * L);
-  b.positions.resize(B * L);
-  b.sample_indices.resize(B);
+  b.resize(config_.per_device_batch_size, config_.max_target_length);
   const int64_t first = data_first_sample_index(config_, step, micro, rank_);
-  for (int64_t row = 0; row < B; ++row) dataset_.fill_row(first + row, b, row);
+  for (int64_t row = 0; row < b.batch_size; ++row) source_->fill_row(first + row, b, row);
   return b;
+}
+
+MicroBatch DataLoader::data_loader_sample(int64_t index) const {
+  MicroBatch b;
+  b.resize(1, config_.max_target_length);
+  source_->fill_row(index, b, 0);
+  return b;
+}
+
+DataPrefetcher::DataPrefetcher(const DataLoader& loader, int64_t first_step, int64_t last_step,
+                               int64_t micro_batches, size_t depth)
+    : loader_(loader), next_step_(first_step), next_micro_(0), last_step_(last_step),
+      micro_batches_(micro_batches), depth_(depth), thread_([this] { run(); }) {}
+
+DataPrefetcher::~DataPrefetcher() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  changed_.notify_all();
+  thread_.join();
+}
+
+void DataPrefetcher::run() {
+  int64_t step = next_step_, micro = 0;
+  while (step < last_step_) {
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      changed_.wait(lock, [this] { return stop_ || queue_.size() < depth_; });
+      if (stop_) return;
+    }
+    MicroBatch batch;
+    try {
+      batch = loader_.data_loader_next(step, micro);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      error_ = std::current_exception();
+      changed_.notify_all();
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queue_.push_back({{step, micro}, std::move(batch)});
+    }
+    changed_.notify_all();
+    if (++micro == micro_batches_) micro = 0, ++step;
+  }
+}
+
+MicroBatch DataPrefetcher::data_prefetcher_next(int64_t step, int64_t micro, double* wait_seconds) {
+  const auto start = std::chrono::steady_clock::now();
+  std::unique_lock<std::mutex> lock(mutex_);
+  changed_.wait(lock, [this] { return !queue_.empty() || error_ != nullptr; });
+  if (wait_seconds) *wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (queue_.empty()) std::rethrow_exception(error_);
+  auto item = std::move(queue_.front());
+  queue_.pop_front();
+  lock.unlock();
+  changed_.notify_all();
+  if (item.first != std::make_pair(step, micro))
+    throw std::logic_error("DataPrefetcher: micro-batches must be requested in order");
+  return std::move(item.second);
 }
 
 }  // namespace trainer

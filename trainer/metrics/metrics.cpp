@@ -75,6 +75,15 @@ void MetricsLogger::log(int64_t step, const MetricValues& values) {
   if (step % config_.log_period == 0 || step + 1 == config_.steps) console_line(step, values);
 }
 
+void MetricsLogger::log_eval(int64_t step, const MetricValues& values) {
+  const std::string line = metrics_to_json(step, values) + "\n";
+  if (std::fputs(line.c_str(), file_) < 0 || std::fflush(file_) != 0)
+    throw Error(kExitFailure, "cannot write metrics_file " + config_.metrics_file + ": " + std::strerror(errno));
+  spdlog::info("eval after step {}: lm_loss {:.4f}, perplexity {:.3f} ({:.0f} tokens)", step,
+               metric_get(values, "eval/lm_loss"), metric_get(values, "eval/perplexity"),
+               metric_get(values, "eval/total_weights"));
+}
+
 void MetricsLogger::console_line(int64_t step, const MetricValues& v) {
   std::string line = fmt::format(
       "completed step: {}, seconds: {:.3f}, TFLOP/s/device: {:.3f}, Tokens/s/device: {:.1f}, "

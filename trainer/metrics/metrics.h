@@ -29,6 +29,8 @@ class MetricsLogger {
   MetricsLogger(const Config& config, int64_t first_step = 0);
   ~MetricsLogger();
   void log(int64_t step, const MetricValues& values);
+  // An evaluation after `step`: one JSON line {"step": step, "eval/...": ...} and a console line.
+  void log_eval(int64_t step, const MetricValues& values);
   const std::deque<std::pair<int64_t, MetricValues>>& history() const { return history_; }
 
  private:

@@ -153,7 +153,8 @@ StepOutput Trainer::forward_backward(int64_t step) {
   double W = 0;
 
   for (int64_t micro = 0; micro < K; ++micro) {
-    const MicroBatch batch = data_.data_loader_next(step, micro);
+    const MicroBatch batch = prefetcher_ ? prefetcher_->data_prefetcher_next(step, micro, &out.data_wait_seconds)
+                                         : data_.data_loader_next(step, micro);
     out.sample_indices.insert(out.sample_indices.end(), batch.sample_indices.begin(),
                               batch.sample_indices.end());
     MicroBatchLosses m = micro_batch_losses(model_, batch, c, device_);

@@ -35,6 +35,7 @@ struct StepOutput {
   double learning_rate = 0;
   bool step_skipped = false;          // spike guard or W == 0
   double step_time_seconds = 0;
+  double data_wait_seconds = 0;       // time this step waited for its micro-batches
   std::vector<int64_t> sample_indices;  // global samples of the step, for error messages
 };
 
@@ -71,6 +72,9 @@ class Trainer {
   CheckpointContents snapshot(int64_t completed_steps) const;
   // Writes the model weights alone (HF names) to a safetensors file.
   void export_model(const std::string& path) const;
+  // Forward-only evaluation on `eval_steps` global batches of the validation split (the
+  // `index`-th evaluation reads the next batches): {eval/lm_loss (token mean), eval/perplexity}.
+  MetricValues evaluate(int64_t index);
 
   // One optimizer step = forward_backward + optimizer_update. Returns device-side metrics.
   StepOutput train_step(int64_t step);
@@ -112,6 +116,8 @@ class Trainer {
   std::deque<double> spike_losses_, spike_grad_norms_;  // last skip_step_interval accepted steps
   std::unique_ptr<MetricsLogger> logger_;
   std::unique_ptr<Checkpointer> checkpointer_;
+  std::unique_ptr<DataPrefetcher> prefetcher_;  // in-order micro-batches during train()
+  std::unique_ptr<DataLoader> eval_data_;       // validation split, built on first use
 };
 
 }  // namespace trainer

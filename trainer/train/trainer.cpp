@@ -213,6 +213,7 @@ MetricValues Trainer::read_metrics(const StepOutput& out) const {
       {"learning/current_learning_rate", out.learning_rate},
       {"optim/step_skipped", out.step_skipped ? 1.0 : 0.0},
       {"perf/step_time_seconds", seconds},
+      {"perf/data_wait_seconds", out.data_wait_seconds},
       {"perf/per_device_tokens_per_sec", seconds > 0 ? tokens / seconds : 0.0},
       {"perf/per_device_tflops_per_sec", seconds > 0 ? size_.flops_per_step_per_device / seconds / 1e12 : 0.0},
   };
@@ -377,6 +378,35 @@ void Trainer::export_model(const std::string& path) const {
   }
 }
 
+MetricValues Trainer::evaluate(int64_t index) {
+  const Config& c = config_;
+  if (!eval_data_) {
+    // Megatron's validation size: (steps / eval_interval + 1) * eval_steps global batches.
+    const int64_t interval = std::max<int64_t>(c.eval_interval, 1);
+    const int64_t samples = (c.steps / interval + 1) * c.eval_steps * c.global_batch_size;
+    std::shared_ptr<SampleSource> source;
+    if (c.dataset_type == "synthetic") {
+      Config shifted = c;
+      shifted.data_shuffle_seed = c.data_shuffle_seed + 1;  // disjoint from the training samples
+      source = std::make_shared<SyntheticDataset>(shifted);
+    } else {
+      source = megatron_source(c, DataSplit::kValid, samples);
+    }
+    eval_data_ = std::make_unique<DataLoader>(c, 0, std::move(source));
+  }
+  torch::NoGradGuard no_grad;
+  double ce = 0, weights = 0;
+  for (int64_t s = 0; s < c.eval_steps; ++s)
+    for (int64_t micro = 0; micro < c.gradient_accumulation_steps; ++micro) {
+      const auto batch = eval_data_->data_loader_next(index * c.eval_steps + s, micro);
+      const auto m = micro_batch_losses(model_, batch, c, device_);
+      ce += (m.ce - m.z).item<double>();  // cross-entropy only (no z-loss), token-weighted
+      weights += m.weights;
+    }
+  const double lm_loss = weights > 0 ? ce / weights : 0.0;
+  return {{"eval/lm_loss", lm_loss}, {"eval/perplexity", std::exp(lm_loss)}, {"eval/total_weights", weights}};
+}
+
 namespace {
 // SIGTERM/SIGINT: the first one asks the loop to finish the step, save and exit 0; a second
 // one exits at once (code 1) without saving.
@@ -444,6 +474,13 @@ void Trainer::train() {
                  std::chrono::duration<double>(Clock::now() - begin).count(), async ? "async" : "sync");
   };
   if (checkpointer_ && c.save_checkpoint_on_start && start_step == 0) save(0, c.async_checkpointing);
+  prefetcher_ = std::make_unique<DataPrefetcher>(data_, start_step, c.steps, c.gradient_accumulation_steps,
+                                                 static_cast<size_t>(2 * c.gradient_accumulation_steps));
+  auto run_eval = [&](int64_t completed) {
+    flush(Clock::now());
+    const MetricValues values = evaluate(completed / c.eval_interval - 1 + (completed % c.eval_interval != 0));
+    logger_->log_eval(completed - 1, values);
+  };
 
   for (int64_t step = start_step; step < c.steps; ++step) {
     const auto start = Clock::now();
@@ -455,6 +492,7 @@ void Trainer::train() {
     const int64_t completed = step + 1;
     const int signal = g_stop_signal.load();
     const bool final_step = completed == c.steps || signal != 0;
+    if (c.eval_interval > 0 && (completed % c.eval_interval == 0 || completed == c.steps)) run_eval(completed);
     if (checkpointer_ && (completed % c.checkpoint_period == 0 || (final_step && (c.save_checkpoint_on_completion || signal))))
       save(completed, c.async_checkpointing && !final_step);
     if (signal != 0) {
@@ -465,6 +503,7 @@ void Trainer::train() {
     }
   }
   flush(Clock::now());
+  prefetcher_.reset();
   if (checkpointer_) {
     const std::string error = checkpointer_->wait();
     if (!error.empty()) throw Error(kExitFailure, error);

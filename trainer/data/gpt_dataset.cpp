@@ -1,0 +1,197 @@
+// Megatron GPTDataset index construction (see gpt_dataset.h), following
+// megatron/core/datasets/gpt_dataset.py, helpers.cpp and blended_megatron_dataset_builder.py.
+#include "trainer/data/gpt_dataset.h"
+
+#include <cmath>
+#include <numeric>
+#include <sstream>
+#include <stdexcept>
+
+#include "trainer/util/error.h"
+
+namespace trainer {
+
+uint64_t NumpyRandomState::random_interval(uint64_t max) {
+  if (max == 0) return 0;
+  uint64_t mask = max;  // smallest all-ones mask >= max
+  mask |= mask >> 1;
+  mask |= mask >> 2;
+  mask |= mask >> 4;
+  mask |= mask >> 8;
+  mask |= mask >> 16;
+  mask |= mask >> 32;
+  uint64_t value;
+  if (max <= 0xffffffffULL) {
+    while ((value = (static_cast<uint64_t>(mt_()) & mask)) > max) {
+    }
+  } else {
+    auto next64 = [this] {
+      const uint64_t hi = mt_();
+      return (hi << 32) | static_cast<uint64_t>(mt_());
+    };
+    while ((value = (next64() & mask)) > max) {
+    }
+  }
+  return value;
+}
+
+std::vector<int64_t> gpt_split_boundaries(const std::string& split, int64_t n) {
+  std::vector<double> weights;
+  std::stringstream ss(split);
+  for (std::string part; std::getline(ss, part, split.find(',') != std::string::npos ? ',' : '/');) {
+    try {
+      weights.push_back(std::stod(part));
+    } catch (const std::exception&) {
+      throw config_error("config key 'split': '" + split + "' is not a list of numbers like \"969,30,1\"");
+    }
+  }
+  while (weights.size() < 3) weights.push_back(0.0);
+  if (weights.size() != 3) throw config_error("config key 'split': '" + split + "' must have at most 3 parts");
+  const double total = weights[0] + weights[1] + weights[2];
+  if (total <= 0 || weights[0] < 0 || weights[1] < 0 || weights[2] < 0)
+    throw config_error("config key 'split': '" + split + "' must be non-negative with a positive sum");
+  std::vector<int64_t> bounds = {0};
+  for (double w : weights)  // Python's round(): half to even, which std::nearbyint does by default
+    bounds.push_back(bounds.back() + static_cast<int64_t>(std::nearbyint(w / total * static_cast<double>(n))));
+  const int64_t diff = bounds.back() - n;
+  for (size_t i = 1; i < bounds.size(); ++i) bounds[i] -= diff;
+  return bounds;
+}
+
+namespace {
+
+std::vector<int32_t> build_document_index(const std::vector<int32_t>& documents, int64_t num_epochs,
+                                          NumpyRandomState& rng, bool separate_final_epoch) {
+  if (!separate_final_epoch || num_epochs == 1) {
+    std::vector<int32_t> index;
+    index.reserve(documents.size() * static_cast<size_t>(num_epochs));
+    for (int64_t e = 0; e < num_epochs; ++e) index.insert(index.end(), documents.begin(), documents.end());
+    rng.shuffle(index);
+    return index;
+  }
+  auto first = build_document_index(documents, num_epochs - 1, rng, false);
+  const auto last = build_document_index(documents, 1, rng, false);
+  first.insert(first.end(), last.begin(), last.end());
+  return first;
+}
+
+// helpers.cpp build_sample_idx with drop_last_partial_sequence = true, add_extra_token = 1.
+std::vector<int64_t> build_sample_index(const std::vector<int32_t>& sizes, const std::vector<int32_t>& document_index,
+                                        int64_t seq_len, int64_t num_epochs, int64_t tokens_per_epoch) {
+  const int64_t num_samples = (num_epochs * tokens_per_epoch - 1) / seq_len;
+  std::vector<int64_t> sample(2 * static_cast<size_t>(num_samples + 1));
+  int64_t sample_pos = 0, doc_pos = 0, doc_offset = 0;
+  sample[0] = doc_pos;
+  sample[1] = doc_offset;
+  ++sample_pos;
+  while (sample_pos <= num_samples) {
+    int64_t remaining = seq_len + 1;
+    while (remaining != 0) {
+      const int64_t doc_length = sizes[static_cast<size_t>(document_index[static_cast<size_t>(doc_pos)])] - doc_offset;
+      remaining -= doc_length;
+      if (remaining <= 0) {
+        doc_offset += remaining + doc_length - 1;
+        remaining = 0;
+      } else {
+        if (doc_pos == static_cast<int64_t>(document_index.size()) - 1) {
+          doc_offset = sizes[static_cast<size_t>(document_index[static_cast<size_t>(doc_pos)])] - 1;
+          break;
+        }
+        ++doc_pos;
+        doc_offset = 0;
+      }
+    }
+    sample[2 * sample_pos] = doc_pos;
+    sample[2 * sample_pos + 1] = doc_offset;
+    ++sample_pos;
+  }
+  return sample;
+}
+
+std::vector<int64_t> build_shuffle_index(int64_t num_samples, int64_t total_size, NumpyRandomState& rng) {
+  std::vector<int64_t> first(static_cast<size_t>(num_samples));
+  std::iota(first.begin(), first.end(), 0);
+  rng.shuffle(first);
+  if (num_samples == total_size) return first;
+  std::vector<int64_t> last(static_cast<size_t>(total_size - num_samples));
+  std::iota(last.begin(), last.end(), num_samples);
+  rng.shuffle(last);
+  first.insert(first.end(), last.begin(), last.end());
+  return first;
+}
+
+}  // namespace
+
+GptIndices gpt_build_indices(const std::vector<int32_t>& sizes, const std::vector<int32_t>& documents,
+                             int64_t seq_len, int64_t num_samples, uint32_t seed) {
+  int64_t tokens_per_epoch = 0;
+  for (int32_t d : documents) tokens_per_epoch += sizes[static_cast<size_t>(d)];
+  if (tokens_per_epoch <= 1)
+    throw Error(kExitData, "the data split has " + std::to_string(tokens_per_epoch) + " tokens; at least 2 are needed");
+  GptIndices out;
+  // Smallest E with E * tokens >= num_samples * L + 1 (the +1: every sample reads L + 1 tokens).
+  out.num_epochs = 1;
+  while (out.num_epochs * tokens_per_epoch < num_samples * seq_len + 1) ++out.num_epochs;
+  int64_t samples_before_final = 0;
+  if (out.num_epochs > 1) {
+    samples_before_final = ((out.num_epochs - 1) * tokens_per_epoch - 1) / seq_len;
+    const int64_t from_final = num_samples - samples_before_final;
+    const int64_t per_epoch = (tokens_per_epoch - 1) / seq_len;
+    out.separate_final_epoch = from_final < static_cast<int64_t>(0.80 * static_cast<double>(per_epoch));
+  }
+  NumpyRandomState rng(seed);
+  out.document_index = build_document_index(documents, out.num_epochs, rng, out.separate_final_epoch);
+  out.sample_index = build_sample_index(sizes, out.document_index, seq_len, out.num_epochs, tokens_per_epoch);
+  const int64_t total = static_cast<int64_t>(out.sample_index.size() / 2) - 1;
+  out.shuffle_index = build_shuffle_index(out.separate_final_epoch ? samples_before_final : total, total, rng);
+  return out;
+}
+
+std::vector<GptPiece> gpt_sample_pieces(const GptIndices& ix, const std::vector<int32_t>& sizes, int64_t i,
+                                        int64_t seq_len) {
+  (void)seq_len;
+  const int64_t s = ix.shuffle_index[static_cast<size_t>(i)];
+  const int64_t beg = ix.sample_index[2 * s], beg_offset = ix.sample_index[2 * s + 1];
+  const int64_t end = ix.sample_index[2 * s + 2], end_offset = ix.sample_index[2 * s + 3];
+  std::vector<GptPiece> pieces;
+  auto doc = [&](int64_t pos) { return static_cast<int64_t>(ix.document_index[static_cast<size_t>(pos)]); };
+  if (beg == end) {
+    pieces.push_back({doc(beg), beg_offset, end_offset - beg_offset + 1});
+  } else {
+    for (int64_t p = beg; p <= end; ++p) {
+      const int64_t offset = p > beg ? 0 : beg_offset;
+      const int64_t length = p < end ? sizes[static_cast<size_t>(doc(p))] - offset : end_offset + 1;
+      pieces.push_back({doc(p), offset, length});
+    }
+  }
+  return pieces;
+}
+
+std::vector<int64_t> gpt_blend_sizes(const std::vector<double>& weights, int64_t target) {
+  const double total = std::accumulate(weights.begin(), weights.end(), 0.0);
+  std::vector<int64_t> sizes;
+  for (double w : weights)
+    sizes.push_back(static_cast<int64_t>(std::ceil(std::ceil(static_cast<double>(target) * (w / total)) * 1.005)));
+  return sizes;
+}
+
+void gpt_blend_indices(const std::vector<double>& weights, int64_t size, std::vector<int16_t>& dataset_index,
+                       std::vector<int64_t>& dataset_sample_index) {
+  const double total = std::accumulate(weights.begin(), weights.end(), 0.0);
+  std::vector<int64_t> current(weights.size(), 0);
+  dataset_index.resize(static_cast<size_t>(size));
+  dataset_sample_index.resize(static_cast<size_t>(size));
+  for (int64_t s = 0; s < size; ++s) {
+    const double s_double = std::max(static_cast<double>(s), 1.0);
+    size_t best = 0;
+    double best_error = weights[0] / total * s_double - static_cast<double>(current[0]);
+    for (size_t d = 1; d < weights.size(); ++d) {
+      const double error = weights[d] / total * s_double - static_cast<double>(current[d]);
+      if (error > best_error) best_error = error, best = d;
+    }
+    dataset_index[static_cast<size_t>(s)] = static_cast<int16_t>(best);
+    dataset_sample_index[static_cast<size_t>(s)] = current[best]++;
+  }
+}
+
+}  // namespace trainer

@@ -1,0 +1,59 @@
+// Megatron GPTDataset sampling, reproduced exactly (docs/data.md): split, document / sample /
+// shuffle indices with numpy's legacy RandomState shuffle, blending. Plain C++.
+#pragma once
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace trainer {
+
+// numpy.random.RandomState(seed) for the calls Megatron makes: MT19937 seeded by init_genrand
+// (identical to std::mt19937(seed)), and shuffle = Fisher-Yates from the end with
+// random_interval's masked rejection sampling.
+class NumpyRandomState {
+ public:
+  explicit NumpyRandomState(uint32_t seed) : mt_(seed) {}
+  uint64_t random_interval(uint64_t max);  // uniform in [0, max]
+  template <typename T>
+  void shuffle(std::vector<T>& values) {
+    for (size_t i = values.size(); i-- > 1;) std::swap(values[i], values[random_interval(i)]);
+  }
+
+ private:
+  std::mt19937 mt_;
+};
+
+// Megatron's get_split_indices: "969,30,1" over n documents -> 4 boundaries (half-to-even rounding).
+std::vector<int64_t> gpt_split_boundaries(const std::string& split, int64_t n);
+
+struct GptIndices {
+  std::vector<int32_t> document_index;  // document ids, tiled over epochs and shuffled
+  std::vector<int64_t> sample_index;    // 2 * (samples + 1): (document_index position, offset) pairs
+  std::vector<int64_t> shuffle_index;   // sample order
+  int64_t num_epochs = 0;
+  bool separate_final_epoch = false;
+};
+
+// Builds the indices of one GPTDataset: `documents` are the document ids of the split,
+// `sizes` the token count of every document, `num_samples` the samples requested.
+GptIndices gpt_build_indices(const std::vector<int32_t>& sizes, const std::vector<int32_t>& documents,
+                             int64_t seq_len, int64_t num_samples, uint32_t seed);
+
+// Token positions of sample `i` (through the shuffle index): a list of (document id, offset,
+// length) pieces whose lengths sum to seq_len + 1.
+struct GptPiece {
+  int64_t document, offset, length;
+};
+std::vector<GptPiece> gpt_sample_pieces(const GptIndices& indices, const std::vector<int32_t>& sizes, int64_t i,
+                                        int64_t seq_len);
+
+// Megatron's blend sizes: ceil(ceil(target * w) * 1.005) samples per dataset, weights normalized.
+std::vector<int64_t> gpt_blend_sizes(const std::vector<double>& weights, int64_t target);
+
+// Megatron's build_blending_indices: sample s goes to the dataset with the largest
+// w_d * max(s, 1) - count_d (first on ties). Fills dataset ids and per-dataset sample ids.
+void gpt_blend_indices(const std::vector<double>& weights, int64_t size, std::vector<int16_t>& dataset_index,
+                       std::vector<int64_t>& dataset_sample_index);
+
+}  // namespace trainer

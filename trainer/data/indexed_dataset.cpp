@@ -1,0 +1,188 @@
+// Megatron .bin/.idx reader (memory-mapped, fully validated) and writer (see indexed_dataset.h).
+#include "trainer/data/indexed_dataset.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+
+#include "trainer/util/error.h"
+
+namespace trainer {
+namespace {
+
+constexpr char kMagic[9] = {'M', 'M', 'I', 'D', 'I', 'D', 'X', '\0', '\0'};
+constexpr uint64_t kHeaderSize = 34;
+
+Error data_error(const std::string& message) { return Error(kExitData, message); }
+
+template <typename T>
+T read_le(const unsigned char* p) {  // unaligned little-endian load
+  T v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+}  // namespace
+
+int64_t indexed_dtype_size(uint8_t code) {
+  switch (code) {
+    case 1: case 2: return 1;
+    case 3: case 8: return 2;
+    case 4: case 7: return 4;
+    case 5: case 6: return 8;
+    default: return 0;
+  }
+}
+
+MappedFile::MappedFile(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw data_error("cannot open " + path + ": " + std::strerror(errno));
+  struct stat st {};
+  ::fstat(fd, &st);
+  size_ = static_cast<uint64_t>(st.st_size);
+  if (size_ > 0) {
+    void* p = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+      ::close(fd);
+      throw data_error("cannot map " + path + ": " + std::strerror(errno));
+    }
+    data_ = static_cast<const unsigned char*>(p);
+  }
+  ::close(fd);
+}
+
+MappedFile::~MappedFile() {
+  if (data_) ::munmap(const_cast<unsigned char*>(data_), size_);
+}
+
+IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
+  const std::string idx_path = prefix + ".idx", bin_path = prefix + ".bin";
+  idx_ = new MappedFile(idx_path);
+  try {
+    bin_ = new MappedFile(bin_path);
+    const unsigned char* p = idx_->data();
+    const uint64_t n = idx_->size();
+    if (n < kHeaderSize)
+      throw data_error(idx_path + ": truncated header (" + std::to_string(n) + " bytes, expected at least 34)");
+    if (std::memcmp(p, kMagic, 9) != 0) throw data_error(idx_path + ": bad magic at offset 0 (expected \"MMIDIDX\\0\\0\")");
+    const uint64_t version = read_le<uint64_t>(p + 9);
+    if (version != 1) throw data_error(idx_path + ": version " + std::to_string(version) + " at offset 9 (expected 1)");
+    dtype_code_ = p[17];
+    item_size_ = indexed_dtype_size(dtype_code_);
+    if (item_size_ == 0)
+      throw data_error(idx_path + ": unknown dtype code " + std::to_string(dtype_code_) + " at offset 17 (expected 1-8)");
+    const uint64_t S = read_le<uint64_t>(p + 18), D = read_le<uint64_t>(p + 26);
+    // Sizes first, with overflow-safe arithmetic, so a hostile S or D cannot wrap around.
+    if (S > n / 4 || D > n / 8 || kHeaderSize + 12 * S + 8 * D != n)
+      throw data_error(idx_path + ": " + std::to_string(n) + " bytes but header says S = " + std::to_string(S) +
+                       " sequences and D = " + std::to_string(D) + " document entries (expected 34 + 12*S + 8*D = " +
+                       (S <= n / 4 && D <= n / 8 ? std::to_string(kHeaderSize + 12 * S + 8 * D) : "overflow") + " bytes)");
+    if (D < 1) throw data_error(idx_path + ": document index is empty at offset 26 (expected D >= 1)");
+    num_sequences_ = static_cast<int64_t>(S);
+    num_documents_ = static_cast<int64_t>(D) - 1;
+    pointers_offset_ = kHeaderSize + 4 * S;
+    documents_offset_ = pointers_offset_ + 8 * S;
+    lengths_.resize(S);
+    std::memcpy(lengths_.data(), p + kHeaderSize, 4 * S);
+    const uint64_t bin_size = bin_->size();
+    for (uint64_t i = 0; i < S; ++i) {
+      const int64_t pointer = sequence_pointer(static_cast<int64_t>(i));
+      if (lengths_[i] < 0 || pointer < 0 ||
+          static_cast<uint64_t>(pointer) + static_cast<uint64_t>(lengths_[i]) * item_size_ > bin_size)
+        throw data_error(idx_path + ": sequence " + std::to_string(i) + " (length " + std::to_string(lengths_[i]) +
+                         " at byte " + std::to_string(pointer) + ") points past the end of " + bin_path + " (" +
+                         std::to_string(bin_size) + " bytes)");
+    }
+    int64_t previous = 0;
+    for (uint64_t i = 0; i < D; ++i) {
+      const int64_t d = document_index(static_cast<int64_t>(i));
+      if (d < previous || d > num_sequences_)
+        throw data_error(idx_path + ": document index entry " + std::to_string(i) + " = " + std::to_string(d) +
+                         " is not non-decreasing within [0, " + std::to_string(S) + "]");
+      previous = d;
+    }
+    if (document_index(0) != 0 || document_index(num_documents_) != num_sequences_)
+      throw data_error(idx_path + ": document index runs from " + std::to_string(document_index(0)) + " to " +
+                       std::to_string(document_index(num_documents_)) + " (expected 0 to S = " + std::to_string(S) + ")");
+  } catch (...) {
+    delete idx_;
+    delete bin_;
+    throw;
+  }
+}
+
+IndexedDataset::~IndexedDataset() {
+  delete idx_;
+  delete bin_;
+}
+
+int32_t IndexedDataset::sequence_length(int64_t i) const { return lengths_[static_cast<size_t>(i)]; }
+
+int64_t IndexedDataset::sequence_pointer(int64_t i) const {
+  return read_le<int64_t>(idx_->data() + pointers_offset_ + 8 * static_cast<uint64_t>(i));
+}
+
+int64_t IndexedDataset::document_index(int64_t i) const {
+  return read_le<int64_t>(idx_->data() + documents_offset_ + 8 * static_cast<uint64_t>(i));
+}
+
+void IndexedDataset::read(int64_t sequence, int64_t offset, int64_t length, std::vector<int64_t>& out) const {
+  const unsigned char* p = bin_->data() + sequence_pointer(sequence) + offset * item_size_;
+  for (int64_t i = 0; i < length; ++i, p += item_size_) {
+    switch (dtype_code_) {
+      case 1: out.push_back(*p); break;
+      case 2: out.push_back(static_cast<int8_t>(*p)); break;
+      case 3: out.push_back(read_le<int16_t>(p)); break;
+      case 4: out.push_back(read_le<int32_t>(p)); break;
+      case 5: out.push_back(read_le<int64_t>(p)); break;
+      case 6: out.push_back(static_cast<int64_t>(read_le<double>(p))); break;
+      case 7: out.push_back(static_cast<int64_t>(read_le<float>(p))); break;
+      case 8: out.push_back(read_le<uint16_t>(p)); break;
+    }
+  }
+}
+
+void indexed_dataset_write(const std::string& prefix, const std::vector<std::vector<int64_t>>& documents,
+                           uint8_t dtype_code) {
+  const int64_t item = indexed_dtype_size(dtype_code);
+  if (dtype_code != 8 && dtype_code != 4) throw Error(kExitUsage, "indexed_dataset_write: dtype code must be 8 or 4");
+  std::ofstream bin(prefix + ".bin", std::ios::binary), idx(prefix + ".idx", std::ios::binary);
+  if (!bin || !idx) throw Error(kExitFailure, "cannot create " + prefix + ".bin/.idx");
+  std::vector<int32_t> lengths;
+  std::vector<int64_t> pointers;
+  int64_t pointer = 0;
+  for (const auto& doc : documents) {
+    lengths.push_back(static_cast<int32_t>(doc.size()));
+    pointers.push_back(pointer);
+    for (int64_t token : doc) {
+      if (dtype_code == 8) {
+        const uint16_t v = static_cast<uint16_t>(token);
+        bin.write(reinterpret_cast<const char*>(&v), 2);
+      } else {
+        const int32_t v = static_cast<int32_t>(token);
+        bin.write(reinterpret_cast<const char*>(&v), 4);
+      }
+    }
+    pointer += static_cast<int64_t>(doc.size()) * item;
+  }
+  const uint64_t version = 1, S = lengths.size(), D = documents.size() + 1;
+  idx.write(kMagic, 9);
+  idx.write(reinterpret_cast<const char*>(&version), 8);
+  idx.put(static_cast<char>(dtype_code));
+  idx.write(reinterpret_cast<const char*>(&S), 8);
+  idx.write(reinterpret_cast<const char*>(&D), 8);
+  idx.write(reinterpret_cast<const char*>(lengths.data()), static_cast<std::streamsize>(4 * S));
+  idx.write(reinterpret_cast<const char*>(pointers.data()), static_cast<std::streamsize>(8 * S));
+  for (uint64_t d = 0; d < D; ++d) {
+    const int64_t v = static_cast<int64_t>(d);
+    idx.write(reinterpret_cast<const char*>(&v), 8);
+  }
+  if (!bin || !idx) throw Error(kExitFailure, "cannot write " + prefix + ".bin/.idx");
+}
+
+}  // namespace trainer

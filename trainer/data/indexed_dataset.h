@@ -1,0 +1,66 @@
+// Megatron's MMap indexed dataset (.idx + .bin), read and written byte-exactly (docs/data.md):
+//   .idx: "MMIDIDX\0\0" | u64 version = 1 | u8 dtype code | u64 S (sequences) | u64 D (document
+//         index entries = documents + 1) | int32[S] lengths | int64[S] byte offsets into .bin |
+//         int64[D] document index. Little-endian, unaligned (the int64 arrays start at 34 + 4S).
+//   .bin: the concatenated token arrays.
+// dtype codes: 1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace trainer {
+
+// A read-only memory map of one file.
+class MappedFile {
+ public:
+  explicit MappedFile(const std::string& path);  // throws trainer::Error (exit 3)
+  ~MappedFile();
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  const unsigned char* data() const { return data_; }
+  uint64_t size() const { return size_; }
+
+ private:
+  const unsigned char* data_ = nullptr;
+  uint64_t size_ = 0;
+};
+
+class IndexedDataset {
+ public:
+  // Opens <prefix>.idx and <prefix>.bin and validates every header field and pointer.
+  // Any problem throws trainer::Error with exit code 3 naming the file, field or offset.
+  explicit IndexedDataset(const std::string& prefix);
+  ~IndexedDataset();
+
+  const std::string& prefix() const { return prefix_; }
+  int64_t num_sequences() const { return num_sequences_; }
+  int64_t num_documents() const { return num_documents_; }  // D - 1
+  uint8_t dtype_code() const { return dtype_code_; }
+  int32_t sequence_length(int64_t i) const;   // tokens in sequence i
+  int64_t sequence_pointer(int64_t i) const;  // byte offset of sequence i in .bin
+  int64_t document_index(int64_t i) const;    // i in [0, D)
+  const std::vector<int32_t>& sequence_lengths() const { return lengths_; }
+  // Appends tokens [offset, offset + length) of sequence i to `out`.
+  void read(int64_t sequence, int64_t offset, int64_t length, std::vector<int64_t>& out) const;
+
+ private:
+  std::string prefix_;
+  MappedFile* idx_ = nullptr;
+  MappedFile* bin_ = nullptr;
+  uint8_t dtype_code_ = 0;
+  int64_t item_size_ = 0;
+  int64_t num_sequences_ = 0, num_documents_ = 0;
+  uint64_t pointers_offset_ = 0, documents_offset_ = 0;
+  std::vector<int32_t> lengths_;  // (S) copied: read per sample by the index builder
+};
+
+// Bytes per token of a dtype code (0 if unknown).
+int64_t indexed_dtype_size(uint8_t code);
+
+// Writes <prefix>.bin and <prefix>.idx for documents of tokens, one sequence per document
+// (as Megatron's preprocess_data.py without sentence splitting). dtype code 8 (uint16) or 4 (int32).
+void indexed_dataset_write(const std::string& prefix, const std::vector<std::vector<int64_t>>& documents,
+                           uint8_t dtype_code);
+
+}  // namespace trainer

@@ -1,0 +1,208 @@
+// Megatron data as a SampleSource: dataset/blend parsing, cached GPTDataset indices, and rows
+// with Megatron's loss mask, positions and segments (see data.h, docs/data.md).
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <spdlog/spdlog.h>
+
+#include "trainer/data/data.h"
+#include "trainer/data/gpt_dataset.h"
+#include "trainer/data/indexed_dataset.h"
+#include "trainer/util/crc32c.h"
+#include "trainer/util/error.h"
+
+namespace trainer {
+namespace {
+
+namespace fs = std::filesystem;
+
+// "prefix" or "w1 prefix1 w2 prefix2 ...".
+std::vector<std::pair<double, std::string>> parse_dataset_path(const std::string& text) {
+  std::istringstream in(text);
+  std::vector<std::string> words;
+  for (std::string w; in >> w;) words.push_back(w);
+  if (words.size() == 1) return {{1.0, words[0]}};
+  if (words.empty() || words.size() % 2 != 0)
+    throw config_error("config key 'dataset_path': '" + text + "' must be a prefix or \"w1 prefix1 w2 prefix2 ...\"");
+  std::vector<std::pair<double, std::string>> out;
+  for (size_t i = 0; i < words.size(); i += 2) {
+    char* end = nullptr;
+    const double w = std::strtod(words[i].c_str(), &end);
+    if (*end != '\0' || !(w > 0))
+      throw config_error("config key 'dataset_path': weight '" + words[i] + "' before " + words[i + 1] +
+                         " is not a positive number");
+    out.emplace_back(w, words[i + 1]);
+  }
+  return out;
+}
+
+// A cache file: magic, counts, then the three arrays. Written to a temp file and renamed.
+constexpr char kCacheMagic[8] = {'T', 'R', 'G', 'P', 'T', 'I', 'X', '1'};
+
+bool read_cache(const std::string& path, GptIndices& ix) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return false;
+  char magic[8];
+  uint64_t counts[5];
+  in.read(magic, 8);
+  in.read(reinterpret_cast<char*>(counts), sizeof counts);
+  if (!in || std::memcmp(magic, kCacheMagic, 8) != 0) return false;
+  ix.document_index.resize(counts[0]);
+  ix.sample_index.resize(counts[1]);
+  ix.shuffle_index.resize(counts[2]);
+  ix.num_epochs = static_cast<int64_t>(counts[3]);
+  ix.separate_final_epoch = counts[4] != 0;
+  in.read(reinterpret_cast<char*>(ix.document_index.data()), static_cast<std::streamsize>(4 * counts[0]));
+  in.read(reinterpret_cast<char*>(ix.sample_index.data()), static_cast<std::streamsize>(8 * counts[1]));
+  in.read(reinterpret_cast<char*>(ix.shuffle_index.data()), static_cast<std::streamsize>(8 * counts[2]));
+  return static_cast<bool>(in) && in.peek() == EOF;
+}
+
+void write_cache(const std::string& path, const GptIndices& ix) {
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  {
+    std::ofstream out(tmp, std::ios::binary);
+    const uint64_t counts[5] = {ix.document_index.size(), ix.sample_index.size(), ix.shuffle_index.size(),
+                                static_cast<uint64_t>(ix.num_epochs), ix.separate_final_epoch ? 1u : 0u};
+    out.write(kCacheMagic, 8);
+    out.write(reinterpret_cast<const char*>(counts), sizeof counts);
+    out.write(reinterpret_cast<const char*>(ix.document_index.data()), static_cast<std::streamsize>(4 * counts[0]));
+    out.write(reinterpret_cast<const char*>(ix.sample_index.data()), static_cast<std::streamsize>(8 * counts[1]));
+    out.write(reinterpret_cast<const char*>(ix.shuffle_index.data()), static_cast<std::streamsize>(8 * counts[2]));
+    if (!out) throw std::runtime_error("cannot write " + tmp);
+  }
+  fs::rename(tmp, path);
+}
+
+struct Component {
+  std::unique_ptr<IndexedDataset> data;
+  GptIndices indices;
+  int64_t num_samples = 0;
+};
+
+class MegatronSource : public SampleSource {
+ public:
+  MegatronSource(const Config& c, DataSplit split, int64_t num_samples)
+      : seq_len_(c.max_target_length), vocab_size_(c.vocab_size), eod_(c.eod_id), pad_(c.pad_id),
+        eod_mask_loss_(c.eod_mask_loss), reset_positions_(c.reset_position_ids), reset_attention_(c.reset_attention_mask),
+        num_samples_(num_samples) {
+    const auto blend = parse_dataset_path(c.dataset_path);
+    for (const auto& [w, prefix] : blend) weights_.push_back(w);
+    const std::vector<int64_t> sizes =
+        blend.size() == 1 ? std::vector<int64_t>{num_samples} : gpt_blend_sizes(weights_, num_samples);
+    for (size_t d = 0; d < blend.size(); ++d) {
+      Component comp;
+      comp.data = std::make_unique<IndexedDataset>(blend[d].second);
+      comp.num_samples = sizes[d];
+      const auto bounds = gpt_split_boundaries(c.split, comp.data->num_documents());
+      const int s = static_cast<int>(split);
+      std::vector<int32_t> documents;
+      for (int64_t doc = bounds[s]; doc < bounds[s + 1]; ++doc) documents.push_back(static_cast<int32_t>(doc));
+      if (documents.empty())
+        throw Error(kExitData, blend[d].second + ": split \"" + c.split + "\" leaves no documents for the " +
+                                   std::vector<std::string>{"train", "valid", "test"}[s] + " split (" +
+                                   std::to_string(comp.data->num_documents()) + " documents)");
+      comp.indices = cached_indices(c, *comp.data, documents, s, comp.num_samples);
+      components_.push_back(std::move(comp));
+    }
+    if (blend.size() > 1) gpt_blend_indices(weights_, num_samples, blend_dataset_, blend_sample_);
+  }
+
+  void fill_row(int64_t index, MicroBatch& b, int64_t row) const override {
+    if (index >= num_samples_)
+      throw Error(kExitData, "global sample " + std::to_string(index) + " is past the " + std::to_string(num_samples_) +
+                                 " samples this split was built for");
+    const size_t d = blend_dataset_.empty() ? 0 : static_cast<size_t>(blend_dataset_[static_cast<size_t>(index)]);
+    const int64_t j = blend_dataset_.empty() ? index : blend_sample_[static_cast<size_t>(index)];
+    const Component& comp = components_[d];
+    std::vector<int64_t> text;
+    text.reserve(static_cast<size_t>(seq_len_ + 1));
+    for (const auto& piece : gpt_sample_pieces(comp.indices, comp.data->sequence_lengths(), j, seq_len_)) {
+      const size_t before = text.size();
+      comp.data->read(piece.document, piece.offset, piece.length, text);
+      for (size_t t = before; t < text.size(); ++t)
+        if (text[t] < 0 || text[t] >= vocab_size_)
+          throw Error(kExitData, comp.data->prefix() + ".bin: token id " + std::to_string(text[t]) + " in document " +
+                                     std::to_string(piece.document) + " at token offset " +
+                                     std::to_string(piece.offset + static_cast<int64_t>(t - before)) +
+                                     " is outside [0, vocab_size = " + std::to_string(vocab_size_) + ")");
+    }
+    const int64_t L = seq_len_, base = row * L;
+    int64_t segment = 1, position = 0;
+    for (int64_t t = 0; t < L; ++t) {
+      const int64_t input = text[static_cast<size_t>(t)], target = text[static_cast<size_t>(t + 1)];
+      b.inputs[base + t] = input;
+      b.targets[base + t] = target;
+      // Megatron: no loss on pad targets, nor (eod_mask_loss) where the input is EOD.
+      b.loss_mask[base + t] = (target == pad_ || (eod_mask_loss_ && input == eod_)) ? 0.0f : 1.0f;
+      b.segment_ids[base + t] = segment;
+      b.positions[base + t] = reset_positions_ ? position : t;
+      ++position;
+      if (input == eod_) {  // the EOD closes its document; the next token starts a new one
+        if (reset_attention_) ++segment;
+        position = 0;
+      }
+    }
+    b.sample_indices[row] = index;
+  }
+
+ private:
+  GptIndices cached_indices(const Config& c, const IndexedDataset& data, const std::vector<int32_t>& documents,
+                            int split, int64_t num_samples) {
+    // Everything the indices depend on goes into the key: the data (size and a checksum of the
+    // index file), which documents, the seed, the sequence length and the sample count.
+    const std::string idx_path = data.prefix() + ".idx";
+    std::ifstream idx(idx_path, std::ios::binary);
+    std::stringstream idx_bytes;
+    idx_bytes << idx.rdbuf();
+    std::ostringstream desc;
+    desc << "GPTDataset v1|" << fs::path(data.prefix()).filename().string() << "|idx crc " << crc32c(idx_bytes.str())
+         << "|bin " << fs::file_size(data.prefix() + ".bin") << "|split " << c.split << " #" << split << "|docs "
+         << documents.front() << "-" << documents.back() << "|seed " << c.data_shuffle_seed << "|L " << c.max_target_length
+         << "|samples " << num_samples;
+    char key[16];
+    std::snprintf(key, sizeof key, "%08x", crc32c(desc.str()));
+    const fs::path dir = c.data_cache_path.empty() ? fs::path(data.prefix()).parent_path() / "cache" : fs::path(c.data_cache_path);
+    const std::string file = (dir / (fs::path(data.prefix()).filename().string() + "-" + key + ".gptidx")).string();
+    const auto start = std::chrono::steady_clock::now();
+    auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
+    GptIndices ix;
+    if (read_cache(file, ix)) {
+      spdlog::info("data index cache hit: {} ({} samples, {:.3f} s)", file, num_samples, elapsed());
+      return ix;
+    }
+    ix = gpt_build_indices(data.sequence_lengths(), documents, c.max_target_length, num_samples,
+                           static_cast<uint32_t>(c.data_shuffle_seed));
+    try {
+      fs::create_directories(dir);
+      write_cache(file, ix);
+      spdlog::info("data index built and cached: {} ({} samples, {} epochs, {:.3f} s)", file, num_samples,
+                   ix.num_epochs, elapsed());
+    } catch (const std::exception& e) {
+      spdlog::warn("data index built in {:.3f} s but not cached ({}); it will be rebuilt next time", elapsed(), e.what());
+    }
+    return ix;
+  }
+
+  int64_t seq_len_, vocab_size_, eod_, pad_;
+  bool eod_mask_loss_, reset_positions_, reset_attention_;
+  int64_t num_samples_;
+  std::vector<double> weights_;
+  std::vector<Component> components_;
+  std::vector<int16_t> blend_dataset_;
+  std::vector<int64_t> blend_sample_;
+};
+
+}  // namespace
+
+std::unique_ptr<SampleSource> megatron_source(const Config& config, DataSplit split, int64_t num_samples) {
+  return std::make_unique<MegatronSource>(config, split, num_samples);
+}
+
+}  // namespace trainer

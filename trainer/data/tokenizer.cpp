@@ -1,0 +1,53 @@
+// Byte and SentencePiece tokenizers (see tokenizer.h).
+#include "trainer/data/tokenizer.h"
+
+#include <sentencepiece_processor.h>
+
+#include "trainer/util/error.h"
+
+namespace trainer {
+namespace {
+
+class ByteTokenizer : public Tokenizer {
+ public:
+  std::vector<int64_t> tokenizer_encode(const std::string& text) const override {
+    std::vector<int64_t> ids;
+    ids.reserve(text.size());
+    for (unsigned char c : text) ids.push_back(c);
+    return ids;
+  }
+  int64_t tokenizer_vocab_size() const override { return 258; }
+  int64_t tokenizer_eod() const override { return 256; }
+};
+
+class SentencePieceTokenizer : public Tokenizer {
+ public:
+  explicit SentencePieceTokenizer(const std::string& model) {
+    const auto status = processor_.Load(model);
+    if (!status.ok()) throw config_error("--tokenizer-model " + model + ": " + status.ToString());
+    if (processor_.eos_id() < 0) throw config_error("--tokenizer-model " + model + " has no </s> (eos) piece for <eod>");
+  }
+  std::vector<int64_t> tokenizer_encode(const std::string& text) const override {
+    std::vector<int> ids;
+    processor_.Encode(text, &ids);
+    return std::vector<int64_t>(ids.begin(), ids.end());
+  }
+  int64_t tokenizer_vocab_size() const override { return processor_.GetPieceSize(); }
+  int64_t tokenizer_eod() const override { return processor_.eos_id(); }
+
+ private:
+  sentencepiece::SentencePieceProcessor processor_;
+};
+
+}  // namespace
+
+std::unique_ptr<Tokenizer> tokenizer_create(const std::string& type, const std::string& model) {
+  if (type == "byte" || type == "ByteTokenizer") return std::make_unique<ByteTokenizer>();
+  if (type == "sentencepiece" || type == "SentencePieceTokenizer") {
+    if (model.empty()) throw config_error("--tokenizer-type sentencepiece needs --tokenizer-model");
+    return std::make_unique<SentencePieceTokenizer>(model);
+  }
+  throw config_error("--tokenizer-type '" + type + "' is not supported (byte, sentencepiece)");
+}
+
+}  // namespace trainer
