@@ -10,6 +10,9 @@ PACKAGES=(
   libtorch-dev            # LibTorch 1.13 (CPU), with c10d/Gloo
   libopenblas0-pthread    # without it LibTorch falls back to reference BLAS (~10x slower)
   libyaml-cpp-dev libspdlog-dev libcli11-dev nlohmann-json3-dev catch2
+  libsentencepiece-dev    # preprocess_data --tokenizer-type sentencepiece
+  fortunes                # the default training corpus (scripts/prepare_corpus.sh)
+  python3 python3-numpy   # corpus conversion; test fixtures were generated with numpy
 )
 
 missing=()
@@ -29,3 +32,4 @@ cmake -S . -B build -DCMAKE_BUILD_TYPE="${BUILD_TYPE:-Release}" > build.cmake.lo
   || { cat build.cmake.log >&2; exit 1; }
 rm -f build.cmake.log
 cmake --build build -j "$JOBS"
+scripts/prepare_corpus.sh

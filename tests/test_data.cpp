@@ -1,0 +1,409 @@
+// Megatron data: .bin/.idx bytes, numpy-compatible shuffles, GPTDataset samples against a numpy
+// reference (tests/fixtures/make_fixtures.py), blending, masks, corrupt inputs, cache, tools.
+#include <catch2/catch.hpp>
+
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "test_support.h"
+#include "trainer/data/data.h"
+#include "trainer/data/gpt_dataset.h"
+#include "trainer/data/indexed_dataset.h"
+#include "trainer/util/error.h"
+
+using namespace trainer;
+using namespace trainer::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kDir = "/tmp/trainer-tests-data";
+
+const nlohmann::json& reference() {
+  static const nlohmann::json j = nlohmann::json::parse(read_file(source_path("tests/fixtures/numpy_reference.json")));
+  return j;
+}
+
+std::vector<std::vector<int64_t>> fixture_corpus(const nlohmann::json& g) {
+  std::vector<std::vector<int64_t>> docs;
+  int64_t d = 0;
+  for (int64_t size : g["sizes"].get<std::vector<int64_t>>()) {
+    std::vector<int64_t> doc;
+    for (int64_t t = 0; t < size; ++t) doc.push_back(d * 100 + t);
+    docs.push_back(doc);
+    ++d;
+  }
+  return docs;
+}
+
+// The error a callable throws (its exit code and message).
+template <typename F>
+Error error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e;
+  }
+  FAIL("no trainer::Error thrown");
+  return Error(kExitOk, "");
+}
+
+void write_bytes(const std::string& path, const std::string& bytes) { std::ofstream(path, std::ios::binary) << bytes; }
+
+template <typename T>
+void append(std::string& s, T v) {
+  s.append(reinterpret_cast<const char*>(&v), sizeof v);
+}
+
+}  // namespace
+
+TEST_CASE("indexed dataset round trip: uint16 and int32, odd and even S, empty documents", "[data]") {
+  fs::create_directories(kDir);
+  const std::vector<std::vector<std::vector<int64_t>>> corpora = {
+      {{1, 2, 3}},                                   // one document, S odd
+      {{1, 2, 3}, {}, {65535, 0, 7, 9}, {4}},        // an empty document, S even
+      {{5}, {6, 7}, {}},                             // S odd, empty last
+  };
+  for (uint8_t code : {uint8_t{8}, uint8_t{4}}) {
+    for (size_t c = 0; c < corpora.size(); ++c) {
+      auto docs = corpora[c];
+      if (code == 4) docs.push_back({70000, -5, 2147483647});
+      const std::string prefix = kDir + "/rt-" + std::to_string(code) + "-" + std::to_string(c);
+      indexed_dataset_write(prefix, docs, code);
+      IndexedDataset data(prefix);
+      INFO("dtype " << int(code) << " corpus " << c);
+      REQUIRE(data.num_sequences() == static_cast<int64_t>(docs.size()));
+      CHECK(data.num_documents() == static_cast<int64_t>(docs.size()));
+      CHECK(data.dtype_code() == code);
+      for (size_t i = 0; i < docs.size(); ++i) {
+        std::vector<int64_t> got;
+        data.read(static_cast<int64_t>(i), 0, data.sequence_length(static_cast<int64_t>(i)), got);
+        CHECK(got == docs[i]);
+        CHECK(data.document_index(static_cast<int64_t>(i)) == static_cast<int64_t>(i));
+      }
+      if (!docs.back().empty()) {
+        std::vector<int64_t> tail;
+        data.read(static_cast<int64_t>(docs.size() - 1), 1, 1, tail);
+        CHECK(tail == std::vector<int64_t>{docs.back()[1]});
+      }
+    }
+  }
+}
+
+TEST_CASE("golden bytes written by hand from the format spec read back correctly", "[data]") {
+  // S = 3 (odd: the int64 arrays start at 34 + 12 = 46, not 8-aligned), int16 tokens (code 3).
+  std::string idx("MMIDIDX\0\0", 9);
+  append<uint64_t>(idx, 1);
+  idx.push_back(3);
+  append<uint64_t>(idx, 3);
+  append<uint64_t>(idx, 3);  // D = 2 documents + 1
+  for (int32_t len : {2, 1, 3}) append(idx, len);
+  for (int64_t ptr : {0, 4, 6}) append(idx, ptr);
+  for (int64_t doc : {0, 2, 3}) append(idx, doc);
+  std::string bin;
+  for (int16_t t : {10, -2, 300, 7, 8, 9}) append(bin, t);
+  fs::create_directories(kDir);
+  write_bytes(kDir + "/golden.idx", idx);
+  write_bytes(kDir + "/golden.bin", bin);
+  IndexedDataset data(kDir + "/golden");
+  CHECK(data.num_sequences() == 3);
+  CHECK(data.num_documents() == 2);
+  CHECK(data.sequence_pointer(2) == 6);
+  CHECK(data.document_index(1) == 2);
+  std::vector<int64_t> all;
+  for (int64_t s = 0; s < 3; ++s) data.read(s, 0, data.sequence_length(s), all);
+  CHECK(all == std::vector<int64_t>{10, -2, 300, 7, 8, 9});
+}
+
+TEST_CASE("corrupt .idx/.bin files fail with exit code 3 naming the problem", "[data]") {
+  fs::create_directories(kDir);
+  const std::string prefix = kDir + "/good";
+  indexed_dataset_write(prefix, {{1, 2, 3}, {4, 5}, {6}}, 8);
+  const std::string idx = read_file(prefix + ".idx"), bin = read_file(prefix + ".bin");
+  auto open_with = [&](const std::string& new_idx, const std::string& new_bin) {
+    write_bytes(kDir + "/bad.idx", new_idx);
+    write_bytes(kDir + "/bad.bin", new_bin);
+    return error_of([&] { IndexedDataset d(kDir + "/bad"); });
+  };
+  for (size_t cut : {size_t{0}, size_t{5}, size_t{20}, size_t{33}, size_t{40}, idx.size() - 1}) {
+    const Error e = open_with(idx.substr(0, cut), bin);
+    INFO("truncated at " << cut << ": " << e.what());
+    CHECK(e.exit_code() == kExitData);
+    CHECK_THAT(e.what(), Catch::Contains("bad.idx"));
+  }
+  std::string magic = idx;
+  magic[0] = 'X';
+  CHECK_THAT(open_with(magic, bin).what(), Catch::Contains("bad magic at offset 0"));
+  std::string version = idx;
+  version[9] = 2;
+  CHECK_THAT(open_with(version, bin).what(), Catch::Contains("version 2 at offset 9"));
+  std::string dtype = idx;
+  dtype[17] = 9;
+  CHECK_THAT(open_with(dtype, bin).what(), Catch::Contains("unknown dtype code 9 at offset 17"));
+  CHECK_THAT(open_with(idx, bin.substr(0, bin.size() - 2)).what(), Catch::Contains("points past the end of"));
+  std::string pointer = idx;
+  const int64_t far = 1000;
+  std::memcpy(pointer.data() + 34 + 12 + 8, &far, 8);  // sequence 1's pointer (S = 3: pointers at 46)
+  CHECK_THAT(open_with(pointer, bin).what(), Catch::Contains("sequence 1") && Catch::Contains("past the end"));
+  std::string docs = idx;
+  const int64_t two = 2;
+  std::memcpy(docs.data() + idx.size() - 8, &two, 8);  // document index must end at S = 3
+  CHECK_THAT(open_with(docs, bin).what(), Catch::Contains("document index runs from 0 to 2 (expected 0 to S = 3)"));
+  CHECK(error_of([&] { IndexedDataset d(kDir + "/missing"); }).exit_code() == kExitData);
+}
+
+TEST_CASE("NumpyRandomState reproduces numpy.random.RandomState(seed).shuffle", "[data]") {
+  for (const auto& c : reference()["shuffles"]) {
+    NumpyRandomState rng(c["seed"].get<uint32_t>());
+    if (c.contains("permutation")) {
+      std::vector<int32_t> a(c["n"].get<size_t>());
+      std::iota(a.begin(), a.end(), 0);
+      rng.shuffle(a);
+      INFO("seed " << c["seed"] << " n " << c["n"]);
+      CHECK(a == c["permutation"].get<std::vector<int32_t>>());
+    } else {
+      std::vector<int32_t> a(50);
+      std::vector<int64_t> b(70);
+      std::iota(a.begin(), a.end(), 0);
+      std::iota(b.begin(), b.end(), 0);
+      rng.shuffle(a);
+      rng.shuffle(b);
+      CHECK(a == c["sequence"][0].get<std::vector<int32_t>>());
+      CHECK(b == c["sequence"][1].get<std::vector<int64_t>>());
+    }
+  }
+}
+
+TEST_CASE("split boundaries round half to even as Megatron's get_split_indices", "[data]") {
+  for (const auto& c : reference()["splits"]) {
+    INFO(c["split"] << " over " << c["n"]);
+    CHECK(gpt_split_boundaries(c["split"], c["n"]) == c["indices"].get<std::vector<int64_t>>());
+  }
+}
+
+TEST_CASE("GPTDataset samples equal the numpy reference (epochs, separate final epoch, splits)", "[data]") {
+  int separate = 0, multi_epoch = 0;
+  for (const auto& g : reference()["gpt"]) {
+    const auto sizes = g["sizes"].get<std::vector<int32_t>>();
+    const auto bounds = gpt_split_boundaries(g["split"], static_cast<int64_t>(sizes.size()));
+    CHECK(bounds == g["split_indices"].get<std::vector<int64_t>>());
+    std::vector<int32_t> documents;
+    for (int64_t d = bounds[g["which"].get<int>()]; d < bounds[g["which"].get<int>() + 1]; ++d)
+      documents.push_back(static_cast<int32_t>(d));
+    const int64_t L = g["seq_length"], N = g["num_samples"];
+    const auto ix = gpt_build_indices(sizes, documents, L, N, g["seed"].get<uint32_t>());
+    INFO("corpus of " << sizes.size() << " documents, L " << L << ", N " << N);
+    CHECK(ix.num_epochs == g["num_epochs"].get<int64_t>());
+    CHECK(ix.separate_final_epoch == g["separate_final_epoch"].get<bool>());
+    separate += ix.separate_final_epoch;
+    multi_epoch += ix.num_epochs > 1;
+    const auto docs = fixture_corpus(g);
+    for (int64_t i = 0; i < N; ++i) {
+      std::vector<int64_t> text;
+      for (const auto& p : gpt_sample_pieces(ix, sizes, i, L))
+        text.insert(text.end(), docs[p.document].begin() + p.offset, docs[p.document].begin() + p.offset + p.length);
+      INFO("sample " << i);
+      REQUIRE(text == g["samples"][i].get<std::vector<int64_t>>());
+    }
+    // Before shuffling, consecutive samples overlap by exactly one token.
+    for (size_t s = 0; s + 2 < ix.sample_index.size() / 2; ++s) {
+      const int64_t doc_end = ix.document_index[ix.sample_index[2 * s + 2]], off_end = ix.sample_index[2 * s + 3];
+      CHECK(off_end < sizes[doc_end]);  // the shared token exists in its document
+    }
+  }
+  CHECK(separate >= 1);
+  CHECK(multi_epoch >= 3);
+}
+
+TEST_CASE("blending follows Megatron's error rule and 0.5% surplus", "[data]") {
+  for (const auto& b : reference()["blends"]) {
+    const auto weights = b["weights"].get<std::vector<double>>();
+    std::vector<int16_t> dataset;
+    std::vector<int64_t> sample;
+    gpt_blend_indices(weights, b["size"], dataset, sample);
+    CHECK(std::vector<int64_t>(dataset.begin(), dataset.end()) == b["dataset_index"].get<std::vector<int64_t>>());
+    CHECK(sample == b["dataset_sample_index"].get<std::vector<int64_t>>());
+    CHECK(gpt_blend_sizes(weights, b["size"]) == b["sizes"].get<std::vector<int64_t>>());
+  }
+}
+
+namespace {
+// Writes a fixture corpus as .bin/.idx and returns a config reading it.
+Config corpus_config(const nlohmann::json& g, const std::string& name, std::vector<std::string> extra = {}) {
+  fs::create_directories(kDir);
+  indexed_dataset_write(kDir + "/" + name, fixture_corpus(g), 8);
+  std::vector<std::string> o = {"dataset_type=megatron", "dataset_path=" + kDir + "/" + name,
+                                "split=" + g["split"].get<std::string>(), "override_model_config=true",
+                                "vocab_size=4096", "eod_id=-1", "pad_id=-1",
+                                "max_target_length=" + std::to_string(g["seq_length"].get<int64_t>()),
+                                "data_shuffle_seed=" + std::to_string(g["seed"].get<int64_t>()),
+                                "data_cache_path=" + kDir + "/cache-" + name};
+  o.insert(o.end(), extra.begin(), extra.end());
+  return tiny_config(o);
+}
+}  // namespace
+
+TEST_CASE("the loader serves reference samples in the global order for any (K, batch) split", "[data]") {
+  const auto& g = reference()["gpt"][1];  // train split, 4 epochs, L = 16, 60 samples
+  const Config a_cfg = corpus_config(g, "order", {"gradient_accumulation_steps=4", "per_device_batch_size=1", "steps=15"});
+  const Config b_cfg = corpus_config(g, "order", {"gradient_accumulation_steps=1", "per_device_batch_size=4", "steps=15"});
+  const DataLoader a(a_cfg, 0), b(b_cfg, 0);
+  for (int64_t step = 0; step < 15; ++step) {
+    const auto big = b.data_loader_next(step, 0);
+    for (int64_t m = 0; m < 4; ++m) {
+      const auto small = a.data_loader_next(step, m);
+      const int64_t global = step * 4 + m;
+      CHECK(small.sample_indices[0] == global);
+      CHECK(std::vector<int64_t>(big.inputs.begin() + m * 16, big.inputs.begin() + (m + 1) * 16) == small.inputs);
+      // inputs = text[:-1], targets = text[1:] of the reference sample
+      const auto text = g["samples"][global].get<std::vector<int64_t>>();
+      CHECK(small.inputs == std::vector<int64_t>(text.begin(), text.end() - 1));
+      CHECK(small.targets == std::vector<int64_t>(text.begin() + 1, text.end()));
+    }
+  }
+  // Two data-parallel ranks with batch 1 see what one rank with batch 2 sees.
+  Config r2 = a_cfg;
+  r2.gradient_accumulation_steps = 2;
+  r2.data_parallel_size = 2;
+  r2.global_batch_size = 4;
+  Config r1 = a_cfg;
+  r1.per_device_batch_size = 2;
+  r1.gradient_accumulation_steps = 2;
+  r1.global_batch_size = 4;
+  const DataLoader rank0(r2, 0), rank1(r2, 1), single(r1, 0);
+  for (int64_t m = 0; m < 2; ++m) {
+    const auto both = single.data_loader_next(3, m);
+    CHECK(rank0.data_loader_next(3, m).sample_indices[0] == both.sample_indices[0]);
+    CHECK(rank1.data_loader_next(3, m).sample_indices[0] == both.sample_indices[1]);
+  }
+}
+
+TEST_CASE("a re-created loader continues exactly; the index cache is reused and keyed", "[data]") {
+  const auto& g = reference()["gpt"][0];
+  fs::remove_all(kDir + "/cache-cache");
+  const Config c = corpus_config(g, "cache", {"steps=30", "per_device_batch_size=1"});
+  const DataLoader first(c, 0);
+  std::vector<std::string> files;
+  for (const auto& e : fs::directory_iterator(kDir + "/cache-cache")) files.push_back(e.path().string());
+  REQUIRE(files.size() == 1);
+  const auto stamp = fs::last_write_time(files[0]);
+  const DataLoader again(c, 0);  // consumed = 12 samples: a new loader at step 12 continues
+  CHECK(again.data_loader_next(12, 0).inputs == first.data_loader_next(12, 0).inputs);
+  CHECK(fs::last_write_time(files[0]) == stamp);  // cache hit: not rewritten
+  // Changing the seed, the sequence length or the split builds (and caches) new indices.
+  corpus_config(g, "cache", {"steps=30", "per_device_batch_size=1", "data_shuffle_seed=1"});
+  DataLoader seed(corpus_config(g, "cache", {"steps=30", "per_device_batch_size=1", "data_shuffle_seed=1"}), 0);
+  DataLoader length(corpus_config(g, "cache", {"steps=30", "per_device_batch_size=1", "max_target_length=7"}), 0);
+  DataLoader split(corpus_config(g, "cache", {"steps=30", "per_device_batch_size=1", "split=90,10,0"}), 0);
+  size_t count = 0;
+  for (const auto& e : fs::directory_iterator(kDir + "/cache-cache")) count += e.path().extension() == ".gptidx";
+  CHECK(count == 4);
+  CHECK(seed.data_loader_next(0, 0).inputs != first.data_loader_next(0, 0).inputs);
+}
+
+TEST_CASE("Megatron masks: pad targets, eod_mask_loss, reset_position_ids, reset_attention_mask", "[data]") {
+  // Documents end with EOD = 9; pad = 8. One sample of L = 9 spans three documents.
+  fs::create_directories(kDir);
+  indexed_dataset_write(kDir + "/masks", {{1, 2, 9}, {3, 9}, {4, 5, 8, 9}, {6, 7, 9}}, 8);
+  auto row = [&](std::vector<std::string> flags) {
+    std::vector<std::string> o = {"dataset_type=megatron", "dataset_path=" + kDir + "/masks", "split=1,0,0",
+                                  "max_target_length=9", "eod_id=9", "pad_id=8", "steps=1",
+                                  "per_device_batch_size=1", "data_cache_path=" + kDir + "/cache-masks"};
+    o.insert(o.end(), flags.begin(), flags.end());
+    return DataLoader(tiny_config(o), 0).data_loader_sample(0);
+  };
+  const auto plain = row({});
+  std::vector<int64_t> eods;
+  for (int64_t t = 0; t < 9; ++t) {
+    CHECK(plain.positions[t] == t);
+    CHECK(plain.segment_ids[t] == 1);
+    CHECK(plain.loss_mask[t] == (plain.targets[t] == 8 ? 0.0f : 1.0f));
+    if (plain.inputs[t] == 9) eods.push_back(t);
+  }
+  REQUIRE(!eods.empty());
+  const auto masked = row({"eod_mask_loss=true", "reset_position_ids=true", "reset_attention_mask=true"});
+  int64_t expected_position = 0, expected_segment = 1;
+  for (int64_t t = 0; t < 9; ++t) {
+    INFO("t " << t << " input " << masked.inputs[t]);
+    CHECK(masked.positions[t] == expected_position);
+    CHECK(masked.segment_ids[t] == expected_segment);
+    CHECK(masked.loss_mask[t] == ((masked.inputs[t] == 9 || masked.targets[t] == 8) ? 0.0f : 1.0f));
+    ++expected_position;
+    if (masked.inputs[t] == 9) expected_position = 0, ++expected_segment;
+  }
+}
+
+TEST_CASE("token ids outside the vocabulary stop the run with exit code 3", "[data][cli]") {
+  fs::create_directories(kDir);
+  // Samples of 4 (+1) tokens: every token but the last reaches some sample; 500 is at offset 10.
+  indexed_dataset_write(kDir + "/bigids", {{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 500, 12, 13, 14, 15, 16, 17, 18, 19, 20}}, 8);
+  fs::remove_all(kDir + "/bigids");
+  const auto r = run_trainer("dataset_type=megatron dataset_path=" + kDir + "/bigids split=1,0,0 model_name=test-tiny "
+                             "max_target_length=4 per_device_batch_size=1 steps=4 pad_id=-1 eod_id=-1 "
+                             "base_output_directory=" + kDir + " run_name=bigids data_cache_path=" + kDir + "/cache-big");
+  CHECK(r.exit_code == 3);
+  CHECK_THAT(r.output, Catch::Contains("token id 500") && Catch::Contains("bigids.bin") &&
+                           Catch::Contains("at token offset 10") && Catch::Contains("vocab_size = 64"));
+  const auto missing = run_trainer("dataset_type=megatron dataset_path=" + kDir + "/nothing-here model_name=test-tiny "
+                                   "pad_id=-1 eod_id=-1 base_output_directory=" + kDir + " run_name=missing");
+  CHECK(missing.exit_code == 3);
+  CHECK_THAT(missing.output, Catch::Contains("nothing-here.idx"));
+}
+
+TEST_CASE("preprocess_data: JSON lines to .bin/.idx, same bytes for any --workers", "[data][cli]") {
+  fs::create_directories(kDir);
+  {
+    std::ofstream jsonl(kDir + "/docs.jsonl");
+    for (int i = 0; i < 500; ++i)
+      jsonl << nlohmann::json({{"text", "document " + std::to_string(i) + " \xc3\xa9t\xc3\xa9"}, {"id", i}}).dump() << "\n";
+  }
+  auto run = [&](const std::string& args) {
+    const std::string cmd = std::string(PREPROCESS_BINARY) + " --input " + kDir + "/docs.jsonl " + args + " 2>&1";
+    FILE* pipe = popen(cmd.c_str(), "r");
+    std::string out;
+    char buf[4096];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) out.append(buf, n);
+    const int status = pclose(pipe);
+    return std::make_pair(WEXITSTATUS(status), out);
+  };
+  REQUIRE(run("--output-prefix " + kDir + "/w1 --append-eod --workers 1").first == 0);
+  const auto [code, log] = run("--output-prefix " + kDir + "/w3 --append-eod --workers 3");
+  REQUIRE(code == 0);
+  CHECK_THAT(log, Catch::Contains("500 documents") && Catch::Contains("uint16"));
+  CHECK(read_file(kDir + "/w1_text_document.bin") == read_file(kDir + "/w3_text_document.bin"));
+  CHECK(read_file(kDir + "/w1_text_document.idx") == read_file(kDir + "/w3_text_document.idx"));
+  IndexedDataset data(kDir + "/w3_text_document");
+  REQUIRE(data.num_documents() == 500);
+  std::vector<int64_t> doc;
+  data.read(7, 0, data.sequence_length(7), doc);
+  const std::string text = "document 7 \xc3\xa9t\xc3\xa9";
+  std::vector<int64_t> expected(text.begin(), text.end());
+  for (auto& v : expected) v = static_cast<unsigned char>(v);
+  expected.push_back(256);  // <eod>
+  CHECK(doc == expected);
+  CHECK(run("--output-prefix " + kDir + "/bad --tokenizer-type wordpiece").first == 2);
+  CHECK(run("--output-prefix " + kDir + "/bad --json-keys missing").first == 3);
+}
+
+TEST_CASE("--dump-samples prints the first samples in global order", "[data][cli]") {
+  const auto& g = reference()["gpt"][0];
+  corpus_config(g, "dump");
+  const auto r = run_trainer("dataset_type=megatron dataset_path=" + kDir + "/dump split=969,30,1 model_name=test-tiny "
+                             "override_model_config=true vocab_size=4096 pad_id=-1 eod_id=-1 max_target_length=8 "
+                             "data_shuffle_seed=1234 steps=30 per_device_batch_size=1 data_cache_path=" + kDir +
+                             "/cache-dump --dump-samples 5");
+  REQUIRE(r.exit_code == 0);
+  std::istringstream lines(r.output);
+  int64_t i = 0;
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("{\"index\"", 0) != 0) continue;
+    const auto j = nlohmann::json::parse(line);
+    CHECK(j["index"] == i);
+    CHECK(j["tokens"] == g["samples"][i]);
+    ++i;
+  }
+  CHECK(i == 5);
+}
