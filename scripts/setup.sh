@@ -8,6 +8,8 @@ cd "$(dirname "$0")/.."
 PACKAGES=(
   build-essential cmake ccache pkg-config
   libtorch-dev            # LibTorch 1.13 (CPU), with c10d/Gloo
+  libgloo-dev             # Gloo headers for c10d's ProcessGroupGloo
+  libopenmpi-dev openmpi-bin  # mpirun launch and rendezvous
   libopenblas0-pthread    # without it LibTorch falls back to reference BLAS (~10x slower)
   libyaml-cpp-dev libspdlog-dev libcli11-dev nlohmann-json3-dev catch2
   libsentencepiece-dev    # preprocess_data --tokenizer-type sentencepiece

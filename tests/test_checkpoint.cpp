@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "test_support.h"
+#include "trainer/data/indexed_dataset.h"
 #include "trainer/train/train.h"
 
 using namespace trainer;
@@ -277,4 +278,38 @@ TEST_CASE("load_parameters_path starts from exported weights with a fresh optimi
   const auto r = run_trainer(base + "steps=1 run_name=weights-bogus load_parameters_path=" + kOut + "/bogus.safetensors");
   CHECK(r.exit_code == 2);
   CHECK_THAT(r.output, Catch::Contains("bogus.safetensors"));
+}
+
+TEST_CASE("bit-exact resume on Megatron data (the data position is restored)", "[checkpoint][data]") {
+  const std::string dir = kOut + "/mdata";
+  fs::create_directories(dir);
+  // A small byte-level corpus: 200 documents of uneven length, ending in EOD = 256.
+  std::vector<std::vector<int64_t>> docs;
+  for (int d = 0; d < 200; ++d) {
+    std::vector<int64_t> doc;
+    for (int t = 0; t < 5 + (d * 37) % 23; ++t) doc.push_back((d * 7 + t * 13) % 256);
+    doc.push_back(256);
+    docs.push_back(doc);
+  }
+  indexed_dataset_write(dir + "/corpus", docs, 8);
+  const std::string common = "dataset_type=megatron dataset_path=" + dir + "/corpus data_cache_path=" + dir +
+                             "/cache model_name=default max_target_length=32 per_device_batch_size=2 "
+                             "gradient_accumulation_steps=2 learning_rate_schedule_steps=8 checkpoint_period=2 "
+                             "skip_step_on_spikes=true skip_step_interval=2 reset_attention_mask=true "
+                             "reset_position_ids=true eod_mask_loss=true base_output_directory=" + kOut + " ";
+  fs::remove_all(kOut + "/mdata-straight");
+  fs::remove_all(kOut + "/mdata-split");
+  REQUIRE(run_trainer(common + "steps=8 run_name=mdata-straight").exit_code == 0);
+  REQUIRE(run_trainer(common + "steps=3 run_name=mdata-split").exit_code == 0);  // checkpoint 2 and 3
+  REQUIRE(run_trainer(common + "steps=8 run_name=mdata-split").exit_code == 0);
+  const auto a = numeric_metrics(kOut + "/mdata-straight/metrics.jsonl");
+  const auto b = numeric_metrics(kOut + "/mdata-split/metrics.jsonl");
+  REQUIRE(a.size() == 8);
+  REQUIRE(b.size() == 8);
+  for (size_t i = 0; i < a.size(); ++i) {
+    INFO("step " << i);
+    CHECK(a[i] == b[i]);
+  }
+  const auto state = nlohmann::json::parse(read_file(kOut + "/mdata-split/checkpoints/8/state.json"));
+  CHECK(state["consumed_samples"] == 8 * 4);
 }

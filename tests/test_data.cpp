@@ -388,7 +388,7 @@ TEST_CASE("preprocess_data: JSON lines to .bin/.idx, same bytes for any --worker
   CHECK(run("--output-prefix " + kDir + "/bad --json-keys missing").first == 3);
 }
 
-TEST_CASE("--dump-samples prints the first samples in global order", "[data][cli]") {
+TEST_CASE("dump-samples prints the first samples in global order", "[data][cli]") {
   const auto& g = reference()["gpt"][0];
   corpus_config(g, "dump");
   const auto r = run_trainer("dataset_type=megatron dataset_path=" + kDir + "/dump split=969,30,1 model_name=test-tiny "
@@ -406,4 +406,31 @@ TEST_CASE("--dump-samples prints the first samples in global order", "[data][cli
     ++i;
   }
   CHECK(i == 5);
+}
+
+TEST_CASE("evaluation on the validation split: token-mean lm_loss and perplexity in the metrics file", "[data][cli]") {
+  fs::create_directories(kDir);
+  std::vector<std::vector<int64_t>> docs;
+  for (int d = 0; d < 100; ++d) {
+    std::vector<int64_t> doc;
+    for (int t = 0; t < 20; ++t) doc.push_back((d + t) % 60);
+    docs.push_back(doc);
+  }
+  indexed_dataset_write(kDir + "/evalcorpus", docs, 8);
+  fs::remove_all(kDir + "/evalrun");
+  const auto r = run_trainer("dataset_type=megatron dataset_path=" + kDir + "/evalcorpus split=80,20,0 model_name=test-tiny "
+                             "pad_id=-1 eod_id=-1 max_target_length=8 per_device_batch_size=2 steps=6 eval_interval=3 "
+                             "eval_steps=2 data_cache_path=" + kDir + "/cache-eval base_output_directory=" + kDir +
+                             " run_name=evalrun");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.output, Catch::Contains("eval after step 2: lm_loss") && Catch::Contains("eval after step 5"));
+  std::vector<std::string> evals;
+  for (const auto& line : read_lines(kDir + "/evalrun/metrics.jsonl"))
+    if (line.find("eval/lm_loss") != std::string::npos) evals.push_back(line);
+  REQUIRE(evals.size() == 2);
+  CHECK(json_metric(evals[0], "step") == 2);
+  CHECK(json_metric(evals[1], "step") == 5);
+  CHECK(json_metric(evals[0], "eval/total_weights") == 2 * 2 * 8);  // eval_steps x batch x L, no masks
+  CHECK(json_metric(evals[1], "eval/perplexity") == Approx(std::exp(json_metric(evals[1], "eval/lm_loss"))));
+  CHECK(json_metric(evals[1], "eval/lm_loss") < json_metric(evals[0], "eval/lm_loss"));
 }

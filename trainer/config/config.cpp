@@ -12,6 +12,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include "trainer/config/keys.h"
+#include "trainer/dist/env.h"
 #include "trainer/util/error.h"
 
 extern char** environ;
@@ -182,6 +183,10 @@ std::vector<std::string> validation_errors(const Config& c) {
   }
   require(c.eval_interval >= 0, "eval_interval must be >= 0 (0 = no evaluation)");
   require(c.eval_steps > 0, "eval_steps must be > 0");
+  require(c.collective_timeout_seconds > 0, "collective_timeout_seconds must be > 0");
+  require(c.gradient_bucket_size_mb > 0, "gradient_bucket_size_mb must be > 0");
+  require(!c.shard_optimizer_over_data,
+          "shard_optimizer_over_data=true (ZeRO-1) is not implemented yet; plain data parallel keeps full AdamW state per rank");
   require(c.z_loss_multiplier >= 0, "z_loss_multiplier must be >= 0");
   require(c.learning_rate >= 0, "learning_rate must be >= 0");
   require(c.warmup_steps_fraction >= 0 && c.warmup_steps_fraction <= 1,
@@ -245,7 +250,7 @@ void config_derive_and_validate(Config& c) {
   }
   if (c.steps == -1) c.steps = c.learning_rate_schedule_steps;
   if (c.learning_rate_schedule_steps == -1) c.learning_rate_schedule_steps = c.steps;
-  c.data_parallel_size = 1;  // single process until the distributed issue lands
+  if (c.data_parallel_size < 1) c.data_parallel_size = 1;  // set from the launcher by config_load
   c.global_batch_size = c.per_device_batch_size * c.data_parallel_size * c.gradient_accumulation_steps;
   if (c.run_name.empty()) c.run_name = c.model_name + "_" + timestamp();
   c.run_dir = (fs::path(c.base_output_directory) / c.run_name).string();
@@ -319,6 +324,7 @@ Config config_load(const std::string& path, const std::vector<std::string>& over
     key.assign(config, it->second.node, it->second.source);
   }
   config.config_dir = config_path.parent_path().string();
+  config.data_parallel_size = dist_env_resolve(environment).world_size;
   config_derive_and_validate(config);
   return config;
 }

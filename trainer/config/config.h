@@ -82,6 +82,10 @@ using StringList = std::vector<std::string>;
   X(int64_t, data_shuffle_seed)                   \
   X(double, synthetic_min_valid_fraction)         \
   X(int64_t, pad_id)                              \
+  /* distributed */                               \
+  X(double, collective_timeout_seconds)           \
+  X(int64_t, gradient_bucket_size_mb)             \
+  X(bool, shard_optimizer_over_data)              \
   /* loss and normalization */                    \
   X(bool, calculate_per_token_loss)               \
   X(double, z_loss_multiplier)                    \

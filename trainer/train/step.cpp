@@ -190,9 +190,36 @@ StepOutput Trainer::forward_backward(int64_t step) {
     }
   }
 
+  // Data parallel: one bucketed all-reduce of the flat gradient and one of the step's scalars
+  // (W, the J accumulators, expert counts, the stop vote), once per step, not per micro-batch.
+  const int64_t collectives_before = comm_->collectives();
+  if (comm_->world_size() > 1) {
+    const int64_t bucket = c.gradient_bucket_size_mb * (1 << 20) / 4;
+    for (int64_t offset = 0; offset < flat_grads_.numel(); offset += bucket) {
+      auto view = flat_grads_.narrow(0, offset, std::min(bucket, flat_grads_.numel() - offset));
+      comm_->all_reduce_sum(view, "the gradient bucket at element " + std::to_string(offset));
+    }
+    std::vector<torch::Tensor> parts = {torch::tensor({W, stop_vote_ ? 1.0 : 0.0}, torch::kFloat64),
+                                        torch::stack({ce_acc, z_acc, lb_acc, mtp_acc, router_z_acc, mtp_raw_acc}).cpu()};
+    if (expert_counts.defined()) parts.push_back(expert_counts.to(torch::kCPU, torch::kFloat64).reshape({-1}));
+    auto stats = torch::cat(parts);
+    comm_->all_reduce_sum(stats, "the step's token count and loss sums");
+    const double* v = stats.data_ptr<double>();
+    W = v[0];
+    out.stop_requested = v[1] > 0;
+    auto on_device = [&](int i) { return torch::tensor(v[i], f64); };
+    ce_acc = on_device(2), z_acc = on_device(3), lb_acc = on_device(4), mtp_acc = on_device(5);
+    router_z_acc = on_device(6), mtp_raw_acc = on_device(7);
+    if (expert_counts.defined())
+      expert_counts = stats.narrow(0, 8, expert_counts.numel()).view(expert_counts.sizes()).to(expert_counts.options());
+  } else {
+    out.stop_requested = stop_vote_;
+  }
+  out.collectives = comm_->collectives() - collectives_before;
+
   // The single normalization of the step. W = 0 (no target token anywhere) gives a zero
   // gradient and a skipped step, never 0/0.
-  const double R = static_cast<double>(c.data_parallel_size);
+  const double R = static_cast<double>(comm_->world_size());
   const double scale = per_token ? (W > 0 ? 1.0 / W : 0.0) : 1.0 / (R * static_cast<double>(K));
   torch::NoGradGuard no_grad;
   flat_grads_.mul_(scale);
@@ -204,8 +231,8 @@ StepOutput Trainer::forward_backward(int64_t step) {
   out.moe_router_z_loss = router_z_acc * scale;
   out.mtp_loss_raw = mtp_raw_acc * scale;
   out.loss = out.lm_loss + out.moe_lb_loss + out.mtp_loss;
-  // Expert load of the step: counts averaged over micro-batches (and, later, ranks), not summed.
-  if (expert_counts.defined()) out.expert_load = expert_counts / static_cast<double>(K);
+  // Expert load of the step: counts averaged over micro-batches and ranks, not summed.
+  if (expert_counts.defined()) out.expert_load = expert_counts / (static_cast<double>(K) * R);
   out.raw_grad_norm = flat_grads_.norm();
   out.num_zeros = flat_grads_.eq(0).sum();
   return out;

@@ -12,6 +12,7 @@
 #include "trainer/ckpt/ckpt.h"
 #include "trainer/config/config.h"
 #include "trainer/data/data.h"
+#include "trainer/dist/dist.h"
 #include "trainer/metrics/metrics.h"
 #include "trainer/model/model.h"
 #include "trainer/train/schedule.h"
@@ -36,7 +37,9 @@ struct StepOutput {
   bool step_skipped = false;          // spike guard or W == 0
   double step_time_seconds = 0;
   double data_wait_seconds = 0;       // time this step waited for its micro-batches
-  std::vector<int64_t> sample_indices;  // global samples of the step, for error messages
+  std::vector<int64_t> sample_indices;  // global samples of the step (this rank's), for error messages
+  int64_t collectives = 0;            // all-reduces this step needed (0 with one process)
+  bool stop_requested = false;        // some rank received SIGTERM/SIGINT before this step
 };
 
 // One micro-batch's terms of J (DESIGN section 5), differentiable, before any normalization.
@@ -93,6 +96,7 @@ class Trainer {
   torch::Tensor flat_params() const { return flat_params_; }  // (P) fp32, every parameter is a view
   torch::Tensor flat_grads() const { return flat_grads_; }    // (P) fp32, every .grad is a view
   const DataLoader& data() const { return data_; }
+  const Communicator& communicator() const { return *comm_; }
   int64_t updates_applied() const { return updates_applied_; }
 
  private:
@@ -103,6 +107,8 @@ class Trainer {
   void update_expert_bias(const StepOutput& out);
 
   Config config_;
+  DistEnv dist_;
+  std::unique_ptr<Communicator> comm_;
   torch::Device device_;
   Transformer model_{nullptr};
   DataLoader data_;
@@ -113,6 +119,7 @@ class Trainer {
   torch::Tensor adam_v_;        // (P) fp32, second moment
   torch::Tensor adam_scratch_;  // (P) fp32, denominator workspace (no per-step allocation)
   int64_t updates_applied_ = 0;
+  bool stop_vote_ = false;  // this rank's SIGTERM/SIGINT, agreed on in the step's stats all-reduce
   std::deque<double> spike_losses_, spike_grad_norms_;  // last skip_step_interval accepted steps
   std::unique_ptr<MetricsLogger> logger_;
   std::unique_ptr<Checkpointer> checkpointer_;

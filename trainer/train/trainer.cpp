@@ -20,6 +20,31 @@
 namespace trainer {
 namespace {
 
+// Every rank must train the same config. Rank 0's run name (which may carry a timestamp) is
+// adopted; any other difference is an error naming the first differing key.
+const Config& agree_on_config(Config& c, const DistEnv& env, Communicator& comm) {
+  if (comm.world_size() == 1) return c;
+  if (env.world_size != c.data_parallel_size)
+    throw config_error("the config was resolved for " + std::to_string(c.data_parallel_size) + " ranks, but " +
+                       env.launcher + " started " + std::to_string(env.world_size));
+  c.run_name = comm.broadcast_string("run_name", c.run_name);
+  c.metrics_file = comm.broadcast_string("metrics_file", c.metrics_file);
+  c.run_dir = comm.broadcast_string("run_dir", c.run_dir);
+  const std::string mine = config_to_yaml(c), theirs = comm.broadcast_string("config", mine);
+  if (mine != theirs) {
+    std::istringstream a(mine), b(theirs);
+    for (std::string x, y; std::getline(a, x) && std::getline(b, y);)
+      if (x != y)
+        throw config_error("rank " + std::to_string(env.rank) + " has a different config than rank 0: '" + x +
+                           "' here, '" + y + "' on rank 0");
+  }
+  if (env.rank > 0) {
+    spdlog::set_level(spdlog::level::warn);  // only rank 0 reports progress
+    spdlog::set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%l] [rank " + std::to_string(env.rank) + "] %v");
+  }
+  return c;
+}
+
 torch::Device select_device(const Config& c) {
   if (c.hardware == "gpu") {
     if (!torch::cuda::is_available())
@@ -54,8 +79,10 @@ std::pair<double, double> mean_and_std(const std::deque<double>& values) {
 
 Trainer::Trainer(Config config)
     : config_(std::move(config)),
+      dist_(dist_env_resolve()),
+      comm_(dist_init(dist_, config_.collective_timeout_seconds)),
       device_(select_device(config_)),
-      data_(config_, /*rank=*/0),
+      data_(agree_on_config(config_, dist_, *comm_), dist_.rank),
       size_(model_size(config_)) {
   if (config_.num_threads > 0) torch::set_num_threads(static_cast<int>(config_.num_threads));
   // Nothing in a step draws from the global generator today; seeding it anyway makes its state
@@ -214,6 +241,7 @@ MetricValues Trainer::read_metrics(const StepOutput& out) const {
       {"optim/step_skipped", out.step_skipped ? 1.0 : 0.0},
       {"perf/step_time_seconds", seconds},
       {"perf/data_wait_seconds", out.data_wait_seconds},
+      {"perf/collectives_per_step", static_cast<double>(out.collectives)},
       {"perf/per_device_tokens_per_sec", seconds > 0 ? tokens / seconds : 0.0},
       {"perf/per_device_tflops_per_sec", seconds > 0 ? size_.flops_per_step_per_device / seconds / 1e12 : 0.0},
   };
@@ -392,7 +420,7 @@ MetricValues Trainer::evaluate(int64_t index) {
     } else {
       source = megatron_source(c, DataSplit::kValid, samples);
     }
-    eval_data_ = std::make_unique<DataLoader>(c, 0, std::move(source));
+    eval_data_ = std::make_unique<DataLoader>(c, dist_.rank, std::move(source));
   }
   torch::NoGradGuard no_grad;
   double ce = 0, weights = 0;
@@ -403,6 +431,9 @@ MetricValues Trainer::evaluate(int64_t index) {
       ce += (m.ce - m.z).item<double>();  // cross-entropy only (no z-loss), token-weighted
       weights += m.weights;
     }
+  auto sums = torch::tensor({ce, weights}, torch::kFloat64);
+  comm_->all_reduce_sum(sums, "the evaluation loss sums");
+  ce = sums[0].item<double>(), weights = sums[1].item<double>();
   const double lm_loss = weights > 0 ? ce / weights : 0.0;
   return {{"eval/lm_loss", lm_loss}, {"eval/perplexity", std::exp(lm_loss)}, {"eval/total_weights", weights}};
 }
@@ -430,10 +461,13 @@ void Trainer::train() {
     spdlog::info("run_dir {} already reached step {} (steps = {}); nothing to do", c.run_dir, start_step, c.steps);
     return;
   }
-  std::filesystem::create_directories(c.run_dir);
-  std::ofstream(std::filesystem::path(c.run_dir) / "config.yml") << config_to_yaml(c);
-  logger_ = std::make_unique<MetricsLogger>(c, start_step);
-  if (c.enable_checkpointing) checkpointer_ = std::make_unique<Checkpointer>(c);
+  const bool writer = dist_.rank == 0;  // only rank 0 writes files
+  if (writer) {
+    std::filesystem::create_directories(c.run_dir);
+    std::ofstream(std::filesystem::path(c.run_dir) / "config.yml") << config_to_yaml(c);
+    logger_ = std::make_unique<MetricsLogger>(c, start_step);
+    if (c.enable_checkpointing) checkpointer_ = std::make_unique<Checkpointer>(c);
+  }
   install_stop_handlers();
   spdlog::info("run_dir {} | model {}: {} parameters ({} active per token), {:.4g} TFLOP per step per device | "
                "device {} | global batch {} sequences x {} tokens, K = {} | {} normalization | steps {}..{}",
@@ -450,7 +484,7 @@ void Trainer::train() {
   auto report = [&](StepOutput& out, Clock::time_point end) {
     out.step_time_seconds = std::chrono::duration<double>(end - pending_start).count();
     const MetricValues values = read_metrics(out);
-    logger_->log(out.step, values);
+    if (logger_) logger_->log(out.step, values);
     const bool nan = metric_get(values, "learning/is_nan") > 0, inf = metric_get(values, "learning/is_inf") > 0;
     if ((nan && c.abort_on_nan_loss) || (inf && c.abort_on_inf_loss)) {
       throw Error(kExitNumerical,
@@ -479,26 +513,31 @@ void Trainer::train() {
   auto run_eval = [&](int64_t completed) {
     flush(Clock::now());
     const MetricValues values = evaluate(completed / c.eval_interval - 1 + (completed % c.eval_interval != 0));
-    logger_->log_eval(completed - 1, values);
+    if (logger_) logger_->log_eval(completed - 1, values);
   };
 
   for (int64_t step = start_step; step < c.steps; ++step) {
     const auto start = Clock::now();
+    stop_vote_ = g_stop_signal.load() != 0;
     StepOutput out = train_step(step);
+    const bool stop = out.stop_requested;  // agreed by all ranks in the step's all-reduce
     if (pending) report(*pending, start);
     pending = std::move(out);
     pending_start = start;
 
     const int64_t completed = step + 1;
-    const int signal = g_stop_signal.load();
+    const int signal = stop ? std::max(g_stop_signal.load(), 1) : 0;
     const bool final_step = completed == c.steps || signal != 0;
     if (c.eval_interval > 0 && (completed % c.eval_interval == 0 || completed == c.steps)) run_eval(completed);
     if (checkpointer_ && (completed % c.checkpoint_period == 0 || (final_step && (c.save_checkpoint_on_completion || signal))))
       save(completed, c.async_checkpointing && !final_step);
     if (signal != 0) {
       flush(Clock::now());
-      spdlog::warn("received {}: stopped after step {}{}; exiting", signal == SIGTERM ? "SIGTERM" : "SIGINT", step,
-                   checkpointer_ ? ", checkpoint " + std::to_string(completed) + " saved" : " (checkpointing disabled)");
+      spdlog::warn("received {}: stopped after step {}{}; exiting",
+                   signal == SIGTERM ? "SIGTERM" : signal == SIGINT ? "SIGINT" : "a stop signal on another rank", step,
+                   checkpointer_          ? ", checkpoint " + std::to_string(completed) + " saved"
+                   : dist_.rank > 0 ? " (rank 0 saves the checkpoint)"
+                                    : " (checkpointing disabled)");
       break;
     }
   }

@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Ling2 pretraining (the RFC's scripts/pretrain_ling2.sh, change 8, for this trainer).
+# Architecture: configs/models/ling2.yml (Ling 2.0 dimensions; MoE + MTP; see docs/moe.md).
+# Every setting below can be overridden from the environment (${VAR:-default}); anything after
+# the script name is passed through to build/trainer as key=value overrides.
+#   NPROC=8 scripts/pretrain_ling2.sh                                 # one node, 8 processes
+#   HOSTFILE=hosts NPROC=16 scripts/pretrain_ling2.sh steps=1000      # several nodes (mpirun --hostfile)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# ============================================================================
+# 1. Tokenizer
+# ============================================================================
+VOCAB_SIZE=${VOCAB_SIZE:-157184}
+PAD_ID=${PAD_ID:-156892}   # <|endoftext|>
+EOD_ID=${EOD_ID:-156892}   # <|endoftext|>
+BOS_ID=${BOS_ID:-156891}   # <|startoftext|> (informational: documents are not prefixed)
+
+# ============================================================================
+# 2. Output paths and run name
+# ============================================================================
+BASE_OUTPUT_DIR=${BASE_OUTPUT_DIR:-runs}
+RUN_NAME=${RUN_NAME:-"ling2-pretrain-$(date +%Y%m%d_%H%M)"}
+
+# ============================================================================
+# 3. Launch: single process, one node x NPROC (mpirun -np), or several nodes (mpirun --hostfile)
+# ============================================================================
+NPROC=${NPROC:-1}
+HOSTFILE=${HOSTFILE:-}
+MPIRUN_ARGS=${MPIRUN_ARGS:-"--bind-to none"}
+if [ "$(id -u)" -eq 0 ]; then MPIRUN_ARGS="$MPIRUN_ARGS --allow-run-as-root"; fi
+if [ -n "$HOSTFILE" ]; then
+  LAUNCH=(mpirun --hostfile "$HOSTFILE" -np "$NPROC" $MPIRUN_ARGS -x PATH -x LD_LIBRARY_PATH)
+elif [ "$NPROC" -gt 1 ]; then
+  LAUNCH=(mpirun -np "$NPROC" --oversubscribe $MPIRUN_ARGS)
+else
+  LAUNCH=()
+fi
+
+# ============================================================================
+# 4. Dataset (Megatron .bin/.idx). The default is the byte-level demo corpus, whose token ids
+#    (bytes, <eod> 256, <pad> 257) are valid in Ling2's vocabulary; point DATA_PATH at data made
+#    with Ling2's tokenizer for real runs.
+# ============================================================================
+DATASET_TYPE=${DATASET_TYPE:-megatron}
+DATA_PATH=${DATA_PATH:-data/fortunes_text_document}
+if [ "$DATA_PATH" = data/fortunes_text_document ]; then
+  EOD_ID=${DEMO_EOD_ID:-256}
+  PAD_ID=${DEMO_PAD_ID:-257}
+  [ -f data/fortunes_text_document.idx ] || scripts/prepare_corpus.sh
+fi
+SPLIT=${SPLIT:-"969,30,1"}
+DATA_SEED=${DATA_SEED:-1234}
+
+# ============================================================================
+# 5. Training hyperparameters
+# ============================================================================
+MODEL_NAME=${MODEL_NAME:-ling2}
+CONFIG_FILE=${CONFIG_FILE:-configs/base.yml}
+STEPS=${STEPS:-100000}
+PER_DEVICE_BATCH_SIZE=${PER_DEVICE_BATCH_SIZE:-2}
+GRADIENT_ACCUMULATION_STEPS=${GRADIENT_ACCUMULATION_STEPS:-1}
+MAX_TARGET_LENGTH=${MAX_TARGET_LENGTH:-4096}
+LEARNING_RATE=${LEARNING_RATE:-3e-4}
+WARMUP_STEPS_FRACTION=${WARMUP_STEPS_FRACTION:-0.01}
+CALCULATE_PER_TOKEN_LOSS=${CALCULATE_PER_TOKEN_LOSS:-false}   # Megatron's normalization
+DTYPE=${DTYPE:-bfloat16}
+CHECKPOINT_PERIOD=${CHECKPOINT_PERIOD:-1000}
+
+if [ ! -f "configs/models/${MODEL_NAME}.yml" ]; then
+  echo "pretrain_ling2.sh: configs/models/${MODEL_NAME}.yml does not exist (MODEL_NAME=${MODEL_NAME})" >&2
+  exit 2
+fi
+[ -x build/trainer ] || scripts/setup.sh
+
+# ============================================================================
+# 6. Start training
+# ============================================================================
+set -x
+exec "${LAUNCH[@]}" build/trainer "$CONFIG_FILE" \
+  model_name="$MODEL_NAME" \
+  override_model_config=true \
+  run_name="$RUN_NAME" \
+  base_output_directory="$BASE_OUTPUT_DIR" \
+  \
+  vocab_size="$VOCAB_SIZE" \
+  eod_id="$EOD_ID" \
+  pad_id="$PAD_ID" \
+  \
+  dataset_type="$DATASET_TYPE" \
+  dataset_path="$DATA_PATH" \
+  split="$SPLIT" \
+  data_shuffle_seed="$DATA_SEED" \
+  \
+  steps="$STEPS" \
+  per_device_batch_size="$PER_DEVICE_BATCH_SIZE" \
+  gradient_accumulation_steps="$GRADIENT_ACCUMULATION_STEPS" \
+  max_target_length="$MAX_TARGET_LENGTH" \
+  learning_rate="$LEARNING_RATE" \
+  warmup_steps_fraction="$WARMUP_STEPS_FRACTION" \
+  calculate_per_token_loss="$CALCULATE_PER_TOKEN_LOSS" \
+  dtype="$DTYPE" \
+  checkpoint_period="$CHECKPOINT_PERIOD" \
+  "$@"

@@ -1,0 +1,181 @@
+// Data parallelism under mpirun (2 processes on this machine) and torchrun-style launches:
+// R=2 equals R=1 with the same samples, one gradient all-reduce per bucket per step, a dead rank
+// makes the other exit 5, resume across world sizes, and scripts/pretrain_ling2.sh.
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <filesystem>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "test_support.h"
+#include "trainer/ckpt/ckpt.h"
+#include "trainer/dist/env.h"
+#include "trainer/util/error.h"
+
+using namespace trainer;
+using namespace trainer::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kOut = "/tmp/trainer-tests-dist";
+
+CommandResult run_command(const std::string& command) {
+  CommandResult result;
+  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) result.output.append(buf, n);
+  const int status = pclose(pipe);
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return result;
+}
+
+CommandResult mpirun(int np, const std::string& args) {
+  return run_command("mpirun --allow-run-as-root --oversubscribe --bind-to none -np " + std::to_string(np) + " " +
+                     TRAINER_BINARY + " " + source_path("configs/base.yml") + " " + kSyntheticData + " " + args);
+}
+
+std::vector<nlohmann::json> metrics_of(const std::string& run) {
+  std::vector<nlohmann::json> out;
+  for (const auto& line : read_lines(kOut + "/" + run + "/metrics.jsonl")) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("the launcher environment is resolved in one place", "[dist]") {
+  CHECK(dist_env_resolve(std::vector<std::string>{}).world_size == 1);
+  const auto ompi = dist_env_resolve({"OMPI_COMM_WORLD_RANK=3", "OMPI_COMM_WORLD_SIZE=8", "OMPI_COMM_WORLD_LOCAL_RANK=1",
+                                      "OMPI_COMM_WORLD_LOCAL_SIZE=4"});
+  CHECK(ompi.rank == 3);
+  CHECK(ompi.world_size == 8);
+  CHECK(ompi.local_rank == 1);
+  CHECK(ompi.launcher == "mpirun");
+  const auto torchrun = dist_env_resolve({"RANK=1", "WORLD_SIZE=2", "LOCAL_RANK=1"});
+  CHECK(torchrun.rank == 1);
+  CHECK(torchrun.launcher == "torchrun-style");
+  CHECK(dist_env_resolve({"SLURM_PROCID=5", "SLURM_NTASKS=6", "SLURM_LOCALID=1"}).local_rank == 1);
+  CHECK(dist_env_resolve({"PMI_RANK=2", "PMI_SIZE=4"}).rank == 2);
+  try {
+    dist_env_resolve({"RANK=4", "WORLD_SIZE=2"});
+    FAIL("accepted rank >= world size");
+  } catch (const Error& e) {
+    CHECK(e.exit_code() == kExitUsage);
+  }
+}
+
+TEST_CASE("R=2 under mpirun equals R=1 on the same samples, in both normalization modes", "[dist][cli]") {
+  for (const std::string mode : {"true", "false"}) {
+    const std::string common = "model_name=test-tiny max_target_length=16 per_device_batch_size=1 steps=3 "
+                               "synthetic_min_valid_fraction=0.2 warmup_steps_fraction=0 learning_rate=0.01 "
+                               "calculate_per_token_loss=" + mode + " base_output_directory=" + kOut + " ";
+    fs::remove_all(kOut + "/r2-" + mode);
+    fs::remove_all(kOut + "/r1-" + mode);
+    const auto two = mpirun(2, common + "gradient_accumulation_steps=2 run_name=r2-" + mode);
+    INFO(two.output);
+    REQUIRE(two.exit_code == 0);
+    CHECK_THAT(two.output, Catch::Contains("data parallel: rank 0 of 2"));
+    REQUIRE(run_trainer(common + "gradient_accumulation_steps=4 run_name=r1-" + mode).exit_code == 0);
+    const auto a = metrics_of("r2-" + mode), b = metrics_of("r1-" + mode);
+    REQUIRE(a.size() == 3);
+    REQUIRE(b.size() == 3);
+    for (size_t i = 0; i < 3; ++i) {
+      INFO("per_token=" << mode << " step " << i);
+      for (const char* name : {"learning/loss", "learning/lm_loss", "learning/raw_grad_norm", "learning/param_norm"})
+        CHECK(a[i][name].get<double>() == Approx(b[i][name].get<double>()).epsilon(2e-6));
+      CHECK(a[i]["learning/total_weights"] == b[i]["learning/total_weights"]);
+      CHECK(a[i]["learning/num_zeros"] == b[i]["learning/num_zeros"]);
+      CHECK(a[i]["perf/collectives_per_step"] == 2);  // one gradient bucket + the step's scalars
+      CHECK(b[i]["perf/collectives_per_step"] == 0);
+    }
+    const auto wa = checkpoint_read_tensors(kOut + "/r2-" + mode + "/checkpoints/3/model.safetensors");
+    const auto wb = checkpoint_read_tensors(kOut + "/r1-" + mode + "/checkpoints/3/model.safetensors");
+    REQUIRE(wa.size() == wb.size());
+    for (size_t i = 0; i < wa.size(); ++i) CHECK(torch::allclose(wa[i].second, wb[i].second, 1e-5, 1e-6));
+  }
+}
+
+TEST_CASE("one all-reduce per gradient bucket per step, whatever K", "[dist][cli]") {
+  fs::remove_all(kOut + "/buckets");
+  // The default model has 459,904 parameters = 1.75 MiB of fp32 gradient: 2 buckets of 1 MiB.
+  const auto r = mpirun(2, "model_name=default dataset_type=synthetic pad_id=0 max_target_length=16 per_device_batch_size=1 "
+                           "gradient_accumulation_steps=4 steps=2 gradient_bucket_size_mb=1 base_output_directory=" + kOut +
+                           " run_name=buckets");
+  REQUIRE(r.exit_code == 0);
+  for (const auto& m : metrics_of("buckets")) CHECK(m["perf/collectives_per_step"] == 3);
+}
+
+TEST_CASE("a rank that dies makes the other exit 5 naming the operation", "[dist][cli]") {
+  fs::remove_all(kOut + "/dead");
+  const int port = 29500 + static_cast<int>(getpid() % 1000);
+  auto spawn_rank = [&](int rank) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      setenv("RANK", std::to_string(rank).c_str(), 1);
+      setenv("WORLD_SIZE", "2", 1);
+      setenv("MASTER_ADDR", "127.0.0.1", 1);
+      setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      const std::string log = kOut + "-dead-" + std::to_string(rank) + ".log";
+      const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      dup2(fd, 1);
+      dup2(fd, 2);
+      execl(TRAINER_BINARY, TRAINER_BINARY, source_path("configs/base.yml").c_str(), "dataset_type=synthetic", "pad_id=0",
+            "model_name=test-tiny", "max_target_length=16", "steps=100000", "collective_timeout_seconds=20",
+            "checkpoint_period=100000", ("base_output_directory=" + kOut).c_str(), "run_name=dead", nullptr);
+      _exit(127);
+    }
+    return pid;
+  };
+  const pid_t rank0 = spawn_rank(0), rank1 = spawn_rank(1);
+  for (int i = 0; i < 300 && read_lines(kOut + "/dead/metrics.jsonl").size() < 3; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  REQUIRE(read_lines(kOut + "/dead/metrics.jsonl").size() >= 3);
+  kill(rank1, SIGKILL);
+  const auto start = std::chrono::steady_clock::now();
+  CHECK(wait_exit_code(rank0) == 5);
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(25));
+  wait_exit_code(rank1);
+  CHECK_THAT(read_file(kOut + "-dead-0.log"), Catch::Contains("rank 0 of 2: all_reduce of"));
+}
+
+TEST_CASE("checkpoints of R=2 resume bit-exactly with R=2, and load with R=1", "[dist][cli][checkpoint]") {
+  const std::string common = "model_name=test-tiny max_target_length=16 per_device_batch_size=1 gradient_accumulation_steps=2 "
+                             "learning_rate_schedule_steps=6 checkpoint_period=2 base_output_directory=" + kOut + " ";
+  fs::remove_all(kOut + "/ck-straight");
+  fs::remove_all(kOut + "/ck-split");
+  REQUIRE(mpirun(2, common + "steps=6 run_name=ck-straight").exit_code == 0);
+  REQUIRE(mpirun(2, common + "steps=3 run_name=ck-split").exit_code == 0);
+  const auto resumed = mpirun(2, common + "steps=6 run_name=ck-split");
+  REQUIRE(resumed.exit_code == 0);
+  CHECK_THAT(resumed.output, Catch::Contains("resumed from checkpoint"));
+  const auto a = metrics_of("ck-straight"), b = metrics_of("ck-split");
+  REQUIRE(a.size() == 6);
+  REQUIRE(b.size() == 6);
+  for (size_t i = 0; i < 6; ++i)
+    for (const char* name : {"learning/loss", "learning/grad_norm", "learning/param_norm"})
+      CHECK(a[i][name].dump() == b[i][name].dump());
+  // The same checkpoint continues with one process (the global batch stays the same: K doubles).
+  const auto one = run_trainer("model_name=test-tiny max_target_length=16 per_device_batch_size=1 "
+                               "gradient_accumulation_steps=4 learning_rate_schedule_steps=8 steps=7 "
+                               "base_output_directory=" + kOut + " run_name=ck-split");
+  CHECK(one.exit_code == 0);
+  CHECK_THAT(one.output, Catch::Contains("written with 2 ranks, resuming with 1"));
+}
+
+TEST_CASE("scripts/pretrain_ling2.sh: valid bash, and a 2-step run with 2 processes", "[dist][cli]") {
+  CHECK(run_command("bash -n " + source_path("scripts/pretrain_ling2.sh")).exit_code == 0);
+  fs::remove_all(kOut + "/ling2-script");
+  const auto r = run_command("cd " + std::string(TRAINER_SOURCE_DIR) + " && MODEL_NAME=ling2-tiny VOCAB_SIZE=258 NPROC=2 "
+                             "STEPS=2 MAX_TARGET_LENGTH=32 DTYPE=float32 BASE_OUTPUT_DIR=" + kOut +
+                             " RUN_NAME=ling2-script DATASET_TYPE=synthetic DEMO_EOD_ID=-1 DEMO_PAD_ID=0 "
+                             "scripts/pretrain_ling2.sh data_cache_path=" + kOut + "/cache");
+  INFO(r.output);
+  CHECK(r.exit_code == 0);
+  CHECK(metrics_of("ling2-script").size() == 2);
+  const auto missing = run_command("cd " + std::string(TRAINER_SOURCE_DIR) + " && MODEL_NAME=ling3 scripts/pretrain_ling2.sh");
+  CHECK(missing.exit_code == 2);
+  CHECK_THAT(missing.output, Catch::Contains("configs/models/ling3.yml does not exist"));
+}
