@@ -32,6 +32,7 @@
 // LB and the per-micro-batch MTP means are statistics of the micro-batch's tokens, not sums
 // over tokens, so with aux losses on, (K=4, b) and (K=1, 4b) differ by how those statistics
 // change with the batch (small; bounded in the tests), while the CE part stays exact.
+#include <chrono>
 #include <limits>
 
 #include "trainer/train/train.h"
@@ -193,6 +194,7 @@ StepOutput Trainer::forward_backward(int64_t step) {
   // Data parallel: one bucketed all-reduce of the flat gradient and one of the step's scalars
   // (W, the J accumulators, expert counts, the stop vote), once per step, not per micro-batch.
   const int64_t collectives_before = comm_->collectives();
+  const auto sync_start = std::chrono::steady_clock::now();
   if (comm_->world_size() > 1) {
     const int64_t bucket = c.gradient_bucket_size_mb * (1 << 20) / 4;
     for (int64_t offset = 0; offset < flat_grads_.numel(); offset += bucket) {
@@ -216,6 +218,7 @@ StepOutput Trainer::forward_backward(int64_t step) {
     out.stop_requested = stop_vote_;
   }
   out.collectives = comm_->collectives() - collectives_before;
+  out.grad_sync_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - sync_start).count();
 
   // The single normalization of the step. W = 0 (no target token anywhere) gives a zero
   // gradient and a skipped step, never 0/0.

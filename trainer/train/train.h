@@ -39,6 +39,7 @@ struct StepOutput {
   double data_wait_seconds = 0;       // time this step waited for its micro-batches
   std::vector<int64_t> sample_indices;  // global samples of the step (this rank's), for error messages
   int64_t collectives = 0;            // all-reduces this step needed (0 with one process)
+  double grad_sync_seconds = 0;       // host time spent in those all-reduces
   bool stop_requested = false;        // some rank received SIGTERM/SIGINT before this step
 };
 

@@ -242,6 +242,7 @@ MetricValues Trainer::read_metrics(const StepOutput& out) const {
       {"perf/step_time_seconds", seconds},
       {"perf/data_wait_seconds", out.data_wait_seconds},
       {"perf/collectives_per_step", static_cast<double>(out.collectives)},
+      {"perf/grad_sync_seconds", out.grad_sync_seconds},
       {"perf/per_device_tokens_per_sec", seconds > 0 ? tokens / seconds : 0.0},
       {"perf/per_device_tflops_per_sec", seconds > 0 ? size_.flops_per_step_per_device / seconds / 1e12 : 0.0},
   };
