@@ -11,6 +11,7 @@
 #include "trainer/data/data.h"
 #include "trainer/data/gpt_dataset.h"
 #include "trainer/data/indexed_dataset.h"
+#include "trainer/train/train.h"
 #include "trainer/util/error.h"
 
 using namespace trainer;
@@ -432,5 +433,26 @@ TEST_CASE("evaluation on the validation split: token-mean lm_loss and perplexity
   CHECK(json_metric(evals[1], "step") == 5);
   CHECK(json_metric(evals[0], "eval/total_weights") == 2 * 2 * 8);  // eval_steps x batch x L, no masks
   CHECK(json_metric(evals[1], "eval/perplexity") == Approx(std::exp(json_metric(evals[1], "eval/lm_loss"))));
-  CHECK(json_metric(evals[1], "eval/lm_loss") < json_metric(evals[0], "eval/lm_loss"));
+
+  // In process: evaluate(1) is the token mean of the CE over the second evaluation's batches,
+  // recomputed here from the model's logits on the validation samples.
+  Trainer t(tiny_config({"dataset_type=megatron", "dataset_path=" + kDir + "/evalcorpus", "split=80,20,0", "pad_id=-1",
+                         "eod_id=-1", "max_target_length=8", "per_device_batch_size=2", "gradient_accumulation_steps=2",
+                         "steps=6", "eval_interval=3", "eval_steps=2", "data_cache_path=" + kDir + "/cache-eval"}));
+  const auto values = t.evaluate(1);
+  const DataLoader valid(t.config(), 0, megatron_source(t.config(), DataSplit::kValid, (6 / 3 + 1) * 2 * 4));
+  torch::NoGradGuard no_grad;
+  double ce = 0, count = 0;
+  for (int64_t step = 2; step < 4; ++step)  // evaluation 1 reads global batches 2 and 3
+    for (int64_t m = 0; m < 2; ++m) {
+      const auto b = valid.data_loader_next(step, m);
+      const auto shape = std::vector<int64_t>{b.batch_size, b.seq_len};
+      const auto logits = t.model()->forward(torch::tensor(b.inputs).view(shape), torch::tensor(b.positions).view(shape),
+                                             torch::tensor(b.segment_ids).view(shape)).logits.to(torch::kFloat64);
+      const auto logp = torch::log_softmax(logits, -1).gather(-1, torch::tensor(b.targets).view(shape).unsqueeze(-1));
+      ce -= logp.sum().item<double>();
+      count += static_cast<double>(b.batch_size * b.seq_len);
+    }
+  CHECK(metric_get(values, "eval/lm_loss") == Approx(ce / count).epsilon(1e-5));
+  CHECK(metric_get(values, "eval/total_weights") == count);
 }

@@ -185,8 +185,6 @@ std::vector<std::string> validation_errors(const Config& c) {
   require(c.eval_steps > 0, "eval_steps must be > 0");
   require(c.collective_timeout_seconds > 0, "collective_timeout_seconds must be > 0");
   require(c.gradient_bucket_size_mb > 0, "gradient_bucket_size_mb must be > 0");
-  require(!c.shard_optimizer_over_data,
-          "shard_optimizer_over_data=true (ZeRO-1) is not implemented yet; plain data parallel keeps full AdamW state per rank");
   require(c.z_loss_multiplier >= 0, "z_loss_multiplier must be >= 0");
   require(c.learning_rate >= 0, "learning_rate must be >= 0");
   require(c.warmup_steps_fraction >= 0 && c.warmup_steps_fraction <= 1,

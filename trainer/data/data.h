@@ -54,8 +54,10 @@ enum class DataSplit { kTrain = 0, kValid = 1, kTest = 2 };
 
 // Megatron GPTDataset samples of one split (train/valid/test) of a dataset or a blend, with
 // Megatron's masks and positions (eod_mask_loss, reset_position_ids, reset_attention_mask).
-// Index arrays are cached on disk. Errors in the data throw trainer::Error (exit code 3).
-std::unique_ptr<SampleSource> megatron_source(const Config& config, DataSplit split, int64_t num_samples);
+// Index arrays are cached on disk; with several ranks only rank 0 builds them and the others
+// wait for its cache file. Errors in the data throw trainer::Error (exit code 3).
+std::unique_ptr<SampleSource> megatron_source(const Config& config, DataSplit split, int64_t num_samples,
+                                              int64_t rank = 0);
 
 // Global sample order (DESIGN section 6): micro-batch m of data-parallel rank r in step k holds
 // global samples k*GBS + m*mbs*R + r*mbs + [0, mbs).

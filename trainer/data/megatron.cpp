@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 #include <spdlog/spdlog.h>
 
@@ -88,8 +89,8 @@ struct Component {
 
 class MegatronSource : public SampleSource {
  public:
-  MegatronSource(const Config& c, DataSplit split, int64_t num_samples)
-      : seq_len_(c.max_target_length), vocab_size_(c.vocab_size), eod_(c.eod_id), pad_(c.pad_id),
+  MegatronSource(const Config& c, DataSplit split, int64_t num_samples, int64_t rank)
+      : rank_(rank), seq_len_(c.max_target_length), vocab_size_(c.vocab_size), eod_(c.eod_id), pad_(c.pad_id),
         eod_mask_loss_(c.eod_mask_loss), reset_positions_(c.reset_position_ids), reset_attention_(c.reset_attention_mask),
         num_samples_(num_samples) {
     const auto blend = parse_dataset_path(c.dataset_path);
@@ -177,6 +178,18 @@ class MegatronSource : public SampleSource {
       spdlog::info("data index cache hit: {} ({} samples, {:.3f} s)", file, num_samples, elapsed());
       return ix;
     }
+    if (rank_ > 0 && c.data_parallel_size > 1) {
+      // Only rank 0 builds; the others wait for its (atomically renamed) cache file.
+      while (elapsed() < c.collective_timeout_seconds) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        if (read_cache(file, ix)) {
+          spdlog::info("data index from rank 0's cache: {} ({:.3f} s)", file, elapsed());
+          return ix;
+        }
+      }
+      spdlog::warn("rank {}: rank 0's data index {} did not appear within {} s; building it here", rank_, file,
+                   c.collective_timeout_seconds);
+    }
     ix = gpt_build_indices(data.sequence_lengths(), documents, c.max_target_length, num_samples,
                            static_cast<uint32_t>(c.data_shuffle_seed));
     try {
@@ -190,7 +203,7 @@ class MegatronSource : public SampleSource {
     return ix;
   }
 
-  int64_t seq_len_, vocab_size_, eod_, pad_;
+  int64_t rank_, seq_len_, vocab_size_, eod_, pad_;
   bool eod_mask_loss_, reset_positions_, reset_attention_;
   int64_t num_samples_;
   std::vector<double> weights_;
@@ -201,8 +214,8 @@ class MegatronSource : public SampleSource {
 
 }  // namespace
 
-std::unique_ptr<SampleSource> megatron_source(const Config& config, DataSplit split, int64_t num_samples) {
-  return std::make_unique<MegatronSource>(config, split, num_samples);
+std::unique_ptr<SampleSource> megatron_source(const Config& config, DataSplit split, int64_t num_samples, int64_t rank) {
+  return std::make_unique<MegatronSource>(config, split, num_samples, rank);
 }
 
 }  // namespace trainer

@@ -93,7 +93,7 @@ DataLoader::DataLoader(const Config& config, int64_t rank)
       source_(config.dataset_type == "synthetic"
                   ? std::shared_ptr<SampleSource>(std::make_shared<SyntheticDataset>(config))
                   : std::shared_ptr<SampleSource>(
-                        megatron_source(config, DataSplit::kTrain, config.steps * config.global_batch_size))) {}
+                        megatron_source(config, DataSplit::kTrain, config.steps * config.global_batch_size, rank))) {}
 
 DataLoader::DataLoader(const Config& config, int64_t rank, std::shared_ptr<SampleSource> source)
     : config_(config), rank_(rank), source_(std::move(source)) {}

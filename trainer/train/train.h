@@ -73,9 +73,9 @@ class Trainer {
   // step index to start at. Throws trainer::Error (exit 2) on a model/checkpoint mismatch.
   int64_t load_initial_state();
   // Host-side copy of everything a bit-exact resume needs, after `completed_steps` steps.
-  CheckpointContents snapshot(int64_t completed_steps) const;
+  CheckpointContents snapshot(int64_t completed_steps);  // a collective with ZeRO-1
   // Writes the model weights alone (HF names) to a safetensors file.
-  void export_model(const std::string& path) const;
+  void export_model(const std::string& path);
   // Forward-only evaluation on `eval_steps` global batches of the validation split (the
   // `index`-th evaluation reads the next batches): {eval/lm_loss (token mean), eval/perplexity}.
   MetricValues evaluate(int64_t index);
@@ -106,6 +106,11 @@ class Trainer {
   void restore(const CheckpointContents& contents, bool full_state, const std::string& source);
   NamedTensors model_tensors() const;  // parameters then buffers, HF names, views (not copies)
   void update_expert_bias(const StepOutput& out);
+  bool sharded() const { return shard_end_ - shard_begin_ < flat_params_.numel(); }
+  // ZeRO-1: every rank's shard of `shard` (this rank's part of a P-sized flat buffer, given as
+  // the (shard)-sized tensor) assembled into `full` (P) on all ranks, exactly (one all-reduce
+  // of zero-padded buffers: x + 0 = x).
+  void gather_shards(const torch::Tensor& shard, torch::Tensor& full, const std::string& what);
 
   Config config_;
   DistEnv dist_;
@@ -116,9 +121,13 @@ class Trainer {
   ModelSize size_;
   torch::Tensor flat_params_;   // (P) fp32
   torch::Tensor flat_grads_;    // (P) fp32
-  torch::Tensor adam_m_;        // (P) fp32, first moment
-  torch::Tensor adam_v_;        // (P) fp32, second moment
-  torch::Tensor adam_scratch_;  // (P) fp32, denominator workspace (no per-step allocation)
+  // AdamW state for this rank's shard [shard_begin_, shard_end_) of the flat buffer: all of it
+  // without ZeRO-1, a 1/R slice with shard_optimizer_over_data.
+  int64_t shard_begin_ = 0, shard_end_ = 0;
+  torch::Tensor adam_m_;        // (shard) fp32, first moment
+  torch::Tensor adam_v_;        // (shard) fp32, second moment
+  torch::Tensor adam_scratch_;  // (shard) fp32, denominator workspace (no per-step allocation)
+  torch::Tensor gather_buffer_; // (P) fp32, ZeRO-1 only: assembles the shards of all ranks
   int64_t updates_applied_ = 0;
   bool stop_vote_ = false;  // this rank's SIGTERM/SIGINT, agreed on in the step's stats all-reduce
   std::deque<double> spike_losses_, spike_grad_norms_;  // last skip_step_interval accepted steps

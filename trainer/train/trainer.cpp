@@ -117,9 +117,18 @@ void Trainer::build_flat_buffers() {
     p.mutable_grad() = flat_grads_.narrow(0, offset, n).view(p.sizes());
     offset += n;
   }
-  adam_m_ = torch::zeros({total}, opts);
-  adam_v_ = torch::zeros({total}, opts);
-  adam_scratch_ = torch::empty({total}, opts);
+  // ZeRO-1: rank r keeps AdamW state for elements [r*chunk, (r+1)*chunk) only.
+  const int64_t ranks = config_.shard_optimizer_over_data ? comm_->world_size() : 1;
+  const int64_t chunk = (total + ranks - 1) / ranks;
+  shard_begin_ = std::min(total, (ranks > 1 ? comm_->rank() : 0) * chunk);
+  shard_end_ = std::min(total, shard_begin_ + chunk);
+  const int64_t shard = shard_end_ - shard_begin_;
+  adam_m_ = torch::zeros({shard}, opts);
+  adam_v_ = torch::zeros({shard}, opts);
+  adam_scratch_ = torch::empty({shard}, opts);
+  if (sharded()) gather_buffer_ = torch::empty({total}, opts);
+  spdlog::info("AdamW state: {:.1f} MiB on this rank{} ({:.1f} MiB without sharding)", 2.0 * 4 * shard / (1 << 20),
+               sharded() ? " (ZeRO-1 over " + std::to_string(ranks) + " ranks)" : "", 2.0 * 4 * total / (1 << 20));
 }
 
 bool Trainer::spike_guard_rejects(double loss, double grad_norm) {
@@ -144,6 +153,7 @@ void Trainer::optimizer_update(StepOutput& out) {
   const Config& c = config_;
   torch::NoGradGuard no_grad;
   out.learning_rate = learning_rate_at(c, updates_applied_);
+  const int64_t collectives_before = comm_->collectives();
   bool skip = out.total_weights == 0;
   if (out.total_weights == 0)
     spdlog::warn("step {}: no unmasked target token in the whole batch (W = 0); update skipped", out.step);
@@ -167,16 +177,21 @@ void Trainer::optimizer_update(StepOutput& out) {
     const double bias1 = 1.0 - std::pow(c.adam_b1, t);
     const double bias2 = 1.0 - std::pow(c.adam_b2, t);
     const double lr = out.learning_rate;
-    adam_m_.lerp_(flat_grads_, 1.0 - c.adam_b1);
-    adam_v_.mul_(c.adam_b2).addcmul_(flat_grads_, flat_grads_, 1.0 - c.adam_b2);
+    const int64_t n = shard_end_ - shard_begin_;
+    const auto grads = flat_grads_.narrow(0, shard_begin_, n);
+    auto params = flat_params_.narrow(0, shard_begin_, n);
+    adam_m_.lerp_(grads, 1.0 - c.adam_b1);
+    adam_v_.mul_(c.adam_b2).addcmul_(grads, grads, 1.0 - c.adam_b2);
     torch::sqrt_out(adam_scratch_, adam_v_);
     adam_scratch_.div_(std::sqrt(bias2)).add_(c.adam_eps);
-    flat_params_.mul_(1.0 - lr * c.adam_weight_decay);
-    flat_params_.addcdiv_(adam_m_, adam_scratch_, -lr / bias1);
+    params.mul_(1.0 - lr * c.adam_weight_decay);
+    params.addcdiv_(adam_m_, adam_scratch_, -lr / bias1);
+    if (sharded()) gather_shards(params, flat_params_, "the updated parameters");  // ZeRO-1 all-gather
     ++updates_applied_;
     update_expert_bias(out);
   }
   out.step_skipped = skip;
+  out.collectives += comm_->collectives() - collectives_before;  // the ZeRO-1 gather, if any
   out.param_norm = flat_params_.norm();
 }
 
@@ -192,6 +207,17 @@ void Trainer::update_expert_bias(const StepOutput& out) {
     const auto load = out.expert_load[static_cast<int64_t>(i)];  // (E)
     layers[i]->gate->e_score_correction_bias.add_(torch::sign(load.mean() - load), c.routed_bias_update_rate);
   }
+}
+
+void Trainer::gather_shards(const torch::Tensor& shard, torch::Tensor& full, const std::string& what) {
+  gather_buffer_.zero_();
+  gather_buffer_.narrow(0, shard_begin_, shard_end_ - shard_begin_).copy_(shard);
+  const int64_t bucket = config_.gradient_bucket_size_mb * (1 << 20) / 4;
+  for (int64_t offset = 0; offset < gather_buffer_.numel(); offset += bucket) {
+    auto view = gather_buffer_.narrow(0, offset, std::min(bucket, gather_buffer_.numel() - offset));
+    comm_->all_reduce_sum(view, what + " (ZeRO-1 gather) at element " + std::to_string(offset));
+  }
+  full.copy_(gather_buffer_);
 }
 
 StepOutput Trainer::train_step(int64_t step) {
@@ -257,12 +283,21 @@ NamedTensors Trainer::model_tensors() const {
   return out;
 }
 
-CheckpointContents Trainer::snapshot(int64_t completed_steps) const {
+CheckpointContents Trainer::snapshot(int64_t completed_steps) {
   torch::NoGradGuard no_grad;
   CheckpointContents c;
   // One copy per flat buffer; the named tensors are views into those copies.
   const auto params = flat_params_.to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
-  const auto m = adam_m_.to(torch::kCPU, false, true), v = adam_v_.to(torch::kCPU, false, true);
+  torch::Tensor m, v;  // (P) full moments; with ZeRO-1 assembled from every rank (a collective)
+  if (sharded()) {
+    auto full = torch::empty_like(flat_params_);
+    gather_shards(adam_m_, full, "the AdamW first moments");
+    m = full.to(torch::kCPU, false, true);
+    gather_shards(adam_v_, full, "the AdamW second moments");
+    v = full.to(torch::kCPU, false, true);
+  } else {
+    m = adam_m_.to(torch::kCPU, false, true), v = adam_v_.to(torch::kCPU, false, true);
+  }
   int64_t offset = 0;
   NamedTensors exp_avg, exp_avg_sq;
   for (const auto& item : model_->named_parameters()) {
@@ -326,10 +361,11 @@ void Trainer::restore(const CheckpointContents& c, bool full_state, const std::s
   }
   if (!full_state) return;
   std::map<std::string, torch::Tensor> moments(c.optimizer.begin(), c.optimizer.end());
+  auto full_m = torch::empty_like(flat_params_), full_v = torch::empty_like(flat_params_);  // (P)
   int64_t offset = 0;
   for (const auto& item : model_->named_parameters()) {
     const auto n = item.value().numel();
-    for (auto [prefix, flat] : {std::pair{"exp_avg.", adam_m_}, std::pair{"exp_avg_sq.", adam_v_}}) {
+    for (auto [prefix, flat] : {std::pair{"exp_avg.", full_m}, std::pair{"exp_avg_sq.", full_v}}) {
       auto it = moments.find(prefix + item.key());
       if (it == moments.end() || it->second.numel() != n)
         throw config_error(source + ": optimizer state lacks " + prefix + item.key() + " or its shape differs");
@@ -337,6 +373,9 @@ void Trainer::restore(const CheckpointContents& c, bool full_state, const std::s
     }
     offset += n;
   }
+  // Checkpoints hold the full moments, so any world size and sharding can load them.
+  adam_m_.copy_(full_m.narrow(0, shard_begin_, shard_end_ - shard_begin_));
+  adam_v_.copy_(full_v.narrow(0, shard_begin_, shard_end_ - shard_begin_));
   if (c.state.world_size != config_.data_parallel_size)
     spdlog::warn("{} was written with {} ranks, resuming with {}", source, c.state.world_size, config_.data_parallel_size);
   updates_applied_ = c.state.updates_applied;
@@ -396,7 +435,7 @@ int64_t Trainer::load_initial_state() {
   return 0;
 }
 
-void Trainer::export_model(const std::string& path) const {
+void Trainer::export_model(const std::string& path) {
   const auto c = snapshot(0);
   const auto parent = std::filesystem::path(path).parent_path();
   if (!parent.empty()) std::filesystem::create_directories(parent);
@@ -419,7 +458,7 @@ MetricValues Trainer::evaluate(int64_t index) {
       shifted.data_shuffle_seed = c.data_shuffle_seed + 1;  // disjoint from the training samples
       source = std::make_shared<SyntheticDataset>(shifted);
     } else {
-      source = megatron_source(c, DataSplit::kValid, samples);
+      source = megatron_source(c, DataSplit::kValid, samples, dist_.rank);
     }
     eval_data_ = std::make_unique<DataLoader>(c, dist_.rank, std::move(source));
   }
@@ -501,14 +540,18 @@ void Trainer::train() {
     pending.reset();
   };
   // A save records the metrics first, so metrics.jsonl never runs behind a checkpoint.
+  // All ranks call it (with ZeRO-1 the snapshot gathers the optimizer shards); rank 0 writes.
   auto save = [&](int64_t completed_steps, bool async) {
     flush(Clock::now());
+    if (!checkpointer_ && !sharded()) return;
     const auto begin = Clock::now();
-    checkpointer_->save(snapshot(completed_steps), async);
+    auto contents = snapshot(completed_steps);
+    if (!checkpointer_) return;
+    checkpointer_->save(std::move(contents), async);
     spdlog::info("checkpoint {}: training blocked for {:.3f} s ({})", completed_steps,
                  std::chrono::duration<double>(Clock::now() - begin).count(), async ? "async" : "sync");
   };
-  if (checkpointer_ && c.save_checkpoint_on_start && start_step == 0) save(0, c.async_checkpointing);
+  if (c.enable_checkpointing && c.save_checkpoint_on_start && start_step == 0) save(0, c.async_checkpointing);
   prefetcher_ = std::make_unique<DataPrefetcher>(data_, start_step, c.steps, c.gradient_accumulation_steps,
                                                  static_cast<size_t>(2 * c.gradient_accumulation_steps));
   auto run_eval = [&](int64_t completed) {
@@ -530,7 +573,8 @@ void Trainer::train() {
     const int signal = stop ? std::max(g_stop_signal.load(), 1) : 0;
     const bool final_step = completed == c.steps || signal != 0;
     if (c.eval_interval > 0 && (completed % c.eval_interval == 0 || completed == c.steps)) run_eval(completed);
-    if (checkpointer_ && (completed % c.checkpoint_period == 0 || (final_step && (c.save_checkpoint_on_completion || signal))))
+    if (c.enable_checkpointing &&
+        (completed % c.checkpoint_period == 0 || (final_step && (c.save_checkpoint_on_completion || signal))))
       save(completed, c.async_checkpointing && !final_step);
     if (signal != 0) {
       flush(Clock::now());
