@@ -281,7 +281,7 @@ TEST_CASE("the loader serves reference samples in the global order for any (K, b
   }
 }
 
-TEST_CASE("a re-created loader continues exactly; the index cache is reused and keyed", "[data]") {
+TEST_CASE("a re-created loader continues exactly, and the index cache is reused and keyed", "[data]") {
   const auto& g = reference()["gpt"][0];
   fs::remove_all(kDir + "/cache-cache");
   const Config c = corpus_config(g, "cache", {"steps=30", "per_device_batch_size=1"});

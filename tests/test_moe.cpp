@@ -5,6 +5,7 @@
 #include <cmath>
 #include <filesystem>
 
+#include "test_numerics.h"
 #include "test_support.h"
 #include "trainer/train/train.h"
 
@@ -293,13 +294,7 @@ TEST_CASE("gradient check with MoE, MTP and compensated aux losses (per-token an
                                     "gradient_accumulation_steps=2", "per_device_batch_size=2",
                                     "calculate_per_token_loss=" + mode})));
     t.forward_backward(0);
-    auto model64 = model_build(t.config());
-    model64->to(torch::kFloat64);
-    {
-      torch::NoGradGuard no_grad;
-      auto src = t.model()->named_parameters();
-      for (auto& item : model64->named_parameters()) item.value().copy_(src[item.key()]);
-    }
+    auto model64 = float64_copy(t);
     // J recomputed here: CE via log_softmax, LB from the layer statistics, MTP by loops.
     auto objective = [&] {
       torch::NoGradGuard no_grad;
@@ -323,15 +318,7 @@ TEST_CASE("gradient check with MoE, MTP and compensated aux losses (per-token an
     for (const std::string name : {"model.layers.1.mlp.gate.weight", "model.layers.2.mlp.experts.3.up_proj.weight",
                                    "model.layers.3.eh_proj.weight", "model.layers.0.self_attn.v_proj.weight"}) {
       for (int64_t index : {1, 5}) {
-        auto p64 = params64[name].view(-1);
-        const double original = p64[index].item<double>(), h = 1e-5;
-        torch::NoGradGuard no_grad;
-        p64[index].fill_(original + h);
-        const double up = objective();
-        p64[index].fill_(original - h);
-        const double down = objective();
-        p64[index].fill_(original);
-        const double numeric = (up - down) / (2 * h);
+        const double numeric = central_difference(params64[name], index, objective);
         const double analytic = params32[name].grad().view(-1)[index].item<double>();
         INFO(name << "[" << index << "] per_token=" << mode << " numeric " << numeric << " analytic " << analytic);
         CHECK(analytic == Approx(numeric).epsilon(5e-3).margin(2e-7));

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 
+#include "test_numerics.h"
 #include "test_support.h"
 #include "trainer/train/train.h"
 
@@ -66,16 +67,6 @@ double megatron_objective(const std::vector<Terms>& terms) {
 
 double metric(Trainer& t, const StepOutput& out, const std::string& name) {
   return metric_get(t.read_metrics(out), name);
-}
-
-// A float64 copy of the trainer's current model, for independent recomputation.
-Transformer float64_copy(Trainer& t) {
-  auto copy = model_build(t.config());
-  copy->to(torch::kFloat64);
-  torch::NoGradGuard no_grad;
-  auto src = t.model()->named_parameters();
-  for (auto& item : copy->named_parameters()) item.value().copy_(src[item.key()]);
-  return copy;
 }
 
 }  // namespace
@@ -166,16 +157,7 @@ TEST_CASE("gradient check: trainer gradients match finite differences of the obj
     for (const std::string name : {"model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",
                                    "model.norm.weight", "lm_head.weight"}) {
       for (int64_t index : {0, 7}) {
-        auto p64 = params64[name].view(-1);
-        const double original = p64[index].item<double>();
-        const double h = 1e-5;
-        torch::NoGradGuard no_grad;
-        p64[index].fill_(original + h);
-        const double up = objective();
-        p64[index].fill_(original - h);
-        const double down = objective();
-        p64[index].fill_(original);
-        const double numeric = (up - down) / (2 * h);
+        const double numeric = central_difference(params64[name], index, objective);
         const double analytic = params32[name].grad().view(-1)[index].item<double>();
         INFO(name << "[" << index << "] mode per_token=" << mode << " numeric " << numeric << " analytic " << analytic);
         CHECK(analytic == Approx(numeric).epsilon(2e-3).margin(1e-7));
@@ -199,7 +181,7 @@ TEST_CASE("gradients accumulate in place in the flat buffer", "[training]") {
   CHECK(t.flat_grads().data_ptr<float>() == base);  // never reallocated
 }
 
-TEST_CASE("num_zeros counts exact zeros over every gradient; NaN/Inf flags", "[training]") {
+TEST_CASE("num_zeros counts exact zeros over every gradient, and NaN/Inf flags", "[training]") {
   Trainer t(tiny_config(uneven({"per_device_batch_size=1"})));
   auto out = t.forward_backward(0);
   int64_t zeros = 0;
@@ -223,7 +205,7 @@ TEST_CASE("num_zeros counts exact zeros over every gradient; NaN/Inf flags", "[t
   }
 }
 
-TEST_CASE("end to end: NaN aborts with exit 4 naming step and samples; the spike guard skips it", "[training][cli]") {
+TEST_CASE("end to end: NaN aborts with exit 4 naming step and samples, and the spike guard skips it", "[training][cli]") {
   const std::string common = "model_name=test-tiny max_target_length=16 per_device_batch_size=2 steps=5 "
                              "base_output_directory=/tmp/trainer-tests debug_inject_nonfinite_step=2 ";
   std::filesystem::remove_all("/tmp/trainer-tests/nan-abort");

@@ -23,6 +23,9 @@ using StringList = std::vector<std::string>;
   X(int64_t, steps)                               \
   X(int64_t, log_period)                          \
   X(std::string, metrics_file)                    \
+  X(std::string, log_format)                      \
+  X(bool, enable_tensorboard)                     \
+  X(double, peak_tflops_per_device)               \
   /* checkpoints */                               \
   X(bool, enable_checkpointing)                   \
   X(int64_t, checkpoint_period)                   \

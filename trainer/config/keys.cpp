@@ -17,6 +17,7 @@ namespace {
 const std::map<std::string, std::vector<std::string>>& allowed_values() {
   static const std::map<std::string, std::vector<std::string>> table = {
       {"hardware", {"cpu", "gpu"}},
+      {"log_format", {"maxtext", "megatron"}},
       {"dtype", {"float32", "bfloat16"}},
       {"dataset_type", {"synthetic", "megatron", "grain"}},
       {"grain_file_type", {"", "mmap_npy"}},

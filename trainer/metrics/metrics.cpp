@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -59,6 +60,8 @@ MetricsLogger::MetricsLogger(const Config& config, int64_t first_step) : config_
   file_ = std::fopen(path.c_str(), first_step > 0 ? "a" : "w");
   if (!file_)
     throw Error(kExitFailure, "cannot open metrics_file " + path.string() + ": " + std::strerror(errno));
+  if (config.enable_tensorboard)
+    tensorboard_ = std::make_unique<TensorBoardWriter>((std::filesystem::path(config.run_dir) / "tensorboard").string());
 }
 
 MetricsLogger::~MetricsLogger() {
@@ -70,9 +73,46 @@ void MetricsLogger::log(int64_t step, const MetricValues& values) {
   // Flushed per line so a crash or kill loses nothing already reported.
   if (std::fputs(line.c_str(), file_) < 0 || std::fflush(file_) != 0)
     throw Error(kExitFailure, "cannot write metrics_file " + config_.metrics_file + ": " + std::strerror(errno));
+  if (tensorboard_) tensorboard_->tensorboard_add_scalars(step, values);
   history_.emplace_back(step, values);
   while (history_.size() > kHistoryLength) history_.pop_front();
-  if (step % config_.log_period == 0 || step + 1 == config_.steps) console_line(step, values);
+  // MaxText logs step 0, log_period, ...; Megatron logs iterations log_period, 2*log_period, ...
+  if (config_.log_format == "megatron") {
+    if ((step + 1) % config_.log_period == 0 || step + 1 == config_.steps) megatron_line(step);
+  } else if (step % config_.log_period == 0 || step + 1 == config_.steps) {
+    console_line(step, values);
+  }
+}
+
+// Megatron-LM's training_log line: iteration (1-based), consumed samples, time per iteration,
+// learning rate, global batch size, lm loss averaged over the interval's non-skipped iterations,
+// loss scale (1.0: no fp16 scaler), grad norm (before clipping), num zeros, params norm, and the
+// interval's skipped and nan iteration counts.
+void MetricsLogger::megatron_line(int64_t step) {
+  const int64_t first = step + 1 - std::min<int64_t>(config_.log_period, static_cast<int64_t>(history_.size()));
+  double loss_sum = 0, time_sum = 0;
+  int64_t counted = 0, iterations = 0, skipped = 0, nan = 0;
+  for (const auto& [s, v] : history_) {
+    if (s < first || s > step) continue;
+    ++iterations;
+    time_sum += metric_get(v, "perf/step_time_seconds");
+    skipped += metric_get(v, "optim/step_skipped") > 0;
+    nan += metric_get(v, "learning/is_nan") > 0 || metric_get(v, "learning/is_inf") > 0;
+    if (metric_get(v, "optim/step_skipped") == 0) loss_sum += metric_get(v, "learning/lm_loss"), ++counted;
+  }
+  const MetricValues& v = history_.back().second;
+  std::string line = fmt::format(
+      " iteration {:8d}/{:8d} | consumed samples: {:12d} | elapsed time per iteration (ms): {:.1f} | "
+      "learning rate: {:.6E} | global batch size: {:5d} | lm loss: {:.6E} |",
+      step + 1, config_.steps, (step + 1) * config_.global_batch_size, 1000.0 * time_sum / std::max<int64_t>(iterations, 1),
+      metric_get(v, "learning/current_learning_rate"), config_.global_batch_size, loss_sum / std::max<int64_t>(counted, 1));
+  if (config_.num_experts > 1) line += fmt::format(" load_balancing_loss: {:.6E} |", metric_get(v, "learning/moe_lb_loss"));
+  if (config_.mtp_num_layers > 0) line += fmt::format(" mtp_1 loss: {:.6E} |", metric_get(v, "learning/mtp_loss_raw"));
+  line += fmt::format(" loss scale: 1.0 | grad norm: {:.3f} | num zeros: {:.1f} | params norm: {:.3f} |"
+                      " number of skipped iterations: {:3d} | number of nan iterations: {:3d} |",
+                      metric_get(v, "learning/raw_grad_norm"), metric_get(v, "learning/num_zeros"),
+                      metric_get(v, "learning/param_norm"), skipped, nan);
+  spdlog::info("{}", line);
 }
 
 void MetricsLogger::log_eval(int64_t step, const MetricValues& values) {
@@ -96,6 +136,13 @@ void MetricsLogger::console_line(int64_t step, const MetricValues& v) {
   if (config_.mtp_num_layers > 0) line += fmt::format(", mtp_loss: {:.4f}", metric_get(v, "learning/mtp_loss"));
   if (config_.z_loss_multiplier > 0) line += fmt::format(", z_loss: {:.4f}", metric_get(v, "learning/z_loss"));
   if (metric_get(v, "optim/step_skipped") > 0) line += ", step skipped";
+  // ETA from the median step time of the recent history.
+  std::vector<double> times;
+  for (const auto& [s, values] : history_) times.push_back(metric_get(values, "perf/step_time_seconds"));
+  std::nth_element(times.begin(), times.begin() + static_cast<long>(times.size() / 2), times.end());
+  const double eta = times[times.size() / 2] * static_cast<double>(config_.steps - step - 1);
+  line += fmt::format(", ETA {:02d}:{:02d}:{:02d}", static_cast<int>(eta / 3600), static_cast<int>(eta / 60) % 60,
+                      static_cast<int>(eta) % 60);
   if (metric_get(v, "learning/is_nan") > 0) line += ", NaN";
   if (metric_get(v, "learning/is_inf") > 0) line += ", Inf";
   spdlog::info("{}", line);

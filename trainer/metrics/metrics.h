@@ -4,11 +4,13 @@
 #include <cstdint>
 #include <cstdio>
 #include <deque>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "trainer/config/config.h"
+#include "trainer/metrics/tensorboard.h"
 
 namespace trainer {
 
@@ -35,8 +37,10 @@ class MetricsLogger {
 
  private:
   void console_line(int64_t step, const MetricValues& values);
+  void megatron_line(int64_t step);
 
   Config config_;
+  std::unique_ptr<TensorBoardWriter> tensorboard_;
   std::FILE* file_ = nullptr;
   std::deque<std::pair<int64_t, MetricValues>> history_;
 };

@@ -1,5 +1,7 @@
 // Trainer: builds the model and its flat fp32 parameter/gradient buffers, runs the loop, applies
 // AdamW on the flat buffers, guards against spikes and non-finite steps, and reports metrics.
+#include <sys/resource.h>
+
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -273,6 +275,12 @@ MetricValues Trainer::read_metrics(const StepOutput& out) const {
       {"perf/per_device_tflops_per_sec", seconds > 0 ? size_.flops_per_step_per_device / seconds / 1e12 : 0.0},
   };
   if (moe) values.emplace_back("moe/expert_load_max_over_mean", v[11]);
+  // MFU only against a known peak (peak_tflops_per_device); otherwise it is left out, not guessed.
+  if (config_.peak_tflops_per_device > 0 && seconds > 0)
+    values.emplace_back("perf/mfu", size_.flops_per_step_per_device / seconds / 1e12 / config_.peak_tflops_per_device);
+  struct rusage usage {};
+  getrusage(RUSAGE_SELF, &usage);
+  values.emplace_back("memory/peak_rss_bytes", static_cast<double>(usage.ru_maxrss) * 1024.0);
   return values;
 }
 
@@ -509,6 +517,8 @@ void Trainer::train() {
     if (c.enable_checkpointing) checkpointer_ = std::make_unique<Checkpointer>(c);
   }
   install_stop_handlers();
+  if (c.peak_tflops_per_device <= 0)
+    spdlog::info("perf/mfu is not reported: the device's peak TFLOP/s is unknown (set peak_tflops_per_device)");
   spdlog::info("run_dir {} | model {}: {} parameters ({} active per token), {:.4g} TFLOP per step per device | "
                "device {} | global batch {} sequences x {} tokens, K = {} | {} normalization | steps {}..{}",
                c.run_dir, c.model_name, size_.total_params, size_.active_params, size_.flops_per_step_per_device / 1e12,

@@ -1,0 +1,164 @@
+// Metrics sinks: TensorBoard event files checked with an independent decoder of the record
+// format (length, masked CRC32C, protobuf fields), Megatron's log line, MFU and memory metrics.
+#include <catch2/catch.hpp>
+
+#include <cstring>
+#include <filesystem>
+#include <regex>
+
+#include "test_support.h"
+
+using namespace trainer::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kOut = "/tmp/trainer-tests-metrics";
+
+// Bitwise CRC32C (no table), independent of trainer/util/crc32c.cpp.
+uint32_t crc32c_bitwise(const std::string& data) {
+  uint32_t crc = 0xFFFFFFFFu;
+  for (unsigned char byte : data) {
+    crc ^= byte;
+    for (int k = 0; k < 8; ++k) crc = (crc >> 1) ^ (0x82F63B78u & (0u - (crc & 1u)));
+  }
+  return ~crc;
+}
+uint32_t masked(const std::string& data) {
+  const uint32_t crc = crc32c_bitwise(data);
+  return ((crc >> 15) | (crc << 17)) + 0xa282ead8u;
+}
+
+struct Reader {
+  const std::string& s;
+  size_t pos = 0;
+  uint64_t varint() {
+    uint64_t v = 0;
+    for (int shift = 0;; shift += 7) {
+      const auto b = static_cast<unsigned char>(s.at(pos++));
+      v |= static_cast<uint64_t>(b & 0x7f) << shift;
+      if (!(b & 0x80)) return v;
+    }
+  }
+  std::string bytes(size_t n) {
+    const std::string out = s.substr(pos, n);
+    pos += n;
+    return out;
+  }
+};
+
+struct Event {
+  double wall_time = 0;
+  int64_t step = -1;
+  std::string file_version;
+  std::map<std::string, float> scalars;
+};
+
+Event decode_event(const std::string& data) {
+  Event e;
+  Reader r{data};
+  while (r.pos < data.size()) {
+    const uint64_t key = r.varint();
+    const int field = static_cast<int>(key >> 3), wire = static_cast<int>(key & 7);
+    if (field == 1 && wire == 1) {
+      const auto b = r.bytes(8);
+      std::memcpy(&e.wall_time, b.data(), 8);
+    } else if (field == 2 && wire == 0) {
+      e.step = static_cast<int64_t>(r.varint());
+    } else if (field == 3 && wire == 2) {
+      e.file_version = r.bytes(r.varint());
+    } else if (field == 5 && wire == 2) {
+      const std::string summary = r.bytes(r.varint());
+      Reader sr{summary};
+      while (sr.pos < summary.size()) {
+        REQUIRE(sr.varint() == (1 << 3 | 2));  // Summary.value
+        const std::string value = sr.bytes(sr.varint());
+        Reader vr{value};
+        std::string tag;
+        float simple = 0;
+        while (vr.pos < value.size()) {
+          const uint64_t vkey = vr.varint();
+          if (vkey == (1 << 3 | 2)) tag = vr.bytes(vr.varint());
+          else if (vkey == (2 << 3 | 5)) std::memcpy(&simple, vr.bytes(4).data(), 4);
+          else FAIL("unexpected Summary.Value field " << vkey);
+        }
+        e.scalars[tag] = simple;
+      }
+    } else {
+      FAIL("unexpected Event field " << field << " wire type " << wire);
+    }
+  }
+  return e;
+}
+
+}  // namespace
+
+TEST_CASE("TensorBoard event files decode with an independent reader and match metrics.jsonl", "[metrics][cli]") {
+  fs::remove_all(kOut + "/tb");
+  REQUIRE(run_trainer("model_name=test-tiny max_target_length=16 steps=3 enable_tensorboard=true base_output_directory=" +
+                      kOut + " run_name=tb").exit_code == 0);
+  std::vector<fs::path> files;
+  for (const auto& e : fs::directory_iterator(kOut + "/tb/tensorboard")) files.push_back(e.path());
+  REQUIRE(files.size() == 1);
+  CHECK(files[0].filename().string().rfind("events.out.tfevents.", 0) == 0);
+  const std::string bytes = read_file(files[0].string());
+  std::vector<Event> events;
+  size_t pos = 0;
+  while (pos < bytes.size()) {
+    REQUIRE(pos + 12 <= bytes.size());
+    const std::string length_bytes = bytes.substr(pos, 8);
+    uint64_t length;
+    uint32_t length_crc, data_crc;
+    std::memcpy(&length, length_bytes.data(), 8);
+    std::memcpy(&length_crc, bytes.data() + pos + 8, 4);
+    CHECK(length_crc == masked(length_bytes));
+    const std::string data = bytes.substr(pos + 12, length);
+    std::memcpy(&data_crc, bytes.data() + pos + 12 + length, 4);
+    CHECK(data_crc == masked(data));
+    events.push_back(decode_event(data));
+    pos += 12 + length + 4;
+  }
+  REQUIRE(events.size() == 4);
+  CHECK(events[0].file_version == "brain.Event:2");
+  const auto lines = read_lines(kOut + "/tb/metrics.jsonl");
+  for (int step = 0; step < 3; ++step) {
+    const Event& e = events[static_cast<size_t>(step) + 1];
+    CHECK(e.step == step);
+    CHECK(e.wall_time > 1.7e9);
+    CHECK(e.scalars.size() >= 17);
+    for (const char* name : {"learning/loss", "learning/grad_norm", "learning/total_weights", "perf/step_time_seconds"})
+      CHECK(e.scalars.at(name) == static_cast<float>(json_metric(lines[static_cast<size_t>(step)], name)));
+  }
+}
+
+TEST_CASE("log_format=megatron prints Megatron-LM's training_log line", "[metrics][cli]") {
+  fs::remove_all(kOut + "/megatron");
+  const auto r = run_trainer("model_name=test-tiny max_target_length=16 steps=4 log_period=2 log_format=megatron "
+                             "per_device_batch_size=3 base_output_directory=" + kOut + " run_name=megatron");
+  REQUIRE(r.exit_code == 0);
+  const auto lines = read_lines(kOut + "/megatron/metrics.jsonl");
+  char expected_loss[32];
+  std::snprintf(expected_loss, sizeof expected_loss, "%.6E",
+                (json_metric(lines[2], "learning/lm_loss") + json_metric(lines[3], "learning/lm_loss")) / 2);
+  const std::regex pattern(R"( iteration +4/ +4 \| consumed samples: +12 \| elapsed time per iteration \(ms\): [0-9.]+ \| )"
+                           R"(learning rate: [0-9.]+E[-+][0-9]+ \| global batch size: +3 \| lm loss: ([0-9.]+E[-+][0-9]+) \| )"
+                           R"(loss scale: 1\.0 \| grad norm: [0-9.]+ \| num zeros: [0-9.]+ \| params norm: [0-9.]+ \| )"
+                           R"(number of skipped iterations: +0 \| number of nan iterations: +0 \|)");
+  std::smatch m;
+  REQUIRE(std::regex_search(r.output, m, pattern));
+  CHECK(m[1].str() == expected_loss);  // averaged over the interval, as Megatron does
+  CHECK_THAT(r.output, Catch::Contains(" iteration        2/       4 |"));
+}
+
+TEST_CASE("MFU only against a known peak, peak RSS and ETA are reported", "[metrics][cli]") {
+  fs::remove_all(kOut + "/mfu");
+  fs::remove_all(kOut + "/nomfu");
+  const std::string base = "model_name=test-tiny max_target_length=16 steps=2 base_output_directory=" + kOut;
+  const auto unknown = run_trainer(base + " run_name=nomfu");
+  CHECK_THAT(unknown.output, Catch::Contains("perf/mfu is not reported") && Catch::Contains(", ETA 00:00:0"));
+  CHECK_THROWS(json_metric(read_lines(kOut + "/nomfu/metrics.jsonl")[1], "perf/mfu"));
+  REQUIRE(run_trainer(base + " run_name=mfu peak_tflops_per_device=0.5").exit_code == 0);
+  const auto line = read_lines(kOut + "/mfu/metrics.jsonl")[1];
+  CHECK(json_metric(line, "perf/mfu") == Approx(json_metric(line, "perf/per_device_tflops_per_sec") / 0.5));
+  CHECK(json_metric(line, "memory/peak_rss_bytes") > 10e6);
+}

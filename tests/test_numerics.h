@@ -1,0 +1,33 @@
+// Helpers for the numerical tests: a float64 copy of a trainer's model and central differences.
+#pragma once
+#include <torch/torch.h>
+
+#include "trainer/train/train.h"
+
+namespace trainer::testing {
+
+// A float64 copy of the trainer's current model, for independent recomputation.
+inline Transformer float64_copy(Trainer& t) {
+  auto copy = model_build(t.config());
+  copy->to(torch::kFloat64);
+  torch::NoGradGuard no_grad;
+  auto src = t.model()->named_parameters();
+  for (auto& item : copy->named_parameters()) item.value().copy_(src[item.key()]);
+  return copy;
+}
+
+// (f(p + h) - f(p - h)) / 2h for element `index` of a float64 parameter; restores the element.
+template <typename Objective>
+double central_difference(torch::Tensor parameter, int64_t index, Objective&& objective, double h = 1e-5) {
+  torch::NoGradGuard no_grad;
+  auto flat = parameter.view(-1);
+  const double original = flat[index].item<double>();
+  flat[index].fill_(original + h);
+  const double up = objective();
+  flat[index].fill_(original - h);
+  const double down = objective();
+  flat[index].fill_(original);
+  return (up - down) / (2 * h);
+}
+
+}  // namespace trainer::testing
