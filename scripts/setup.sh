@@ -15,6 +15,8 @@ PACKAGES=(
   libsentencepiece-dev    # preprocess_data --tokenizer-type sentencepiece
   fortunes                # the default training corpus (scripts/prepare_corpus.sh)
   python3 python3-numpy   # corpus conversion; test fixtures were generated with numpy
+  python3-torch           # the PyTorch peer arm (scripts/bench/peer.py), a parity test
+  python3-matplotlib      # scripts/plot_metrics.py
 )
 
 missing=()

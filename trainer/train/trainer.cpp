@@ -1,18 +1,17 @@
-// Trainer: builds the model and its flat fp32 parameter/gradient buffers, runs the loop, applies
-// AdamW on the flat buffers, guards against spikes and non-finite steps, and reports metrics.
+// Trainer: construction, the training loop (deferred metric readback, evaluation, checkpoints,
+// stop signals) and metric readout. The step is in step.cpp, the optimizer phase in
+// optimizer.cpp, resume and export in resume.cpp.
 #include <sys/resource.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
-#include <atomic>
-#include <csignal>
-#include <map>
-#include <sstream>
 #include <limits>
-#include <numeric>
 #include <optional>
+#include <sstream>
 
 #include <spdlog/spdlog.h>
 
@@ -69,14 +68,6 @@ std::string index_ranges(const std::vector<int64_t>& indices) {
   return out;
 }
 
-std::pair<double, double> mean_and_std(const std::deque<double>& values) {
-  const double n = static_cast<double>(values.size());
-  const double mean = std::accumulate(values.begin(), values.end(), 0.0) / n;
-  double var = 0;
-  for (double v : values) var += (v - mean) * (v - mean);
-  return {mean, std::sqrt(var / n)};
-}
-
 }  // namespace
 
 Trainer::Trainer(Config config)
@@ -96,131 +87,6 @@ Trainer::Trainer(Config config)
 }
 
 Trainer::~Trainer() = default;
-
-// Moves every parameter into one contiguous fp32 arena and makes each .grad a view into a
-// second arena. Autograd then accumulates in place (AccumulateGrad adds into an existing
-// .grad when grad mode is off, as it is during backward), so K micro-batches use exactly one
-// gradient buffer, and the collective, norm, zero count, clipping and AdamW each run once on
-// the whole buffer.
-void Trainer::build_flat_buffers() {
-  auto params = model_->parameters();
-  int64_t total = 0;
-  for (const auto& p : params) total += p.numel();
-  const auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(device_);
-  flat_params_ = torch::empty({total}, opts);
-  flat_grads_ = torch::zeros({total}, opts);
-  torch::NoGradGuard no_grad;
-  int64_t offset = 0;
-  for (auto& p : params) {
-    const int64_t n = p.numel();
-    auto param_view = flat_params_.narrow(0, offset, n).view(p.sizes());
-    param_view.copy_(p);
-    p.set_data(param_view);
-    p.mutable_grad() = flat_grads_.narrow(0, offset, n).view(p.sizes());
-    offset += n;
-  }
-  // ZeRO-1: rank r keeps AdamW state for elements [r*chunk, (r+1)*chunk) only.
-  const int64_t ranks = config_.shard_optimizer_over_data ? comm_->world_size() : 1;
-  const int64_t chunk = (total + ranks - 1) / ranks;
-  shard_begin_ = std::min(total, (ranks > 1 ? comm_->rank() : 0) * chunk);
-  shard_end_ = std::min(total, shard_begin_ + chunk);
-  const int64_t shard = shard_end_ - shard_begin_;
-  adam_m_ = torch::zeros({shard}, opts);
-  adam_v_ = torch::zeros({shard}, opts);
-  adam_scratch_ = torch::empty({shard}, opts);
-  if (sharded()) gather_buffer_ = torch::empty({total}, opts);
-  spdlog::info("AdamW state: {:.1f} MiB on this rank{} ({:.1f} MiB without sharding)", 2.0 * 4 * shard / (1 << 20),
-               sharded() ? " (ZeRO-1 over " + std::to_string(ranks) + " ranks)" : "", 2.0 * 4 * total / (1 << 20));
-}
-
-bool Trainer::spike_guard_rejects(double loss, double grad_norm) {
-  if (!std::isfinite(loss) || !std::isfinite(grad_norm)) return true;
-  const auto interval = static_cast<size_t>(config_.skip_step_interval);
-  bool spike = false;
-  if (spike_losses_.size() >= interval) {  // judged only against a full window
-    const double f = config_.skip_step_scaling_factor;
-    const auto [loss_mean, loss_std] = mean_and_std(spike_losses_);
-    const auto [norm_mean, norm_std] = mean_and_std(spike_grad_norms_);
-    spike = loss > loss_mean + f * loss_std || grad_norm > norm_mean + f * norm_std;
-  }
-  if (!spike) {
-    spike_losses_.push_back(loss);
-    spike_grad_norms_.push_back(grad_norm);
-    while (spike_losses_.size() > interval) spike_losses_.pop_front(), spike_grad_norms_.pop_front();
-  }
-  return spike;
-}
-
-void Trainer::optimizer_update(StepOutput& out) {
-  const Config& c = config_;
-  torch::NoGradGuard no_grad;
-  out.learning_rate = learning_rate_at(c, updates_applied_);
-  const int64_t collectives_before = comm_->collectives();
-  bool skip = out.total_weights == 0;
-  if (out.total_weights == 0)
-    spdlog::warn("step {}: no unmasked target token in the whole batch (W = 0); update skipped", out.step);
-  if (!skip && c.skip_step_on_spikes) {
-    // The guard needs this step's values on the host: one sync per step, only when enabled.
-    const auto host = torch::stack({out.loss.to(torch::kFloat64), out.raw_grad_norm.to(torch::kFloat64)}).cpu();
-    skip = spike_guard_rejects(host[0].item<double>(), host[1].item<double>());
-  }
-  // Global-norm clipping (optax.clip_by_global_norm): g *= min(1, threshold / ||g||).
-  if (c.gradient_clipping_threshold > 0) {
-    const auto factor = out.raw_grad_norm.reciprocal().mul(c.gradient_clipping_threshold).clamp_max(1.0);
-    flat_grads_.mul_(factor);
-    out.grad_norm = out.raw_grad_norm * factor;
-  } else {
-    out.grad_norm = out.raw_grad_norm;
-  }
-  if (!skip) {
-    // AdamW as optax.adamw: m, v with bias correction, eps outside the sqrt, decoupled weight
-    // decay scaled by the learning rate:  p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p).
-    const double t = static_cast<double>(updates_applied_ + 1);
-    const double bias1 = 1.0 - std::pow(c.adam_b1, t);
-    const double bias2 = 1.0 - std::pow(c.adam_b2, t);
-    const double lr = out.learning_rate;
-    const int64_t n = shard_end_ - shard_begin_;
-    const auto grads = flat_grads_.narrow(0, shard_begin_, n);
-    auto params = flat_params_.narrow(0, shard_begin_, n);
-    adam_m_.lerp_(grads, 1.0 - c.adam_b1);
-    adam_v_.mul_(c.adam_b2).addcmul_(grads, grads, 1.0 - c.adam_b2);
-    torch::sqrt_out(adam_scratch_, adam_v_);
-    adam_scratch_.div_(std::sqrt(bias2)).add_(c.adam_eps);
-    params.mul_(1.0 - lr * c.adam_weight_decay);
-    params.addcdiv_(adam_m_, adam_scratch_, -lr / bias1);
-    if (sharded()) gather_shards(params, flat_params_, "the updated parameters");  // ZeRO-1 all-gather
-    ++updates_applied_;
-    update_expert_bias(out);
-  }
-  out.step_skipped = skip;
-  out.collectives += comm_->collectives() - collectives_before;  // the ZeRO-1 gather, if any
-  out.param_norm = flat_params_.norm();
-}
-
-// Aux-loss-free balancing (DeepSeek-V3): after an applied update, each MoE layer's selection
-// bias moves by routed_bias_update_rate toward balance: up for experts below the mean load, down
-// for those above. The load is the step's counts averaged over micro-batches, so K does not
-// scale the update.
-void Trainer::update_expert_bias(const StepOutput& out) {
-  const Config& c = config_;
-  if (!c.routed_bias || c.routed_bias_update_rate <= 0 || !out.expert_load.defined()) return;
-  auto layers = model_->moe_layers();
-  for (size_t i = 0; i < layers.size(); ++i) {
-    const auto load = out.expert_load[static_cast<int64_t>(i)];  // (E)
-    layers[i]->gate->e_score_correction_bias.add_(torch::sign(load.mean() - load), c.routed_bias_update_rate);
-  }
-}
-
-void Trainer::gather_shards(const torch::Tensor& shard, torch::Tensor& full, const std::string& what) {
-  gather_buffer_.zero_();
-  gather_buffer_.narrow(0, shard_begin_, shard_end_ - shard_begin_).copy_(shard);
-  const int64_t bucket = config_.gradient_bucket_size_mb * (1 << 20) / 4;
-  for (int64_t offset = 0; offset < gather_buffer_.numel(); offset += bucket) {
-    auto view = gather_buffer_.narrow(0, offset, std::min(bucket, gather_buffer_.numel() - offset));
-    comm_->all_reduce_sum(view, what + " (ZeRO-1 gather) at element " + std::to_string(offset));
-  }
-  full.copy_(gather_buffer_);
-}
 
 StepOutput Trainer::train_step(int64_t step) {
   StepOutput out = forward_backward(step);
@@ -282,176 +148,6 @@ MetricValues Trainer::read_metrics(const StepOutput& out) const {
   getrusage(RUSAGE_SELF, &usage);
   values.emplace_back("memory/peak_rss_bytes", static_cast<double>(usage.ru_maxrss) * 1024.0);
   return values;
-}
-
-NamedTensors Trainer::model_tensors() const {
-  NamedTensors out;
-  for (const auto& item : model_->named_parameters()) out.emplace_back(item.key(), item.value());
-  for (const auto& item : model_->named_buffers()) out.emplace_back(item.key(), item.value());
-  return out;
-}
-
-CheckpointContents Trainer::snapshot(int64_t completed_steps) {
-  torch::NoGradGuard no_grad;
-  CheckpointContents c;
-  // One copy per flat buffer; the named tensors are views into those copies.
-  const auto params = flat_params_.to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
-  torch::Tensor m, v;  // (P) full moments; with ZeRO-1 assembled from every rank (a collective)
-  if (sharded()) {
-    auto full = torch::empty_like(flat_params_);
-    gather_shards(adam_m_, full, "the AdamW first moments");
-    m = full.to(torch::kCPU, false, true);
-    gather_shards(adam_v_, full, "the AdamW second moments");
-    v = full.to(torch::kCPU, false, true);
-  } else {
-    m = adam_m_.to(torch::kCPU, false, true), v = adam_v_.to(torch::kCPU, false, true);
-  }
-  int64_t offset = 0;
-  NamedTensors exp_avg, exp_avg_sq;
-  for (const auto& item : model_->named_parameters()) {
-    const auto n = item.value().numel();
-    const auto shape = item.value().sizes();
-    c.model.emplace_back(item.key(), params.narrow(0, offset, n).view(shape));
-    exp_avg.emplace_back("exp_avg." + item.key(), m.narrow(0, offset, n).view(shape));
-    exp_avg_sq.emplace_back("exp_avg_sq." + item.key(), v.narrow(0, offset, n).view(shape));
-    offset += n;
-  }
-  for (const auto& item : model_->named_buffers())
-    c.model.emplace_back(item.key(), item.value().to(torch::kCPU, torch::kFloat32, false, true).contiguous());
-  c.optimizer = std::move(exp_avg);
-  c.optimizer.insert(c.optimizer.end(), exp_avg_sq.begin(), exp_avg_sq.end());
-  c.state.step = completed_steps;
-  c.state.updates_applied = updates_applied_;
-  c.state.consumed_samples = completed_steps * config_.global_batch_size;
-  c.state.spike_losses.assign(spike_losses_.begin(), spike_losses_.end());
-  c.state.spike_grad_norms.assign(spike_grad_norms_.begin(), spike_grad_norms_.end());
-  const auto rng = at::detail::getDefaultCPUGenerator().get_state();
-  static const char* digits = "0123456789abcdef";
-  for (int64_t i = 0; i < rng.numel(); ++i) {
-    const auto byte = rng.data_ptr<uint8_t>()[i];
-    c.state.cpu_rng_state += digits[byte >> 4];
-    c.state.cpu_rng_state += digits[byte & 15];
-  }
-  c.state.world_size = config_.data_parallel_size;
-  c.config_yaml = config_to_yaml(config_);
-  c.state.config_hash = checkpoint_hash_text(c.config_yaml);
-  return c;
-}
-
-// Copies checkpoint tensors into the model (and, for a full state, the optimizer and counters).
-// Names and shapes must match exactly; every difference is listed (exit code 2).
-void Trainer::restore(const CheckpointContents& c, bool full_state, const std::string& source) {
-  torch::NoGradGuard no_grad;
-  std::map<std::string, torch::Tensor> saved(c.model.begin(), c.model.end());
-  std::vector<std::string> problems;
-  for (auto& [name, tensor] : model_tensors()) {
-    auto it = saved.find(name);
-    const bool is_buffer = !model_->named_parameters().contains(name);
-    if (it == saved.end()) {
-      if (!is_buffer || full_state) problems.push_back("missing " + name);
-      continue;
-    }
-    if (it->second.sizes() != tensor.sizes()) {
-      std::ostringstream msg;
-      msg << name << " has shape " << it->second.sizes() << " in the checkpoint, " << tensor.sizes() << " in the model";
-      problems.push_back(msg.str());
-    } else {
-      tensor.copy_(it->second);
-    }
-    saved.erase(it);
-  }
-  for (const auto& [name, tensor] : saved) problems.push_back("unexpected " + name);
-  if (!problems.empty()) {
-    std::string message = source + " does not match the model of this config:";
-    for (size_t i = 0; i < problems.size() && i < 20; ++i) message += "\n  - " + problems[i];
-    if (problems.size() > 20) message += "\n  - ... and " + std::to_string(problems.size() - 20) + " more";
-    throw config_error(message);
-  }
-  if (!full_state) return;
-  std::map<std::string, torch::Tensor> moments(c.optimizer.begin(), c.optimizer.end());
-  auto full_m = torch::empty_like(flat_params_), full_v = torch::empty_like(flat_params_);  // (P)
-  int64_t offset = 0;
-  for (const auto& item : model_->named_parameters()) {
-    const auto n = item.value().numel();
-    for (auto [prefix, flat] : {std::pair{"exp_avg.", full_m}, std::pair{"exp_avg_sq.", full_v}}) {
-      auto it = moments.find(prefix + item.key());
-      if (it == moments.end() || it->second.numel() != n)
-        throw config_error(source + ": optimizer state lacks " + prefix + item.key() + " or its shape differs");
-      flat.narrow(0, offset, n).copy_(it->second.reshape({n}));
-    }
-    offset += n;
-  }
-  // Checkpoints hold the full moments, so any world size and sharding can load them.
-  adam_m_.copy_(full_m.narrow(0, shard_begin_, shard_end_ - shard_begin_));
-  adam_v_.copy_(full_v.narrow(0, shard_begin_, shard_end_ - shard_begin_));
-  if (c.state.world_size != config_.data_parallel_size)
-    spdlog::warn("{} was written with {} ranks, resuming with {}", source, c.state.world_size, config_.data_parallel_size);
-  updates_applied_ = c.state.updates_applied;
-  spike_losses_.assign(c.state.spike_losses.begin(), c.state.spike_losses.end());
-  spike_grad_norms_.assign(c.state.spike_grad_norms.begin(), c.state.spike_grad_norms.end());
-  if (!c.state.cpu_rng_state.empty()) {
-    auto rng = torch::empty({static_cast<int64_t>(c.state.cpu_rng_state.size() / 2)}, torch::kUInt8);
-    for (int64_t i = 0; i < rng.numel(); ++i)
-      rng.data_ptr<uint8_t>()[i] = static_cast<uint8_t>(std::stoi(c.state.cpu_rng_state.substr(2 * i, 2), nullptr, 16));
-    auto generator = at::detail::getDefaultCPUGenerator();
-    generator.set_state(rng);
-  }
-  const std::string current_yaml = config_to_yaml(config_);
-  if (checkpoint_hash_text(current_yaml) != c.state.config_hash) {
-    // Name the keys that changed (steps or log_period may legitimately change on resume).
-    std::map<std::string, std::string> before, after;
-    auto parse = [](const std::string& yaml, std::map<std::string, std::string>& out) {
-      std::istringstream in(yaml);
-      for (std::string line; std::getline(in, line);)
-        if (const auto colon = line.find(": "); colon != std::string::npos && line[0] != '#')
-          out[line.substr(0, colon)] = line.substr(colon + 2);
-    };
-    parse(c.config_yaml, before);
-    parse(current_yaml, after);
-    std::string changed;
-    for (const auto& [key, value] : after)
-      if (before.count(key) && before[key] != value) changed += (changed.empty() ? "" : ", ") + key + " " + before[key] + " -> " + value;
-    if (!changed.empty()) spdlog::warn("resuming with a config that differs from the checkpoint's: {}", changed);
-  }
-}
-
-int64_t Trainer::load_initial_state() {
-  const Config& c = config_;
-  const auto own = checkpoint_find_latest((std::filesystem::path(c.run_dir) / "checkpoints").string());
-  if (own) {
-    const auto contents = checkpoint_load(*own);
-    restore(contents, /*full_state=*/true, "checkpoint " + *own);
-    spdlog::info("resumed from checkpoint {} (step {}, {} updates applied)", *own, contents.state.step,
-                 contents.state.updates_applied);
-    return contents.state.step;
-  }
-  if (!c.load_full_state_path.empty()) {
-    const auto contents = checkpoint_load(c.load_full_state_path);
-    restore(contents, /*full_state=*/true, "load_full_state_path " + c.load_full_state_path);
-    spdlog::info("loaded full state from {} (step {})", c.load_full_state_path, contents.state.step);
-    return contents.state.step;
-  }
-  if (!c.load_parameters_path.empty()) {
-    std::string file = c.load_parameters_path;
-    if (std::filesystem::is_directory(file)) file = (std::filesystem::path(file) / "model.safetensors").string();
-    if (!std::filesystem::exists(file)) throw config_error("load_parameters_path: no file " + file);
-    CheckpointContents weights;
-    weights.model = checkpoint_read_tensors(file);
-    restore(weights, /*full_state=*/false, "load_parameters_path " + file);
-    spdlog::info("loaded weights from {}; optimizer and step start fresh", file);
-  }
-  return 0;
-}
-
-void Trainer::export_model(const std::string& path) {
-  const auto c = snapshot(0);
-  const auto parent = std::filesystem::path(path).parent_path();
-  if (!parent.empty()) std::filesystem::create_directories(parent);
-  try {
-    checkpoint_write_tensors(path, c.model);
-  } catch (const std::exception& e) {
-    throw Error(kExitFailure, std::string("cannot export weights: ") + e.what());
-  }
 }
 
 MetricValues Trainer::evaluate(int64_t index) {

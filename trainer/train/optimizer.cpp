@@ -1,0 +1,149 @@
+// The optimizer phase on the flat buffers: arenas, spike guard, clipping, AdamW (optionally
+// ZeRO-1 sharded), and the aux-loss-free expert-bias update.
+#include <cmath>
+#include <deque>
+#include <numeric>
+
+#include <spdlog/spdlog.h>
+
+#include "trainer/train/train.h"
+
+namespace trainer {
+namespace {
+
+std::pair<double, double> mean_and_std(const std::deque<double>& values) {
+  const double n = static_cast<double>(values.size());
+  const double mean = std::accumulate(values.begin(), values.end(), 0.0) / n;
+  double var = 0;
+  for (double v : values) var += (v - mean) * (v - mean);
+  return {mean, std::sqrt(var / n)};
+}
+
+}  // namespace
+
+// Moves every parameter into one contiguous fp32 arena and makes each .grad a view into a
+// second arena. Autograd then accumulates in place (AccumulateGrad adds into an existing
+// .grad when grad mode is off, as it is during backward), so K micro-batches use exactly one
+// gradient buffer, and the collective, norm, zero count, clipping and AdamW each run once on
+// the whole buffer.
+void Trainer::build_flat_buffers() {
+  auto params = model_->parameters();
+  int64_t total = 0;
+  for (const auto& p : params) total += p.numel();
+  const auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(device_);
+  flat_params_ = torch::empty({total}, opts);
+  flat_grads_ = torch::zeros({total}, opts);
+  torch::NoGradGuard no_grad;
+  int64_t offset = 0;
+  for (auto& p : params) {
+    const int64_t n = p.numel();
+    auto param_view = flat_params_.narrow(0, offset, n).view(p.sizes());
+    param_view.copy_(p);
+    p.set_data(param_view);
+    p.mutable_grad() = flat_grads_.narrow(0, offset, n).view(p.sizes());
+    offset += n;
+  }
+  // ZeRO-1: rank r keeps AdamW state for elements [r*chunk, (r+1)*chunk) only.
+  const int64_t ranks = config_.shard_optimizer_over_data ? comm_->world_size() : 1;
+  const int64_t chunk = (total + ranks - 1) / ranks;
+  shard_begin_ = std::min(total, (ranks > 1 ? comm_->rank() : 0) * chunk);
+  shard_end_ = std::min(total, shard_begin_ + chunk);
+  const int64_t shard = shard_end_ - shard_begin_;
+  adam_m_ = torch::zeros({shard}, opts);
+  adam_v_ = torch::zeros({shard}, opts);
+  adam_scratch_ = torch::empty({shard}, opts);
+  if (sharded()) gather_buffer_ = torch::empty({total}, opts);
+  spdlog::info("AdamW state: {:.1f} MiB on this rank{} ({:.1f} MiB without sharding)", 2.0 * 4 * shard / (1 << 20),
+               sharded() ? " (ZeRO-1 over " + std::to_string(ranks) + " ranks)" : "", 2.0 * 4 * total / (1 << 20));
+}
+
+bool Trainer::spike_guard_rejects(double loss, double grad_norm) {
+  if (!std::isfinite(loss) || !std::isfinite(grad_norm)) return true;
+  const auto interval = static_cast<size_t>(config_.skip_step_interval);
+  bool spike = false;
+  if (spike_losses_.size() >= interval) {  // judged only against a full window
+    const double f = config_.skip_step_scaling_factor;
+    const auto [loss_mean, loss_std] = mean_and_std(spike_losses_);
+    const auto [norm_mean, norm_std] = mean_and_std(spike_grad_norms_);
+    spike = loss > loss_mean + f * loss_std || grad_norm > norm_mean + f * norm_std;
+  }
+  if (!spike) {
+    spike_losses_.push_back(loss);
+    spike_grad_norms_.push_back(grad_norm);
+    while (spike_losses_.size() > interval) spike_losses_.pop_front(), spike_grad_norms_.pop_front();
+  }
+  return spike;
+}
+
+void Trainer::optimizer_update(StepOutput& out) {
+  const Config& c = config_;
+  torch::NoGradGuard no_grad;
+  out.learning_rate = learning_rate_at(c, updates_applied_);
+  const int64_t collectives_before = comm_->collectives();
+  bool skip = out.total_weights == 0;
+  if (out.total_weights == 0)
+    spdlog::warn("step {}: no unmasked target token in the whole batch (W = 0); update skipped", out.step);
+  if (!skip && c.skip_step_on_spikes) {
+    // The guard needs this step's values on the host: one sync per step, only when enabled.
+    const auto host = torch::stack({out.loss.to(torch::kFloat64), out.raw_grad_norm.to(torch::kFloat64)}).cpu();
+    skip = spike_guard_rejects(host[0].item<double>(), host[1].item<double>());
+  }
+  // Global-norm clipping (optax.clip_by_global_norm): g *= min(1, threshold / ||g||).
+  if (c.gradient_clipping_threshold > 0) {
+    const auto factor = out.raw_grad_norm.reciprocal().mul(c.gradient_clipping_threshold).clamp_max(1.0);
+    flat_grads_.mul_(factor);
+    out.grad_norm = out.raw_grad_norm * factor;
+  } else {
+    out.grad_norm = out.raw_grad_norm;
+  }
+  if (!skip) {
+    // AdamW as optax.adamw: m, v with bias correction, eps outside the sqrt, decoupled weight
+    // decay scaled by the learning rate:  p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p).
+    const double t = static_cast<double>(updates_applied_ + 1);
+    const double bias1 = 1.0 - std::pow(c.adam_b1, t);
+    const double bias2 = 1.0 - std::pow(c.adam_b2, t);
+    const double lr = out.learning_rate;
+    const int64_t n = shard_end_ - shard_begin_;
+    const auto grads = flat_grads_.narrow(0, shard_begin_, n);
+    auto params = flat_params_.narrow(0, shard_begin_, n);
+    adam_m_.lerp_(grads, 1.0 - c.adam_b1);
+    adam_v_.mul_(c.adam_b2).addcmul_(grads, grads, 1.0 - c.adam_b2);
+    torch::sqrt_out(adam_scratch_, adam_v_);
+    adam_scratch_.div_(std::sqrt(bias2)).add_(c.adam_eps);
+    params.mul_(1.0 - lr * c.adam_weight_decay);
+    params.addcdiv_(adam_m_, adam_scratch_, -lr / bias1);
+    if (sharded()) gather_shards(params, flat_params_, "the updated parameters");  // ZeRO-1 all-gather
+    ++updates_applied_;
+    update_expert_bias(out);
+  }
+  out.step_skipped = skip;
+  out.collectives += comm_->collectives() - collectives_before;  // the ZeRO-1 gather, if any
+  out.param_norm = flat_params_.norm();
+}
+
+// Aux-loss-free balancing (DeepSeek-V3): after an applied update, each MoE layer's selection
+// bias moves by routed_bias_update_rate toward balance: up for experts below the mean load, down
+// for those above. The load is the step's counts averaged over micro-batches, so K does not
+// scale the update.
+void Trainer::update_expert_bias(const StepOutput& out) {
+  const Config& c = config_;
+  if (!c.routed_bias || c.routed_bias_update_rate <= 0 || !out.expert_load.defined()) return;
+  auto layers = model_->moe_layers();
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const auto load = out.expert_load[static_cast<int64_t>(i)];  // (E)
+    layers[i]->gate->e_score_correction_bias.add_(torch::sign(load.mean() - load), c.routed_bias_update_rate);
+  }
+}
+
+void Trainer::gather_shards(const torch::Tensor& shard, torch::Tensor& full, const std::string& what) {
+  gather_buffer_.zero_();
+  gather_buffer_.narrow(0, shard_begin_, shard_end_ - shard_begin_).copy_(shard);
+  const int64_t bucket = config_.gradient_bucket_size_mb * (1 << 20) / 4;
+  for (int64_t offset = 0; offset < gather_buffer_.numel(); offset += bucket) {
+    auto view = gather_buffer_.narrow(0, offset, std::min(bucket, gather_buffer_.numel() - offset));
+    comm_->all_reduce_sum(view, what + " (ZeRO-1 gather) at element " + std::to_string(offset));
+  }
+  full.copy_(gather_buffer_);
+}
+
+}  // namespace trainer

@@ -1,0 +1,184 @@
+// Resume and export: the host snapshot a checkpoint holds, restoring it (with every mismatch
+// named), choosing the starting state, and writing the weights alone.
+#include <filesystem>
+#include <map>
+#include <sstream>
+
+#include <spdlog/spdlog.h>
+
+#include "trainer/train/train.h"
+#include "trainer/util/error.h"
+
+namespace trainer {
+
+NamedTensors Trainer::model_tensors() const {
+  NamedTensors out;
+  for (const auto& item : model_->named_parameters()) out.emplace_back(item.key(), item.value());
+  for (const auto& item : model_->named_buffers()) out.emplace_back(item.key(), item.value());
+  return out;
+}
+
+CheckpointContents Trainer::snapshot(int64_t completed_steps) {
+  torch::NoGradGuard no_grad;
+  CheckpointContents c;
+  // One copy per flat buffer; the named tensors are views into those copies.
+  const auto params = flat_params_.to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
+  torch::Tensor m, v;  // (P) full moments; with ZeRO-1 assembled from every rank (a collective)
+  if (sharded()) {
+    auto full = torch::empty_like(flat_params_);
+    gather_shards(adam_m_, full, "the AdamW first moments");
+    m = full.to(torch::kCPU, false, true);
+    gather_shards(adam_v_, full, "the AdamW second moments");
+    v = full.to(torch::kCPU, false, true);
+  } else {
+    m = adam_m_.to(torch::kCPU, false, true), v = adam_v_.to(torch::kCPU, false, true);
+  }
+  int64_t offset = 0;
+  NamedTensors exp_avg, exp_avg_sq;
+  for (const auto& item : model_->named_parameters()) {
+    const auto n = item.value().numel();
+    const auto shape = item.value().sizes();
+    c.model.emplace_back(item.key(), params.narrow(0, offset, n).view(shape));
+    exp_avg.emplace_back("exp_avg." + item.key(), m.narrow(0, offset, n).view(shape));
+    exp_avg_sq.emplace_back("exp_avg_sq." + item.key(), v.narrow(0, offset, n).view(shape));
+    offset += n;
+  }
+  for (const auto& item : model_->named_buffers())
+    c.model.emplace_back(item.key(), item.value().to(torch::kCPU, torch::kFloat32, false, true).contiguous());
+  c.optimizer = std::move(exp_avg);
+  c.optimizer.insert(c.optimizer.end(), exp_avg_sq.begin(), exp_avg_sq.end());
+  c.state.step = completed_steps;
+  c.state.updates_applied = updates_applied_;
+  c.state.consumed_samples = completed_steps * config_.global_batch_size;
+  c.state.spike_losses.assign(spike_losses_.begin(), spike_losses_.end());
+  c.state.spike_grad_norms.assign(spike_grad_norms_.begin(), spike_grad_norms_.end());
+  const auto rng = at::detail::getDefaultCPUGenerator().get_state();
+  static const char* digits = "0123456789abcdef";
+  for (int64_t i = 0; i < rng.numel(); ++i) {
+    const auto byte = rng.data_ptr<uint8_t>()[i];
+    c.state.cpu_rng_state += digits[byte >> 4];
+    c.state.cpu_rng_state += digits[byte & 15];
+  }
+  c.state.world_size = config_.data_parallel_size;
+  c.config_yaml = config_to_yaml(config_);
+  c.state.config_hash = checkpoint_hash_text(c.config_yaml);
+  return c;
+}
+
+// Copies checkpoint tensors into the model (and, for a full state, the optimizer and counters).
+// Names and shapes must match exactly; every difference is listed (exit code 2).
+void Trainer::restore(const CheckpointContents& c, bool full_state, const std::string& source) {
+  torch::NoGradGuard no_grad;
+  std::map<std::string, torch::Tensor> saved(c.model.begin(), c.model.end());
+  std::vector<std::string> problems;
+  for (auto& [name, tensor] : model_tensors()) {
+    auto it = saved.find(name);
+    const bool is_buffer = !model_->named_parameters().contains(name);
+    if (it == saved.end()) {
+      if (!is_buffer || full_state) problems.push_back("missing " + name);
+      continue;
+    }
+    if (it->second.sizes() != tensor.sizes()) {
+      std::ostringstream msg;
+      msg << name << " has shape " << it->second.sizes() << " in the checkpoint, " << tensor.sizes() << " in the model";
+      problems.push_back(msg.str());
+    } else {
+      tensor.copy_(it->second);
+    }
+    saved.erase(it);
+  }
+  for (const auto& [name, tensor] : saved) problems.push_back("unexpected " + name);
+  if (!problems.empty()) {
+    std::string message = source + " does not match the model of this config:";
+    for (size_t i = 0; i < problems.size() && i < 20; ++i) message += "\n  - " + problems[i];
+    if (problems.size() > 20) message += "\n  - ... and " + std::to_string(problems.size() - 20) + " more";
+    throw config_error(message);
+  }
+  if (!full_state) return;
+  std::map<std::string, torch::Tensor> moments(c.optimizer.begin(), c.optimizer.end());
+  auto full_m = torch::empty_like(flat_params_), full_v = torch::empty_like(flat_params_);  // (P)
+  int64_t offset = 0;
+  for (const auto& item : model_->named_parameters()) {
+    const auto n = item.value().numel();
+    for (auto [prefix, flat] : {std::pair{"exp_avg.", full_m}, std::pair{"exp_avg_sq.", full_v}}) {
+      auto it = moments.find(prefix + item.key());
+      if (it == moments.end() || it->second.numel() != n)
+        throw config_error(source + ": optimizer state lacks " + prefix + item.key() + " or its shape differs");
+      flat.narrow(0, offset, n).copy_(it->second.reshape({n}));
+    }
+    offset += n;
+  }
+  // Checkpoints hold the full moments, so any world size and sharding can load them.
+  adam_m_.copy_(full_m.narrow(0, shard_begin_, shard_end_ - shard_begin_));
+  adam_v_.copy_(full_v.narrow(0, shard_begin_, shard_end_ - shard_begin_));
+  if (c.state.world_size != config_.data_parallel_size)
+    spdlog::warn("{} was written with {} ranks, resuming with {}", source, c.state.world_size, config_.data_parallel_size);
+  updates_applied_ = c.state.updates_applied;
+  spike_losses_.assign(c.state.spike_losses.begin(), c.state.spike_losses.end());
+  spike_grad_norms_.assign(c.state.spike_grad_norms.begin(), c.state.spike_grad_norms.end());
+  if (!c.state.cpu_rng_state.empty()) {
+    auto rng = torch::empty({static_cast<int64_t>(c.state.cpu_rng_state.size() / 2)}, torch::kUInt8);
+    for (int64_t i = 0; i < rng.numel(); ++i)
+      rng.data_ptr<uint8_t>()[i] = static_cast<uint8_t>(std::stoi(c.state.cpu_rng_state.substr(2 * i, 2), nullptr, 16));
+    auto generator = at::detail::getDefaultCPUGenerator();
+    generator.set_state(rng);
+  }
+  const std::string current_yaml = config_to_yaml(config_);
+  if (checkpoint_hash_text(current_yaml) != c.state.config_hash) {
+    // Name the keys that changed (steps or log_period may legitimately change on resume).
+    std::map<std::string, std::string> before, after;
+    auto parse = [](const std::string& yaml, std::map<std::string, std::string>& out) {
+      std::istringstream in(yaml);
+      for (std::string line; std::getline(in, line);)
+        if (const auto colon = line.find(": "); colon != std::string::npos && line[0] != '#')
+          out[line.substr(0, colon)] = line.substr(colon + 2);
+    };
+    parse(c.config_yaml, before);
+    parse(current_yaml, after);
+    std::string changed;
+    for (const auto& [key, value] : after)
+      if (before.count(key) && before[key] != value) changed += (changed.empty() ? "" : ", ") + key + " " + before[key] + " -> " + value;
+    if (!changed.empty()) spdlog::warn("resuming with a config that differs from the checkpoint's: {}", changed);
+  }
+}
+
+int64_t Trainer::load_initial_state() {
+  const Config& c = config_;
+  const auto own = checkpoint_find_latest((std::filesystem::path(c.run_dir) / "checkpoints").string());
+  if (own) {
+    const auto contents = checkpoint_load(*own);
+    restore(contents, /*full_state=*/true, "checkpoint " + *own);
+    spdlog::info("resumed from checkpoint {} (step {}, {} updates applied)", *own, contents.state.step,
+                 contents.state.updates_applied);
+    return contents.state.step;
+  }
+  if (!c.load_full_state_path.empty()) {
+    const auto contents = checkpoint_load(c.load_full_state_path);
+    restore(contents, /*full_state=*/true, "load_full_state_path " + c.load_full_state_path);
+    spdlog::info("loaded full state from {} (step {})", c.load_full_state_path, contents.state.step);
+    return contents.state.step;
+  }
+  if (!c.load_parameters_path.empty()) {
+    std::string file = c.load_parameters_path;
+    if (std::filesystem::is_directory(file)) file = (std::filesystem::path(file) / "model.safetensors").string();
+    if (!std::filesystem::exists(file)) throw config_error("load_parameters_path: no file " + file);
+    CheckpointContents weights;
+    weights.model = checkpoint_read_tensors(file);
+    restore(weights, /*full_state=*/false, "load_parameters_path " + file);
+    spdlog::info("loaded weights from {}; optimizer and step start fresh", file);
+  }
+  return 0;
+}
+
+void Trainer::export_model(const std::string& path) {
+  const auto c = snapshot(0);
+  const auto parent = std::filesystem::path(path).parent_path();
+  if (!parent.empty()) std::filesystem::create_directories(parent);
+  try {
+    checkpoint_write_tensors(path, c.model);
+  } catch (const std::exception& e) {
+    throw Error(kExitFailure, std::string("cannot export weights: ") + e.what());
+  }
+}
+
+}  // namespace trainer
