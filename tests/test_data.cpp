@@ -203,7 +203,7 @@ TEST_CASE("GPTDataset samples equal the numpy reference (epochs, separate final 
     const auto docs = fixture_corpus(g);
     for (int64_t i = 0; i < N; ++i) {
       std::vector<int64_t> text;
-      for (const auto& p : gpt_sample_pieces(ix, sizes, i, L))
+      for (const auto& p : gpt_sample_pieces(ix, sizes, i))
         text.insert(text.end(), docs[p.document].begin() + p.offset, docs[p.document].begin() + p.offset + p.length);
       INFO("sample " << i);
       REQUIRE(text == g["samples"][i].get<std::vector<int64_t>>());

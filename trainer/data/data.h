@@ -95,7 +95,7 @@ class DataPrefetcher {
  private:
   void run();
   const DataLoader& loader_;
-  int64_t next_step_, next_micro_, last_step_, micro_batches_;
+  int64_t first_step_, last_step_, micro_batches_;
   size_t depth_;
   std::deque<std::pair<std::pair<int64_t, int64_t>, MicroBatch>> queue_;
   std::mutex mutex_;

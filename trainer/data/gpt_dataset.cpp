@@ -147,9 +147,7 @@ GptIndices gpt_build_indices(const std::vector<int32_t>& sizes, const std::vecto
   return out;
 }
 
-std::vector<GptPiece> gpt_sample_pieces(const GptIndices& ix, const std::vector<int32_t>& sizes, int64_t i,
-                                        int64_t seq_len) {
-  (void)seq_len;
+std::vector<GptPiece> gpt_sample_pieces(const GptIndices& ix, const std::vector<int32_t>& sizes, int64_t i) {
   const int64_t s = ix.shuffle_index[static_cast<size_t>(i)];
   const int64_t beg = ix.sample_index[2 * s], beg_offset = ix.sample_index[2 * s + 1];
   const int64_t end = ix.sample_index[2 * s + 2], end_offset = ix.sample_index[2 * s + 3];

@@ -45,8 +45,7 @@ GptIndices gpt_build_indices(const std::vector<int32_t>& sizes, const std::vecto
 struct GptPiece {
   int64_t document, offset, length;
 };
-std::vector<GptPiece> gpt_sample_pieces(const GptIndices& indices, const std::vector<int32_t>& sizes, int64_t i,
-                                        int64_t seq_len);
+std::vector<GptPiece> gpt_sample_pieces(const GptIndices& indices, const std::vector<int32_t>& sizes, int64_t i);
 
 // Megatron's blend sizes: ceil(ceil(target * w) * 1.005) samples per dataset, weights normalized.
 std::vector<int64_t> gpt_blend_sizes(const std::vector<double>& weights, int64_t target);

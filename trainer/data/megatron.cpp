@@ -124,7 +124,7 @@ class MegatronSource : public SampleSource {
     const Component& comp = components_[d];
     std::vector<int64_t> text;
     text.reserve(static_cast<size_t>(seq_len_ + 1));
-    for (const auto& piece : gpt_sample_pieces(comp.indices, comp.data->sequence_lengths(), j, seq_len_)) {
+    for (const auto& piece : gpt_sample_pieces(comp.indices, comp.data->sequence_lengths(), j)) {
       const size_t before = text.size();
       comp.data->read(piece.document, piece.offset, piece.length, text);
       for (size_t t = before; t < text.size(); ++t)

@@ -115,7 +115,7 @@ MicroBatch DataLoader::data_loader_sample(int64_t index) const {
 
 DataPrefetcher::DataPrefetcher(const DataLoader& loader, int64_t first_step, int64_t last_step,
                                int64_t micro_batches, size_t depth)
-    : loader_(loader), next_step_(first_step), next_micro_(0), last_step_(last_step),
+    : loader_(loader), first_step_(first_step), last_step_(last_step),
       micro_batches_(micro_batches), depth_(depth), thread_([this] { run(); }) {}
 
 DataPrefetcher::~DataPrefetcher() {
@@ -128,7 +128,7 @@ DataPrefetcher::~DataPrefetcher() {
 }
 
 void DataPrefetcher::run() {
-  int64_t step = next_step_, micro = 0;
+  int64_t step = first_step_, micro = 0;
   while (step < last_step_) {
     {
       std::unique_lock<std::mutex> lock(mutex_);
