@@ -108,6 +108,37 @@ TEST_CASE("one all-reduce per gradient bucket per step, whatever K", "[dist][cli
   for (const auto& m : metrics_of("buckets")) CHECK(m["perf/collectives_per_step"] == 3);
 }
 
+TEST_CASE("a named backend builds a real process group even for one process, and changes nothing", "[dist][cli]") {
+  // dist_backend=gloo with one process: a TCPStore on a free local port, ProcessGroupGloo, the
+  // bucketed all-reduce (a sum over one rank) and the stats all-reduce. The same code path with
+  // dist_backend=nccl is checked on a GPU by scripts/gpu/check.py.
+  const std::string common = "model_name=default dataset_type=synthetic pad_id=0 max_target_length=16 "
+                             "per_device_batch_size=2 gradient_accumulation_steps=2 steps=3 gradient_bucket_size_mb=1 "
+                             "base_output_directory=" + kOut;
+  for (const char* run : {"one-local", "one-gloo"}) fs::remove_all(kOut + "/" + run);
+  const auto local = run_command(std::string(TRAINER_BINARY) + " " + source_path("configs/base.yml") + " " + common +
+                                 " run_name=one-local");
+  const auto gloo = run_command(std::string(TRAINER_BINARY) + " " + source_path("configs/base.yml") + " " + common +
+                                " run_name=one-gloo dist_backend=gloo");
+  REQUIRE(local.exit_code == 0);
+  REQUIRE(gloo.exit_code == 0);
+  CHECK(gloo.output.find("Gloo on cpu") != std::string::npos);
+  const auto a = metrics_of("one-local"), b = metrics_of("one-gloo");
+  REQUIRE(a.size() == 3);
+  REQUIRE(b.size() == 3);
+  for (size_t i = 0; i < a.size(); ++i) {
+    CHECK(a[i]["learning/loss"] == b[i]["learning/loss"]);
+    CHECK(a[i]["learning/param_norm"] == b[i]["learning/param_norm"]);
+    CHECK(a[i]["perf/collectives_per_step"] == 0);
+    CHECK(b[i]["perf/collectives_per_step"] == 3);  // 2 gradient buckets of 1 MiB + the stats
+  }
+  // NCCL reduces CUDA tensors only: named on a CPU run it is a config error (exit 2).
+  const auto nccl = run_command(std::string(TRAINER_BINARY) + " " + source_path("configs/base.yml") + " " + common +
+                                " run_name=one-nccl dist_backend=nccl");
+  CHECK(nccl.exit_code == 2);
+  CHECK(nccl.output.find("dist_backend=nccl needs hardware=gpu") != std::string::npos);
+}
+
 TEST_CASE("a rank that dies makes the other exit 5 naming the operation", "[dist][cli]") {
   fs::remove_all(kOut + "/dead");
   const int port = 29500 + static_cast<int>(getpid() % 1000);

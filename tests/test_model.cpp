@@ -52,6 +52,21 @@ TEST_CASE("segments: packed documents never see each other", "[model]") {
   CHECK(torch::allclose(alone, before.narrow(1, split, L - split), 1e-5, 1e-5));
 }
 
+TEST_CASE("plain causal attention (one segment per row) equals the segment mask path", "[model]") {
+  torch::manual_seed(4);
+  auto model = model_build(tiny_config({"use_qk_norm=true", "override_model_config=true"}));
+  const int64_t L = 16;
+  auto in = two_documents(L, L);  // every segment id is 1
+  const auto masked = model->forward(in.tokens, in.positions, in.segments, /*one_segment_per_row=*/false).logits;
+  const auto causal = model->forward(in.tokens, in.positions, in.segments, /*one_segment_per_row=*/true).logits;
+  CHECK(torch::allclose(masked, causal, 1e-6, 1e-6));
+  // The flag changes the mask, so with two documents the two paths must differ (the test can fail).
+  auto two = two_documents(L, 6);
+  const auto segmented = model->forward(two.tokens, two.positions, two.segments, false).logits;
+  const auto wrongly_causal = model->forward(two.tokens, two.positions, two.segments, true).logits;
+  CHECK_FALSE(torch::allclose(segmented, wrongly_causal, 1e-4, 1e-4));
+}
+
 TEST_CASE("parameters carry Hugging Face names and match the config-only count", "[model]") {
   for (const auto& overrides : std::vector<std::vector<std::string>>{
            {}, {"override_model_config=true", "use_qk_norm=true", "logits_via_embedding=true"}}) {

@@ -2,11 +2,14 @@
 """The PyTorch peer arm: the same dense Llama model, loss (per-token sum/sum), AdamW, clipping and
 LR schedule as an ordinary PyTorch training loop, reading the trainer's resolved config.yml so the
 arms cannot drift, the trainer's initial weights (checkpoint 0, safetensors) and the trainer's
-samples (--dump-samples). Debian's python3-torch (1.13) on CPU.
+samples (--dump-samples). Debian's python3-torch (1.13) on CPU; the PyTorch wheel (2.x) on a
+GPU, with bf16 autocast when the config says dtype: bfloat16 and the fused causal attention
+(scaled_dot_product_attention) where the rows hold one segment, as the trainer does.
 
-  peer.py RUN_DIR [--steps N] [--threads T]
+  peer.py RUN_DIR [--steps N] [--threads T] [--device cuda] [--random-init]
 prints the peer's step losses next to the trainer's metrics.jsonl and the median step time.
-Run the trainer first with save_checkpoint_on_start=true (see scripts/bench/peer_parity.sh).
+Run the trainer first with save_checkpoint_on_start=true (see scripts/bench/peer_parity.sh), or
+pass --random-init (speed comparisons of large models: no multi-GB weight file).
 """
 import argparse
 import json
@@ -69,12 +72,12 @@ class Llama(torch.nn.Module):
     def norm(self, x, name):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.c["normalization_layer_epsilon"]) * self.w(name)
 
-    def forward(self, tokens, positions, segments):
+    def forward(self, tokens, positions, segments, one_segment):
         c = self.c
         B, L = tokens.shape
         Hq, Hkv, hd = c["base_num_query_heads"], c["base_num_kv_heads"], c["head_dim"]
         rot = int(round(c["partial_rotary_factor"] * hd))
-        inv = c["rope_max_timescale"] ** (-torch.arange(0, rot, 2, dtype=torch.float32) / rot)
+        inv = c["rope_max_timescale"] ** (-torch.arange(0, rot, 2, dtype=torch.float32, device=tokens.device) / rot)
         ang = positions.float().unsqueeze(-1) * inv
         emb = torch.cat([ang, ang], -1).unsqueeze(1)
         cos, sin = emb.cos(), emb.sin()
@@ -85,7 +88,9 @@ class Llama(torch.nn.Module):
             rh = torch.cat([-r[..., half:], r[..., :half]], -1)
             return torch.cat([r * cos + rh * sin, p], -1)
 
-        allowed = (segments.unsqueeze(2) == segments.unsqueeze(1)) & torch.ones(L, L, dtype=torch.bool).tril()
+        fused = hasattr(F, "scaled_dot_product_attention") and one_segment  # known on the host: no sync
+        allowed = (segments.unsqueeze(2) == segments.unsqueeze(1)) & torch.ones(L, L, dtype=torch.bool,
+                                                                                device=tokens.device).tril()
         x = F.embedding(tokens, self.w("model.embed_tokens.weight"))
         for i in range(c["base_num_decoder_layers"]):
             pre = f"model.layers.{i}."
@@ -97,9 +102,12 @@ class Llama(torch.nn.Module):
                 q, k = self.norm(q, pre + "self_attn.q_norm.weight"), self.norm(k, pre + "self_attn.k_norm.weight")
             q, k, v = rope(q.transpose(1, 2)), rope(k.transpose(1, 2)), v.transpose(1, 2)
             k, v = k.repeat_interleave(Hq // Hkv, 1), v.repeat_interleave(Hq // Hkv, 1)
-            s = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
-            s = s.masked_fill(~allowed.unsqueeze(1), float("-inf"))
-            a = (s.softmax(-1) @ v).transpose(1, 2).reshape(B, L, Hq * hd)
+            if fused:
+                a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                s = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
+                a = s.masked_fill(~allowed.unsqueeze(1), float("-inf")).softmax(-1).to(v.dtype) @ v
+            a = a.transpose(1, 2).reshape(B, L, Hq * hd)
             x = x + F.linear(a, self.w(pre + "self_attn.o_proj.weight"))
             h = self.norm(x, pre + "post_attention_layernorm.weight")
             g = F.silu(F.linear(h, self.w(pre + "mlp.gate_proj.weight"))) * F.linear(h, self.w(pre + "mlp.up_proj.weight"))
@@ -107,6 +115,28 @@ class Llama(torch.nn.Module):
         x = self.norm(x, "model.norm.weight")
         head = self.w("model.embed_tokens.weight") if c["logits_via_embedding"] else self.w("lm_head.weight")
         return F.linear(x, head)
+
+
+def random_weights(c, device):
+    """Fresh weights of the trainer's shapes and init law, made on the device (no file)."""
+    D, F_, V, hd = c["base_emb_dim"], c["base_mlp_dim"], c["vocab_size"], c["head_dim"]
+    Hq, Hkv = c["base_num_query_heads"], c["base_num_kv_heads"]
+    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    if not c["logits_via_embedding"]:
+        shapes["lm_head.weight"] = (V, D)
+    for i in range(c["base_num_decoder_layers"]):
+        pre = f"model.layers.{i}."
+        shapes.update({pre + "input_layernorm.weight": (D,), pre + "post_attention_layernorm.weight": (D,),
+                       pre + "self_attn.q_proj.weight": (Hq * hd, D), pre + "self_attn.k_proj.weight": (Hkv * hd, D),
+                       pre + "self_attn.v_proj.weight": (Hkv * hd, D), pre + "self_attn.o_proj.weight": (D, Hq * hd),
+                       pre + "mlp.gate_proj.weight": (F_, D), pre + "mlp.up_proj.weight": (F_, D),
+                       pre + "mlp.down_proj.weight": (D, F_)})
+        if c["use_qk_norm"]:
+            shapes.update({pre + "self_attn.q_norm.weight": (hd,), pre + "self_attn.k_norm.weight": (hd,)})
+    gen = torch.Generator(device=device).manual_seed(c["init_weights_seed"])
+    return {name: (torch.ones(shape, device=device) if name.endswith("norm.weight")
+                   else torch.empty(shape, device=device).normal_(0.0, 0.02, generator=gen))
+            for name, shape in shapes.items()}
 
 
 def lr_at(c, n):  # the trainer's cosine schedule (docs/training.md)
@@ -144,40 +174,55 @@ def main():
     ap.add_argument("--check-steps", type=int, default=0,
                     help="exit 1 unless the first N step losses match the trainer's to --tolerance (relative)")
     ap.add_argument("--tolerance", type=float, default=1e-5)
+    ap.add_argument("--device", default="cpu", help="cpu | cuda")
+    ap.add_argument("--warmup", type=int, default=5, help="steps left out of the timing statistics")
+    ap.add_argument("--random-init", action="store_true",
+                    help="weights ~ N(0, 0.02), norms 1 (as the trainer's init, not its values) instead of checkpoint 0")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     c = read_config(os.path.join(args.run_dir, "config.yml"))
     assert c["num_experts"] <= 1 and c["mtp_num_layers"] == 0 and c["calculate_per_token_loss"], "peer: dense per-token only"
-    model = Llama(c, read_safetensors(os.path.join(args.run_dir, "checkpoints", "0", "model.safetensors")))
+    device = torch.device(args.device)
+    if args.random_init:
+        model = Llama(c, random_weights(c, device))
+    else:
+        model = Llama(c, read_safetensors(os.path.join(args.run_dir, "checkpoints", "0", "model.safetensors"))).to(device)
+    autocast = c["dtype"] == "bfloat16"
     steps = args.steps or c["steps"]
     K, b = c["gradient_accumulation_steps"], c["per_device_batch_size"]
     gbs = K * b  # one process
     dump = subprocess.run([args.trainer, os.path.join(args.run_dir, "config.yml"), "model_name=",
                            f"--dump-samples={steps * gbs}"], capture_output=True, text=True, check=True).stdout
     samples = [json.loads(l)["tokens"] for l in dump.splitlines() if l.startswith("{")]
+    # On CUDA the fused AdamW kernel: the fastest stock PyTorch optimizer, so the peer is a strong one.
+    fused = {"fused": True} if device.type == "cuda" else {}
     opt = torch.optim.AdamW(model.parameters(), lr=0.0, betas=(c["adam_b1"], c["adam_b2"]), eps=c["adam_eps"],
-                            weight_decay=c["adam_weight_decay"])
+                            weight_decay=c["adam_weight_decay"], **fused)
     losses, times = [], []
     for step in range(steps):
         start = time.perf_counter()
         opt.zero_grad(set_to_none=False)
         batches = [rows(c, samples[step * gbs + m * b: step * gbs + (m + 1) * b]) for m in range(K)]
-        W = sum(float(bt[2].sum()) for bt in batches)
-        total = 0.0
-        for inputs, targets, mask, positions, segments in batches:
-            logits = model(inputs, positions, segments).float()
+        W = sum(float(bt[2].sum()) for bt in batches)  # host-side, like the trainer's
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for batch in batches:
+            one_segment = bool((batch[4] == 1).all())
+            inputs, targets, mask, positions, segments = (t.to(device) for t in batch)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                logits = model(inputs, positions, segments, one_segment)
+            logits = logits.float()
             ce = (F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
                   * mask.reshape(-1)).sum()
             (ce / W).backward()
-            total += float(ce)
+            total += ce.detach().double()
         if c["gradient_clipping_threshold"] > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), c["gradient_clipping_threshold"])
         for g in opt.param_groups:
             g["lr"] = lr_at(c, step)
         opt.step()
+        losses.append(float(total) / W)  # one device->host read per step (the step's loss)
         times.append(time.perf_counter() - start)
-        losses.append(total / W)
     trainer = [json.loads(l) for l in open(os.path.join(args.run_dir, "metrics.jsonl")) if '"learning/loss"' in l]
     for s in range(min(3, steps)):
         print(f"step {s}: peer loss {losses[s]:.6f}, trainer loss {trainer[s]['learning/loss']:.6f}")
@@ -185,9 +230,13 @@ def main():
         peer, ours = losses[s], trainer[s]["learning/loss"]
         if abs(peer - ours) > args.tolerance * abs(ours):
             sys.exit(f"peer.py: step {s} loss differs: peer {peer!r}, trainer {ours!r}")
-    after = times[5:] if len(times) > 6 else times
-    print(json.dumps({"peer_median_step_seconds": statistics.median(after), "peer_mean": statistics.mean(after),
-                      "peer_max": max(after), "step0_loss_peer": losses[0], "step0_loss_trainer": trainer[0]["learning/loss"]}))
+    after = times[args.warmup:] if len(times) > args.warmup + 1 else times
+    result = {"peer_median_step_seconds": statistics.median(after), "peer_mean": statistics.mean(after),
+              "peer_max": max(after), "step0_loss_peer": losses[0], "step0_loss_trainer": trainer[0]["learning/loss"]}
+    if device.type == "cuda":
+        result["peer_cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        result["peer_cuda_peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -185,6 +185,7 @@ std::vector<std::string> validation_errors(const Config& c) {
   require(c.eval_steps > 0, "eval_steps must be > 0");
   require(c.peak_tflops_per_device >= 0, "peak_tflops_per_device must be >= 0 (0 = known GPU peaks, else unknown)");
   require(c.collective_timeout_seconds > 0, "collective_timeout_seconds must be > 0");
+  require(c.dist_backend != "nccl" || c.hardware == "gpu", "dist_backend=nccl needs hardware=gpu (NCCL reduces CUDA tensors)");
   require(c.gradient_bucket_size_mb > 0, "gradient_bucket_size_mb must be > 0");
   require(c.z_loss_multiplier >= 0, "z_loss_multiplier must be >= 0");
   require(c.learning_rate >= 0, "learning_rate must be >= 0");

@@ -87,6 +87,7 @@ using StringList = std::vector<std::string>;
   X(int64_t, pad_id)                              \
   /* distributed */                               \
   X(double, collective_timeout_seconds)           \
+  X(std::string, dist_backend)                    \
   X(int64_t, gradient_bucket_size_mb)             \
   X(bool, shard_optimizer_over_data)              \
   /* loss and normalization */                    \

@@ -17,6 +17,7 @@ namespace {
 const std::map<std::string, std::vector<std::string>>& allowed_values() {
   static const std::map<std::string, std::vector<std::string>> table = {
       {"hardware", {"cpu", "gpu"}},
+      {"dist_backend", {"auto", "gloo", "nccl"}},
       {"log_format", {"maxtext", "megatron"}},
       {"dtype", {"float32", "bfloat16"}},
       {"dataset_type", {"synthetic", "megatron", "grain"}},

@@ -1,7 +1,9 @@
 // Byte and SentencePiece tokenizers (see tokenizer.h).
 #include "trainer/data/tokenizer.h"
 
+#if TRAINER_WITH_SENTENCEPIECE
 #include <sentencepiece_processor.h>
+#endif
 
 #include "trainer/util/error.h"
 
@@ -20,6 +22,7 @@ class ByteTokenizer : public Tokenizer {
   int64_t tokenizer_eod() const override { return 256; }
 };
 
+#if TRAINER_WITH_SENTENCEPIECE
 class SentencePieceTokenizer : public Tokenizer {
  public:
   explicit SentencePieceTokenizer(const std::string& model) {
@@ -38,6 +41,7 @@ class SentencePieceTokenizer : public Tokenizer {
  private:
   sentencepiece::SentencePieceProcessor processor_;
 };
+#endif
 
 }  // namespace
 
@@ -45,7 +49,11 @@ std::unique_ptr<Tokenizer> tokenizer_create(const std::string& type, const std::
   if (type == "byte" || type == "ByteTokenizer") return std::make_unique<ByteTokenizer>();
   if (type == "sentencepiece" || type == "SentencePieceTokenizer") {
     if (model.empty()) throw config_error("--tokenizer-type sentencepiece needs --tokenizer-model");
+#if TRAINER_WITH_SENTENCEPIECE
     return std::make_unique<SentencePieceTokenizer>(model);
+#else
+    throw config_error("--tokenizer-type sentencepiece: this build has no SentencePiece (TRAINER_WITH_SENTENCEPIECE=OFF)");
+#endif
   }
   throw config_error("--tokenizer-type '" + type + "' is not supported (byte, sentencepiece)");
 }

@@ -12,6 +12,11 @@
 
 #if TRAINER_WITH_GLOO
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#endif
+#if TRAINER_WITH_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+#if TRAINER_WITH_GLOO || TRAINER_WITH_NCCL
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #endif
 #if TRAINER_WITH_MPI
@@ -26,43 +31,52 @@ namespace {
 
 Error dist_error(const std::string& message) { return Error(kExitDistributed, message); }
 
+
 class LocalCommunicator : public Communicator {
  public:
   int64_t rank() const override { return 0; }
   int64_t world_size() const override { return 1; }
+  bool is_local() const override { return true; }
   void all_reduce_sum(torch::Tensor&, const std::string&) override {}
   std::string broadcast_string(const std::string&, const std::string& value) override { return value; }
 };
 
-#if TRAINER_WITH_GLOO
-class GlooCommunicator : public Communicator {
+#if TRAINER_WITH_GLOO || TRAINER_WITH_NCCL
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+// A c10d process group (ProcessGroupGloo or ProcessGroupNCCL) over a TCPStore. Both groups
+// share the allreduce/wait interface in LibTorch 1.13 and 2.x, so one template serves both.
+template <class Group>
+class C10dCommunicator : public Communicator {
  public:
-  GlooCommunicator(const DistEnv& env, const std::string& host, int port, double timeout_seconds)
-      : rank_(env.rank), world_(env.world_size), timeout_(std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000))) {
-    c10d::TCPStoreOptions options;
-    options.port = static_cast<uint16_t>(port);
-    options.isServer = env.rank == 0;
-    options.numWorkers = static_cast<int>(env.world_size);
-    options.waitWorkers = true;
-    options.timeout = timeout_;
+  C10dCommunicator(const DistEnv& env, const std::string& host, int port, const DistOptions& options)
+      : rank_(env.rank), world_(env.world_size), device_(options.device),
+        timeout_(std::chrono::milliseconds(static_cast<int64_t>(options.timeout_seconds * 1000))) {
+    c10d::TCPStoreOptions store_options;
+    store_options.port = static_cast<uint16_t>(port);
+    store_options.isServer = env.rank == 0;
+    store_options.numWorkers = static_cast<int>(env.world_size);
+    store_options.waitWorkers = true;
+    store_options.timeout = timeout_;
     try {
-      store_ = c10::make_intrusive<c10d::TCPStore>(host, options);
-      auto pg_options = c10d::ProcessGroupGloo::Options::create();
-      pg_options->timeout = timeout_;
-      if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"))
-        pg_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
-      else
-        pg_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-      group_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store_, static_cast<int>(rank_), static_cast<int>(world_), pg_options);
+      store_ = c10::make_intrusive<c10d::TCPStore>(host, store_options);
+      auto group_options = Group::Options::create();
+      group_options->timeout = timeout_;
+      configure(*group_options);
+      group_ = c10::make_intrusive<Group>(store_, static_cast<int>(rank_), static_cast<int>(world_), group_options);
     } catch (const std::exception& e) {
       throw dist_error("rank " + std::to_string(rank_) + ": rendezvous at " + host + ":" + std::to_string(port) +
                        " failed: " + first_line(e.what()));
     }
   }
+  ~C10dCommunicator() override { shutdown(); }
   int64_t rank() const override { return rank_; }
   int64_t world_size() const override { return world_; }
+  // A tensor that is not on the group's device (the host-side step statistics under NCCL) makes
+  // a round trip through a device copy; the gradient buckets are already there.
   void all_reduce_sum(torch::Tensor& tensor, const std::string& what) override {
-    std::vector<at::Tensor> tensors{tensor};
+    const bool staged = tensor.device() != device_;
+    std::vector<at::Tensor> tensors{staged ? tensor.to(device_) : tensor};
     try {
       auto work = group_->allreduce(tensors);
       work->wait(timeout_);
@@ -71,6 +85,7 @@ class GlooCommunicator : public Communicator {
                        " failed (a peer rank died or hung; timeout " + std::to_string(timeout_.count() / 1000) +
                        " s): " + first_line(e.what()));
     }
+    if (staged) tensor.copy_(tensors[0]);
     ++collectives_;
   }
   std::string broadcast_string(const std::string& key, const std::string& value) override {
@@ -84,13 +99,56 @@ class GlooCommunicator : public Communicator {
   }
 
  private:
-  static std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+  void configure(typename Group::Options& options);
+  void shutdown();
   int64_t rank_, world_;
+  torch::Device device_;
   std::chrono::milliseconds timeout_;
   c10::intrusive_ptr<c10d::Store> store_;
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> group_;
+  c10::intrusive_ptr<Group> group_;
 };
 #endif
+
+#if TRAINER_WITH_GLOO
+template <>
+void C10dCommunicator<c10d::ProcessGroupGloo>::configure(c10d::ProcessGroupGloo::Options& options) {
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"))
+    options.devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+  else
+    options.devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+}
+template <>
+void C10dCommunicator<c10d::ProcessGroupGloo>::shutdown() {}
+#endif
+
+#if TRAINER_WITH_NCCL
+template <>
+void C10dCommunicator<c10d::ProcessGroupNCCL>::configure(c10d::ProcessGroupNCCL::Options&) {}
+// NCCL's communicators must be torn down explicitly before the process exits (LibTorch 2.x
+// warns otherwise and may hang in its watchdog).
+template <>
+void C10dCommunicator<c10d::ProcessGroupNCCL>::shutdown() {
+  try {
+    if (group_) group_->shutdown();
+  } catch (const std::exception& e) {
+    spdlog::warn("rank {}: NCCL shutdown: {}", rank_, first_line(e.what()));
+  }
+}
+#endif
+
+// A TCP port that is free on this host now (bound to `address`, port 0, then released).
+int free_port(in_addr_t address) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(address);
+  addr.sin_port = 0;
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  socklen_t len = sizeof addr;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
 
 // Under mpirun without MASTER_ADDR: rank 0 picks its hostname and a free port and tells the
 // others through MPI (the only use of MPI).
@@ -103,20 +161,10 @@ std::pair<std::string, int> rendezvous_via_mpi(const DistEnv& env) {
   if (env.rank == 0) {
     char host[256] = {0};
     gethostname(host, sizeof host - 1);
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_ANY);
-    addr.sin_port = 0;
-    bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-    socklen_t len = sizeof addr;
-    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-    const int port = ntohs(addr.sin_port);
-    close(fd);
-    std::snprintf(buffer, sizeof buffer, "%s %d", host, port);
+    std::snprintf(buffer, sizeof buffer, "%s %d", host, free_port(INADDR_ANY));
   }
   MPI_Bcast(buffer, sizeof buffer, MPI_CHAR, 0, MPI_COMM_WORLD);
-  MPI_Finalize();  // MPI's job is done; collectives go through Gloo
+  MPI_Finalize();  // MPI's job is done; collectives go through Gloo or NCCL
   const std::string text(buffer);
   const auto space = text.find(' ');
   return {text.substr(0, space), std::stoi(text.substr(space + 1))};
@@ -128,32 +176,57 @@ std::pair<std::string, int> rendezvous_via_mpi(const DistEnv& env) {
 
 }  // namespace
 
-std::unique_ptr<Communicator> dist_init(const DistEnv& env, double timeout_seconds) {
-  if (env.world_size == 1) return std::make_unique<LocalCommunicator>();
-#if TRAINER_WITH_GLOO
+std::string dist_backend_resolve(const std::string& requested, const torch::Device& device) {
+  if (requested != "auto") return requested;
+  return device.is_cuda() ? "nccl" : "gloo";
+}
+
+std::unique_ptr<Communicator> dist_init(const DistEnv& env, const DistOptions& options) {
+  // One process needs no group, unless a backend was named explicitly (which exercises it).
+  if (env.world_size == 1 && options.backend == "auto") return std::make_unique<LocalCommunicator>();
+  const std::string backend = dist_backend_resolve(options.backend, options.device);
+  if (backend == "nccl" && !options.device.is_cuda())
+    throw config_error("dist_backend=nccl needs hardware=gpu (NCCL reduces CUDA tensors only)");
   std::string host;
   int port = 0;
   if (std::getenv("MASTER_ADDR") && std::getenv("MASTER_PORT")) {
     host = std::getenv("MASTER_ADDR");
     port = std::atoi(std::getenv("MASTER_PORT"));
+  } else if (env.world_size == 1) {
+    host = "127.0.0.1";
+    port = free_port(INADDR_LOOPBACK);
   } else if (env.launcher == "mpirun") {
     std::tie(host, port) = rendezvous_via_mpi(env);
   } else {
     throw dist_error("rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size) + " (" + env.launcher +
                      "): set MASTER_ADDR and MASTER_PORT (only mpirun agrees on them by itself)");
   }
-  auto comm = std::make_unique<GlooCommunicator>(env, host, port, timeout_seconds);
-  auto probe = torch::ones({1}, torch::kFloat64);
-  comm->all_reduce_sum(probe, "the preflight check");
-  if (probe.item<double>() != static_cast<double>(env.world_size))
-    throw dist_error("preflight all_reduce returned " + std::to_string(probe.item<double>()) + ", expected " +
-                     std::to_string(env.world_size));
-  spdlog::info("data parallel: rank {} of {} (local rank {} of {}), launched by {}, rendezvous {}:{}, Gloo", env.rank,
-               env.world_size, env.local_rank, env.local_world_size, env.launcher, host, port);
-  return comm;
+  std::unique_ptr<Communicator> comm;
+  if (backend == "gloo") {
+#if TRAINER_WITH_GLOO
+    comm = std::make_unique<C10dCommunicator<c10d::ProcessGroupGloo>>(env, host, port, options);
 #else
-  throw dist_error("world size " + std::to_string(env.world_size) + " but this build has no Gloo (c10d) support");
+    throw config_error("world size " + std::to_string(env.world_size) +
+                       " with dist_backend=gloo, but this build has no Gloo (c10d) support");
 #endif
+  } else {
+#if TRAINER_WITH_NCCL
+    comm = std::make_unique<C10dCommunicator<c10d::ProcessGroupNCCL>>(env, host, port, options);
+#else
+    throw config_error("world size " + std::to_string(env.world_size) +
+                       " with dist_backend=nccl, but this build has no NCCL (build with scripts/gpu/build.sh)");
+#endif
+  }
+  auto probe = torch::ones({1}, torch::TensorOptions().dtype(torch::kFloat64).device(options.device));
+  comm->all_reduce_sum(probe, "the preflight check");
+  const double sum = probe.item<double>();
+  if (sum != static_cast<double>(env.world_size))
+    throw dist_error("preflight all_reduce returned " + std::to_string(sum) + ", expected " +
+                     std::to_string(env.world_size));
+  spdlog::info("data parallel: rank {} of {} (local rank {} of {}), launched by {}, rendezvous {}:{}, {} on {}", env.rank,
+               env.world_size, env.local_rank, env.local_world_size, env.launcher, host, port, backend == "gloo" ? "Gloo" : "NCCL",
+               options.device.str());
+  return comm;
 }
 
 }  // namespace trainer

@@ -1,5 +1,5 @@
-// Public face of dist/: the launch environment (env.h) and a
-// communicator for data parallelism: c10d ProcessGroupGloo over a TCPStore (docs/distributed.md).
+// Public face of dist/: the launch environment (env.h) and a communicator for data parallelism:
+// c10d ProcessGroupGloo (CPU) or ProcessGroupNCCL (CUDA) over a TCPStore (docs/distributed.md).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -20,18 +20,30 @@ class Communicator {
   virtual ~Communicator() = default;
   virtual int64_t rank() const = 0;
   virtual int64_t world_size() const = 0;
-  // In-place sum over ranks of a CPU tensor.
+  // In-place sum over ranks (a tensor on the host or on this rank's device).
   virtual void all_reduce_sum(torch::Tensor& tensor, const std::string& what) = 0;
   // Rank 0's string on every rank (through the rendezvous store).
   virtual std::string broadcast_string(const std::string& key, const std::string& value) = 0;
+  // True for the one-process stand-in without a process group (collectives are skipped).
+  virtual bool is_local() const { return false; }
   int64_t collectives() const { return collectives_; }  // all-reduces so far
 
  protected:
   int64_t collectives_ = 0;
 };
 
-// world_size 1: a no-op communicator. Otherwise rendezvous (MASTER_ADDR/MASTER_PORT, or agreed
-// through MPI under mpirun), a Gloo process group, and a preflight all-reduce.
-std::unique_ptr<Communicator> dist_init(const DistEnv& env, double timeout_seconds);
+struct DistOptions {
+  double timeout_seconds = 300;  // collective_timeout_seconds
+  std::string backend = "auto";  // dist_backend: auto | gloo | nccl
+  torch::Device device = torch::Device(torch::kCPU);  // this rank's compute device
+};
+
+// "auto" -> "nccl" for a CUDA device, "gloo" otherwise; a named backend is kept.
+std::string dist_backend_resolve(const std::string& requested, const torch::Device& device);
+
+// world_size 1 with backend auto: a no-op communicator. Otherwise rendezvous (MASTER_ADDR/
+// MASTER_PORT, agreed through MPI under mpirun, or a local port for one process), a Gloo or
+// NCCL process group, and a preflight all-reduce.
+std::unique_ptr<Communicator> dist_init(const DistEnv& env, const DistOptions& options);
 
 }  // namespace trainer

@@ -135,7 +135,8 @@ DecoderStackImpl::DecoderStackImpl(const Config& c)
   norm = register_module("norm", RMSNorm(c.base_emb_dim, c.normalization_layer_epsilon));
 }
 
-BlockContext DecoderStackImpl::context(const torch::Tensor& positions, const torch::Tensor& segment_ids) const {
+BlockContext DecoderStackImpl::context(const torch::Tensor& positions, const torch::Tensor& segment_ids,
+                                       bool one_segment_per_row) const {
   const auto L = positions.size(1);
   // RoPE in fp32: inv_freq_i = theta^(-2i/rotary_dim), angle = position * inv_freq.
   const auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(positions.device());
@@ -143,13 +144,14 @@ BlockContext DecoderStackImpl::context(const torch::Tensor& positions, const tor
       torch::pow(rope_theta_, -torch::arange(0, rotary_dim_, 2, opts) / static_cast<double>(rotary_dim_));
   const auto angles = positions.to(torch::kFloat32).unsqueeze(-1) * inv_freq;  // (B, L, rot/2)
   const auto emb = torch::cat({angles, angles}, -1).unsqueeze(1);               // (B, 1, L, rot)
+  BlockContext ctx;
+  ctx.rope = {emb.cos(), emb.sin()};
+  ctx.valid = segment_ids != 0;
+  if (one_segment_per_row) return ctx;  // plain causal: no mask tensor at all
   // Query i may attend key j when j <= i and both are in the same segment (packed documents).
   const auto causal = torch::ones({L, L}, opts.dtype(torch::kBool)).tril();
   const auto same_segment = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1);  // (B, L, L)
-  BlockContext ctx;
-  ctx.rope = {emb.cos(), emb.sin()};
   ctx.allowed = (same_segment & causal).unsqueeze(1);  // (B, 1, L, L)
-  ctx.valid = segment_ids != 0;
   return ctx;
 }
 
@@ -178,9 +180,9 @@ torch::Tensor mtp_shift_tokens(const torch::Tensor& tokens, const torch::Tensor&
 }
 
 ModelOutput TransformerImpl::forward(const torch::Tensor& tokens, const torch::Tensor& positions,
-                                     const torch::Tensor& segment_ids) {
+                                     const torch::Tensor& segment_ids, bool one_segment_per_row) {
   ModelOutput out;
-  BlockContext ctx = model->context(positions, segment_ids);
+  BlockContext ctx = model->context(positions, segment_ids, one_segment_per_row);
   ctx.moe_stats = &out.moe_stats;
   auto hidden = model->forward(model->embed_tokens(tokens), ctx);  // (B, L, D) before the final norm
   out.logits = head(model->norm(hidden));

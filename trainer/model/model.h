@@ -30,7 +30,8 @@ struct RopeTables {
 class AttentionImpl : public torch::nn::Module {
  public:
   explicit AttentionImpl(const Config& config);
-  // x: (B, L, D); allowed: (B, 1, L, L) bool, true where query i may attend to key j.
+  // x: (B, L, D); allowed: (B, 1, L, L) bool, true where query i may attend to key j, or
+  // undefined for plain causal attention.
   torch::Tensor forward(const torch::Tensor& x, const RopeTables& rope, const torch::Tensor& allowed);
   torch::nn::Linear q_proj{nullptr};  // (Hq*hd, D)
   torch::nn::Linear k_proj{nullptr};  // (Hkv*hd, D)
@@ -64,7 +65,7 @@ struct MoeLayerStats {
 // Per-forward context shared by all blocks.
 struct BlockContext {
   RopeTables rope;
-  torch::Tensor allowed;  // (B, 1, L, L) bool: causal and same segment
+  torch::Tensor allowed;  // (B, 1, L, L) bool: causal and same segment; undefined = plain causal
   torch::Tensor valid;    // (B, L) bool: real tokens (segment id != 0)
   std::vector<MoeLayerStats>* moe_stats = nullptr;  // MoE layers append here
 };
@@ -135,8 +136,8 @@ TORCH_MODULE(MtpLayer);
 class DecoderStackImpl : public torch::nn::Module {
  public:
   explicit DecoderStackImpl(const Config& config);
-  // Rotary tables, attention mask and validity for one batch.
-  BlockContext context(const torch::Tensor& positions, const torch::Tensor& segment_ids) const;
+  // Rotary tables, attention mask and validity for one batch (see TransformerImpl::forward).
+  BlockContext context(const torch::Tensor& positions, const torch::Tensor& segment_ids, bool one_segment_per_row) const;
   // The decoder layers (not MTP): embeddings (B, L, D) -> hidden (B, L, D) before the final norm.
   torch::Tensor forward(const torch::Tensor& embeddings, const BlockContext& ctx);
   torch::nn::Embedding embed_tokens{nullptr};  // (V, D)
@@ -159,9 +160,12 @@ class TransformerImpl : public torch::nn::Module {
  public:
   explicit TransformerImpl(const Config& config);
   // tokens, positions, segment_ids: (B, L) int64. Logits are fp32 (or float64 when the model
-  // was converted to float64, as gradient checks do).
+  // was converted to float64, as gradient checks do). one_segment_per_row: the caller knows
+  // every segment id is 1 (no padding, no packed-document boundary), so the segment mask equals
+  // the causal mask and attention runs as plain causal (LibTorch 2.x: the fused flash kernel,
+  // which takes no arbitrary mask). The result is the same either way.
   ModelOutput forward(const torch::Tensor& tokens, const torch::Tensor& positions,
-                      const torch::Tensor& segment_ids);
+                      const torch::Tensor& segment_ids, bool one_segment_per_row = false);
   // The MoE layers in order (empty for dense models); their gate buffers hold the expert bias.
   std::vector<Moe> moe_layers();
   DecoderStack model{nullptr};

@@ -32,6 +32,7 @@
 // LB and the per-micro-batch MTP means are statistics of the micro-batch's tokens, not sums
 // over tokens, so with aux losses on, (K=4, b) and (K=1, 4b) differ by how those statistics
 // change with the batch (small; bounded in the tests), while the CE part stays exact.
+#include <algorithm>
 #include <chrono>
 #include <limits>
 
@@ -47,6 +48,7 @@ struct MicroBatchTensors {
   torch::Tensor loss_mask;    // (B, L) fp32
   torch::Tensor segment_ids;  // (B, L) int64
   torch::Tensor positions;    // (B, L) int64
+  bool one_segment_per_row;   // every segment id is 1: attention is plain causal
 };
 
 MicroBatchTensors to_device(const MicroBatch& b, const torch::Device& device) {
@@ -55,9 +57,10 @@ MicroBatchTensors to_device(const MicroBatch& b, const torch::Device& device) {
                                  {b.batch_size, b.seq_len}, type);
     return device.is_cpu() ? host.clone() : host.to(device);
   };
+  const bool one_segment = std::all_of(b.segment_ids.begin(), b.segment_ids.end(), [](int64_t s) { return s == 1; });
   return {as_tensor(b.inputs, torch::kInt64), as_tensor(b.targets, torch::kInt64),
           as_tensor(b.loss_mask, torch::kFloat32), as_tensor(b.segment_ids, torch::kInt64),
-          as_tensor(b.positions, torch::kInt64)};
+          as_tensor(b.positions, torch::kInt64), one_segment};
 }
 
 struct CrossEntropySums {
@@ -112,7 +115,7 @@ MicroBatchLosses micro_batch_losses(Transformer& model, const MicroBatch& batch,
   ModelOutput output;
   {
     compat::AutocastGuard autocast(c.dtype == "bfloat16", device.is_cuda());
-    output = model->forward(t.inputs, t.positions, t.segment_ids);
+    output = model->forward(t.inputs, t.positions, t.segment_ids, t.one_segment_per_row);
   }
   auto sums = cross_entropy_sums(output.logits, t.targets, t.loss_mask, c.z_loss_multiplier);
   losses.ce = sums.ce;
@@ -195,7 +198,7 @@ StepOutput Trainer::forward_backward(int64_t step) {
   // (W, the J accumulators, expert counts, the stop vote), once per step, not per micro-batch.
   const int64_t collectives_before = comm_->collectives();
   const auto sync_start = std::chrono::steady_clock::now();
-  if (comm_->world_size() > 1) {
+  if (!comm_->is_local()) {
     const int64_t bucket = c.gradient_bucket_size_mb * (1 << 20) / 4;
     for (int64_t offset = 0; offset < flat_grads_.numel(); offset += bucket) {
       auto view = flat_grads_.narrow(0, offset, std::min(bucket, flat_grads_.numel() - offset));

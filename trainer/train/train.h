@@ -15,6 +15,7 @@
 #include "trainer/dist/dist.h"
 #include "trainer/metrics/metrics.h"
 #include "trainer/model/model.h"
+#include "trainer/train/device.h"
 #include "trainer/train/schedule.h"
 
 namespace trainer {
@@ -112,13 +113,15 @@ class Trainer {
   // of zero-padded buffers: x + 0 = x).
   void gather_shards(const torch::Tensor& shard, torch::Tensor& full, const std::string& what);
 
+  // Initialized in this order: the device comes before the communicator (NCCL needs it).
   Config config_;
   DistEnv dist_;
-  std::unique_ptr<Communicator> comm_;
   torch::Device device_;
+  std::unique_ptr<Communicator> comm_;
   Transformer model_{nullptr};
   DataLoader data_;
   ModelSize size_;
+  double peak_tflops_ = 0;      // for perf/mfu; 0 = unknown
   torch::Tensor flat_params_;   // (P) fp32
   torch::Tensor flat_grads_;    // (P) fp32
   // AdamW state for this rank's shard [shard_begin_, shard_end_) of the flat buffer: all of it

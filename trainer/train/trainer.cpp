@@ -46,15 +46,6 @@ const Config& agree_on_config(Config& c, const DistEnv& env, Communicator& comm)
   return c;
 }
 
-torch::Device select_device(const Config& c) {
-  if (c.hardware == "gpu") {
-    if (!torch::cuda::is_available())
-      throw config_error("hardware=gpu, but this LibTorch build sees no CUDA device");
-    return torch::Device(torch::kCUDA, 0);
-  }
-  return torch::Device(torch::kCPU);
-}
-
 // "0-7, 16-23": sample indices as ranges, for error messages.
 std::string index_ranges(const std::vector<int64_t>& indices) {
   std::string out;
@@ -73,8 +64,8 @@ std::string index_ranges(const std::vector<int64_t>& indices) {
 Trainer::Trainer(Config config)
     : config_(std::move(config)),
       dist_(dist_env_resolve()),
-      comm_(dist_init(dist_, config_.collective_timeout_seconds)),
-      device_(select_device(config_)),
+      device_(device_select(config_, dist_.local_rank)),
+      comm_(dist_init(dist_, {config_.collective_timeout_seconds, config_.dist_backend, device_})),
       data_(agree_on_config(config_, dist_, *comm_), dist_.rank),
       size_(model_size(config_)) {
   if (config_.num_threads > 0) torch::set_num_threads(static_cast<int>(config_.num_threads));
@@ -84,6 +75,14 @@ Trainer::Trainer(Config config)
   model_ = model_build(config_);
   model_->to(device_);
   build_flat_buffers();
+  const std::string name = device_name(device_);
+  peak_tflops_ = config_.peak_tflops_per_device > 0 ? config_.peak_tflops_per_device
+                                                    : device_known_peak_tflops(name, config_.dtype);
+  if (peak_tflops_ > 0)
+    spdlog::info("device {}: perf/mfu against {:.1f} TFLOP/s ({} {})", name, peak_tflops_, config_.dtype,
+                 config_.peak_tflops_per_device > 0 ? "from peak_tflops_per_device" : "datasheet dense peak");
+  else
+    spdlog::info("device {}: perf/mfu is not reported: its peak TFLOP/s is unknown (set peak_tflops_per_device)", name);
 }
 
 Trainer::~Trainer() = default;
@@ -141,12 +140,18 @@ MetricValues Trainer::read_metrics(const StepOutput& out) const {
       {"perf/per_device_tflops_per_sec", seconds > 0 ? size_.flops_per_step_per_device / seconds / 1e12 : 0.0},
   };
   if (moe) values.emplace_back("moe/expert_load_max_over_mean", v[11]);
-  // MFU only against a known peak (peak_tflops_per_device); otherwise it is left out, not guessed.
-  if (config_.peak_tflops_per_device > 0 && seconds > 0)
-    values.emplace_back("perf/mfu", size_.flops_per_step_per_device / seconds / 1e12 / config_.peak_tflops_per_device);
+  // MFU only against a known peak (peak_tflops_per_device, or a known GPU's); otherwise it is
+  // left out, not guessed.
+  if (peak_tflops_ > 0 && seconds > 0)
+    values.emplace_back("perf/mfu", size_.flops_per_step_per_device / seconds / 1e12 / peak_tflops_);
   struct rusage usage {};
   getrusage(RUSAGE_SELF, &usage);
   values.emplace_back("memory/peak_rss_bytes", static_cast<double>(usage.ru_maxrss) * 1024.0);
+  if (device_.is_cuda()) {
+    const auto peaks = device_memory_peaks(device_);
+    values.emplace_back("memory/cuda_peak_allocated_bytes", peaks.allocated_bytes);
+    values.emplace_back("memory/cuda_peak_reserved_bytes", peaks.reserved_bytes);
+  }
   return values;
 }
 
@@ -213,8 +218,6 @@ void Trainer::train() {
     if (c.enable_checkpointing) checkpointer_ = std::make_unique<Checkpointer>(c);
   }
   install_stop_handlers();
-  if (c.peak_tflops_per_device <= 0)
-    spdlog::info("perf/mfu is not reported: the device's peak TFLOP/s is unknown (set peak_tflops_per_device)");
   spdlog::info("run_dir {} | model {}: {} parameters ({} active per token), {:.4g} TFLOP per step per device | "
                "device {} | global batch {} sequences x {} tokens, K = {} | {} normalization | steps {}..{}",
                c.run_dir, c.model_name, size_.total_params, size_.active_params, size_.flops_per_step_per_device / 1e12,

@@ -68,15 +68,20 @@ struct AutocastGuard {
 namespace trainer::compat {
 
 // softmax(q k^T / sqrt(hd), masked to `allowed`) v. q, k, v: (B, H, L, hd); allowed:
-// (B, 1, L, L) bool with at least one true per row. 2.x has a fused kernel; 1.13 does not.
+// (B, 1, L, L) bool with at least one true per row, or undefined for plain causal attention.
+// 2.x has fused kernels (flash attention for the plain causal case); 1.13 does not.
 inline torch::Tensor masked_attention(const torch::Tensor& q, const torch::Tensor& k,
                                       const torch::Tensor& v, const torch::Tensor& allowed) {
 #if TRAINER_TORCH_AT_LEAST(2, 0)
+  if (!allowed.defined()) return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
   return at::scaled_dot_product_attention(q, k, v, allowed);
 #else
   const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
   auto scores = torch::matmul(q, k.transpose(-2, -1)) * scale;  // (B, H, L, L)
-  scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity());
+  const auto mask = allowed.defined()
+                        ? allowed
+                        : torch::ones({q.size(-2), k.size(-2)}, q.options().dtype(torch::kBool)).tril();
+  scores = scores.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity());
   return torch::matmul(torch::softmax(scores, -1).to(v.scalar_type()), v);
 #endif
 }

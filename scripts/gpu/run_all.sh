@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The whole GPU session as one command (device time is scarce: one prepared script per call):
+# build against the wheel's LibTorch, the GPU checks, the benchmark against the PyTorch peer,
+# then the CPU test suite under this LibTorch (minus the mpirun tests: no MPI there) for the
+# time that is left of TOTAL_SECONDS (default 480). Logs go to $OUT (the device tool's folder) or ./gpu-logs.
+#   scripts/gpu/run_all.sh            needs .gpu-deps/ (scripts/gpu/prepare_deps.sh) beside it
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+log=${OUT:-$PWD/gpu-logs}
+mkdir -p "$log" data
+cp -n .gpu-deps/data/* data/ 2>/dev/null
+export LD_LIBRARY_PATH="$PWD/.gpu-deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+phase() { echo "=== $1 ($(date +%T), ${SECONDS}s)"; }
+
+phase "device"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$log/device.txt"
+g++ --version | head -1 | tee -a "$log/device.txt"
+phase "build"
+if ! scripts/gpu/build.sh > "$log/build.log" 2>&1; then
+  grep -E "error|Error|CMake Error" "$log/build.log" | head -60
+  tail -40 "$log/build.log"
+  exit 1
+fi
+tail -3 "$log/build.log"
+phase "checks"
+python3 scripts/gpu/check.py 2>&1 | tee "$log/check.log"
+phase "benchmark"
+timeout "${BENCH_SECONDS:-240}" python3 scripts/gpu/bench.py "$@" 2>&1 | tee "$log/bench.log"
+phase "CPU test suite on this LibTorch (no mpirun here)"
+left=$(( ${TOTAL_SECONDS:-480} - SECONDS ))
+echo "ctest gets ${left}s"
+(( left > 10 )) && (cd build-gpu && timeout "${CTEST_SECONDS:-$left}" ctest -j 1 --timeout 120 \
+   -E "mpirun|^one all-reduce per gradient|^a rank that dies|R=2 resume|pretrain_ling2|^ZeRO-1|peer_parity" \
+   > "$log/ctest.log" 2>&1)
+grep -E "tests passed|tests failed|\*\*\*Failed|Timeout|Not Run" "$log/ctest.log" | head -30
+phase "done"

@@ -1,0 +1,69 @@
+// Device selection, names, known peaks and allocator statistics (see device.h). Built without
+// the shared PCH: only this file sees TRAINER_WITH_CUDA and the CUDA headers (the runtime API
+// and c10's allocator, not ATen's CUDA context, which would need cuBLAS's headers).
+#include "trainer/train/device.h"
+
+#if TRAINER_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
+#include "trainer/util/error.h"
+
+namespace trainer {
+
+torch::Device device_select(const Config& config, int64_t local_rank) {
+  if (config.hardware != "gpu") return torch::Device(torch::kCPU);
+  if (!torch::cuda::is_available())
+    throw config_error("hardware=gpu, but this build of trainer (LibTorch " TORCH_VERSION
+                       ") sees no CUDA device; build with scripts/gpu/build.sh on a CUDA machine");
+  const auto count = static_cast<int64_t>(torch::cuda::device_count());
+  const auto index = static_cast<c10::DeviceIndex>(local_rank % count);
+#if TRAINER_WITH_CUDA
+  c10::cuda::set_device(index);
+#endif
+  return torch::Device(torch::kCUDA, index);
+}
+
+std::string device_name(const torch::Device& device) {
+#if TRAINER_WITH_CUDA
+  cudaDeviceProp properties{};
+  if (device.is_cuda() && cudaGetDeviceProperties(&properties, device.index()) == cudaSuccess) return properties.name;
+#endif
+  return device.str();
+}
+
+double device_known_peak_tflops(const std::string& name, const std::string& dtype) {
+  // Dense (no sparsity) datasheet peaks in TFLOP/s: {name fragment, bf16 tensor core, fp32 CUDA
+  // core}. fp32 matmuls run without TF32 (LibTorch's default), so the fp32 peak is the plain one.
+  // More specific fragments come first (H100 PCIe/NVL before the SXM part's "H100").
+  struct Peak {
+    const char* fragment;
+    double bf16, fp32;
+  };
+  static const Peak peaks[] = {
+      {"H200", 989.4, 66.9},     {"H100 PCIe", 756.5, 51.2}, {"H100 NVL", 835.5, 60.0},
+      {"H100", 989.4, 66.9},     {"A100", 312.0, 19.5},
+  };
+  for (const auto& p : peaks)
+    if (name.find(p.fragment) != std::string::npos) return dtype == "bfloat16" ? p.bf16 : p.fp32;
+  return 0.0;
+}
+
+DeviceMemoryPeaks device_memory_peaks(const torch::Device& device) {
+  DeviceMemoryPeaks peaks;
+#if TRAINER_WITH_CUDA
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    peaks.allocated_bytes = static_cast<double>(stats.allocated_bytes[0].peak);  // [0]: aggregate pool
+    peaks.reserved_bytes = static_cast<double>(stats.reserved_bytes[0].peak);
+  }
+#else
+  (void)device;
+#endif
+  return peaks;
+}
+
+}  // namespace trainer

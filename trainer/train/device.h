@@ -1,0 +1,32 @@
+// The compute device of this process: which one (one CUDA device per local rank), its name, its
+// known dense peak TFLOP/s for perf/mfu, and the CUDA caching allocator's peaks. The interface
+// is the same in every build; the CUDA calls exist only where LibTorch has CUDA (device.cpp).
+#pragma once
+#include <string>
+
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#include "trainer/config/config.h"
+
+namespace trainer {
+
+// hardware=cpu: the CPU. hardware=gpu: CUDA device local_rank % device_count, made current (NCCL
+// and the caching allocator use the current device). Exit 2 when no CUDA device is visible.
+torch::Device device_select(const Config& config, int64_t local_rank);
+
+// "NVIDIA H200", or "cpu".
+std::string device_name(const torch::Device& device);
+
+// Dense peak TFLOP/s of a known GPU for a compute dtype ("bfloat16" or "float32"), from the
+// vendor's datasheets (SXM/PCIe parts told apart by name); 0 when the device is not known.
+double device_known_peak_tflops(const std::string& name, const std::string& dtype);
+
+struct DeviceMemoryPeaks {
+  double allocated_bytes = 0;  // peak bytes handed to tensors since start
+  double reserved_bytes = 0;   // peak bytes the caching allocator held from cudaMalloc
+};
+// CUDA devices only (a host-side query, no device sync); zeros on the CPU.
+DeviceMemoryPeaks device_memory_peaks(const torch::Device& device);
+
+}  // namespace trainer
