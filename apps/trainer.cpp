@@ -8,6 +8,7 @@
 
 #include "trainer/config/config.h"
 #include "trainer/data/data.h"
+#include "trainer/metrics/perf_counters.h"
 #include "trainer/model/model_size.h"
 #include "trainer/train/train.h"
 #include "trainer/util/error.h"
@@ -35,6 +36,7 @@ void print_dry_run(const trainer::Config& c) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  trainer::perf_startup_mark("libraries");  // exec -> main: the dynamic loader (LibTorch)
   CLI::App app{"trainer: pretrain decoder-only language models (MaxText-style config)"};
   app.set_version_flag("--version", std::string("trainer ") + TRAINER_VERSION);
   std::string config_path;
@@ -59,6 +61,7 @@ int main(int argc, char** argv) {
 
   try {
     const trainer::Config config = trainer::config_load(config_path, overrides);
+    trainer::perf_startup_mark("config");
     if (print_config) {
       std::fputs(trainer::config_to_yaml(config).c_str(), stdout);
       return trainer::kExitOk;

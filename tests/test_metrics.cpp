@@ -7,7 +7,11 @@
 #include <regex>
 
 #include "test_support.h"
+#include "trainer/train/device.h"
+#include "trainer/train/train.h"
+#include "trainer/util/torch_compat.h"
 
+using namespace trainer;
 using namespace trainer::testing;
 namespace fs = std::filesystem;
 
@@ -161,4 +165,60 @@ TEST_CASE("MFU only against a known peak, peak RSS and ETA are reported", "[metr
   const auto line = read_lines(kOut + "/mfu/metrics.jsonl")[1];
   CHECK(json_metric(line, "perf/mfu") == Approx(json_metric(line, "perf/per_device_tflops_per_sec") / 0.5));
   CHECK(json_metric(line, "memory/peak_rss_bytes") > 10e6);
+}
+
+TEST_CASE("known GPU peaks are looked up by name, unknown devices get none", "[metrics]") {
+  CHECK(device_known_peak_tflops("NVIDIA H200", "bfloat16") == Approx(989.4));
+  CHECK(device_known_peak_tflops("NVIDIA H100 80GB HBM3", "bfloat16") == Approx(989.4));
+  CHECK(device_known_peak_tflops("NVIDIA H100 PCIe", "bfloat16") == Approx(756.5));
+  CHECK(device_known_peak_tflops("NVIDIA A100-SXM4-80GB", "float32") == Approx(19.5));
+  CHECK(device_known_peak_tflops("cpu", "bfloat16") == 0.0);
+  CHECK(device_known_peak_tflops("NVIDIA GeForce RTX 4090", "bfloat16") == 0.0);  // unknown: no guess
+}
+
+TEST_CASE("host reads and allocations per step are counted where they happen", "[metrics][cli]") {
+  const std::string base = "model_name=test-tiny max_target_length=16 steps=3 gradient_accumulation_steps=4 "
+                           "base_output_directory=" + kOut;
+  auto rows_of = [&](const std::string& run, const std::string& extra) {
+    fs::remove_all(kOut + "/" + run);
+    const auto r = run_trainer(base + " run_name=" + run + " " + extra);
+    REQUIRE(r.exit_code == 0);
+    return std::make_pair(read_lines(kOut + "/" + run + "/metrics.jsonl"), r.output);
+  };
+  // Dense, one process, no spike guard: the step reads nothing back (the metrics are read once,
+  // deferred, outside the step) and allocates no gradient-sized buffer.
+  const auto [dense, dense_log] = rows_of("counts-dense", "skip_step_on_spikes=false");
+  for (const auto& line : dense) {
+    CHECK(json_metric(line, "perf/host_reads_in_step") == 0);
+#if TRAINER_TORCH_AT_LEAST(2, 0)  // no allocation counter on LibTorch 2.x (device.h): not reported
+    CHECK_THROWS(json_metric(line, "perf/host_allocations_in_step"));
+#else
+    CHECK(json_metric(line, "perf/grad_sized_allocations_in_step") == 0);
+    CHECK(json_metric(line, "perf/host_allocations_in_step") > 0);  // activations: the counter is live
+#endif
+  }
+  CHECK(json_metric(dense[0], "perf/launch_to_first_step_seconds") > 0);
+  CHECK_THROWS(json_metric(dense[1], "perf/launch_to_first_step_seconds"));  // first step only
+  CHECK_THAT(dense_log, Catch::Contains("startup: libraries") && Catch::Contains("s from launch"));
+  // The spike guard reads loss and grad norm once per step.
+  const auto [guarded, guarded_log] = rows_of("counts-guard", "skip_step_on_spikes=true");
+  for (const auto& line : guarded) CHECK(json_metric(line, "perf/host_reads_in_step") == 1);
+  // MoE: one read of the group sizes per MoE layer per micro-batch (moe-tiny: 1 dense layer, then
+  // 2 MoE layers; K = 4).
+  const auto [moe, moe_log] = rows_of("counts-moe", "model_name=moe-tiny skip_step_on_spikes=false");
+  for (const auto& line : moe) CHECK(json_metric(line, "perf/host_reads_in_step") == 8);
+}
+
+TEST_CASE("a gradient-sized temporary would be counted", "[metrics]") {
+  Trainer t(tiny_config());
+  const auto before = host_allocations();
+#if TRAINER_TORCH_AT_LEAST(2, 0)
+  CHECK_FALSE(before.available);  // documented: LibTorch 2.x builds have no allocation counter
+  return;
+#endif
+  REQUIRE(before.available);
+  const auto copy = t.flat_grads().clone();
+  const auto after = host_allocations();
+  CHECK(after.watched - before.watched == 1);
+  CHECK(after.allocations - before.allocations >= 1);
 }

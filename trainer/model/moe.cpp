@@ -11,6 +11,7 @@
 //   LB  = E * sum_e f_e P_e
 // The loss that enters J is load_balance_loss_weight * mean over MoE layers of LB, plus
 // router_z_loss_weight * mean over layers of mean_t logsumexp(router_logits_t)^2 (see step.cpp).
+#include "trainer/metrics/perf_counters.h"
 #include "trainer/model/model.h"
 
 namespace trainer {
@@ -76,6 +77,7 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x, const BlockContext& ctx) 
   const auto slot_weight = weights.reshape({N * k}).index_select(0, order);     // (N*k)
   // Group sizes on the host: the one device->host sync of a MoE layer (dynamic shapes).
   const auto group_sizes = torch::bincount(flat_expert, {}, E).cpu();
+  perf_note_host_read();
   const auto* sizes = group_sizes.data_ptr<int64_t>();
   auto out = torch::zeros({N, D}, x.options());
   int64_t offset = 0;

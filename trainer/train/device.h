@@ -29,4 +29,16 @@ struct DeviceMemoryPeaks {
 // CUDA devices only (a host-side query, no device sync); zeros on the CPU.
 DeviceMemoryPeaks device_memory_peaks(const torch::Device& device);
 
+// LibTorch CPU allocations, counted by a wrapper around the CPU allocator that
+// host_allocations_watch installs (LibTorch 1.13's allocator interface; on 2.x `available` stays
+// false). `watched` counts allocations of exactly the watched size (the flat gradient buffer's
+// bytes), so a gradient-sized temporary in the step cannot hide.
+struct HostAllocationCounts {
+  bool available = false;
+  int64_t allocations = 0;  // since the watch started
+  int64_t watched = 0;      // of them, exactly watch_bytes long
+};
+void host_allocations_watch(size_t watch_bytes);
+HostAllocationCounts host_allocations();
+
 }  // namespace trainer

@@ -6,7 +6,9 @@
 
 #include <spdlog/spdlog.h>
 
+#include "trainer/metrics/perf_counters.h"
 #include "trainer/train/train.h"
+#include "trainer/util/torch_compat.h"
 
 namespace trainer {
 namespace {
@@ -51,7 +53,11 @@ void Trainer::build_flat_buffers() {
   const int64_t shard = shard_end_ - shard_begin_;
   adam_m_ = torch::zeros({shard}, opts);
   adam_v_ = torch::zeros({shard}, opts);
-  adam_scratch_ = torch::empty({shard}, opts);
+  // The fused CUDA kernel needs neither the denominator workspace nor host-side bias terms.
+  if (compat::fused_adamw_available(device_))
+    adam_step_ = torch::zeros({1}, opts);
+  else
+    adam_scratch_ = torch::empty({shard}, opts);
   if (sharded()) gather_buffer_ = torch::empty({total}, opts);
   spdlog::info("AdamW state: {:.1f} MiB on this rank{} ({:.1f} MiB without sharding)", 2.0 * 4 * shard / (1 << 20),
                sharded() ? " (ZeRO-1 over " + std::to_string(ranks) + " ranks)" : "", 2.0 * 4 * total / (1 << 20));
@@ -86,6 +92,7 @@ void Trainer::optimizer_update(StepOutput& out) {
   if (!skip && c.skip_step_on_spikes) {
     // The guard needs this step's values on the host: one sync per step, only when enabled.
     const auto host = torch::stack({out.loss.to(torch::kFloat64), out.raw_grad_norm.to(torch::kFloat64)}).cpu();
+    perf_note_host_read();
     skip = spike_guard_rejects(host[0].item<double>(), host[1].item<double>());
   }
   // Global-norm clipping (optax.clip_by_global_norm): g *= min(1, threshold / ||g||).
@@ -106,12 +113,18 @@ void Trainer::optimizer_update(StepOutput& out) {
     const int64_t n = shard_end_ - shard_begin_;
     const auto grads = flat_grads_.narrow(0, shard_begin_, n);
     auto params = flat_params_.narrow(0, shard_begin_, n);
-    adam_m_.lerp_(grads, 1.0 - c.adam_b1);
-    adam_v_.mul_(c.adam_b2).addcmul_(grads, grads, 1.0 - c.adam_b2);
-    torch::sqrt_out(adam_scratch_, adam_v_);
-    adam_scratch_.div_(std::sqrt(bias2)).add_(c.adam_eps);
-    params.mul_(1.0 - lr * c.adam_weight_decay);
-    params.addcdiv_(adam_m_, adam_scratch_, -lr / bias1);
+    if (adam_step_.defined()) {  // CUDA: the same formula in one kernel (bias terms from t on the device)
+      adam_step_.fill_(t);
+      compat::fused_adamw(params, grads, adam_m_, adam_v_, adam_step_, lr, c.adam_b1, c.adam_b2, c.adam_weight_decay,
+                          c.adam_eps);
+    } else {
+      adam_m_.lerp_(grads, 1.0 - c.adam_b1);
+      adam_v_.mul_(c.adam_b2).addcmul_(grads, grads, 1.0 - c.adam_b2);
+      torch::sqrt_out(adam_scratch_, adam_v_);
+      adam_scratch_.div_(std::sqrt(bias2)).add_(c.adam_eps);
+      params.mul_(1.0 - lr * c.adam_weight_decay);
+      params.addcdiv_(adam_m_, adam_scratch_, -lr / bias1);
+    }
     if (sharded()) gather_shards(params, flat_params_, "the updated parameters");  // ZeRO-1 all-gather
     ++updates_applied_;
     update_expert_bias(out);

@@ -36,6 +36,7 @@
 #include <chrono>
 #include <limits>
 
+#include "trainer/metrics/perf_counters.h"
 #include "trainer/train/train.h"
 #include "trainer/util/torch_compat.h"
 
@@ -69,18 +70,22 @@ struct CrossEntropySums {
 };
 
 // logits (B, L, V) fp32. Per token: lse - logit[target] + z * lse^2.
+// Without z-loss, LibTorch's cross_entropy (log_softmax + nll) computes the same lse - logit:
+// its backward keeps only the log-probabilities and makes one (B, L, V) gradient, where
+// logsumexp + gather keep the logits and make two; at a 128K vocabulary that is gigabytes.
 CrossEntropySums cross_entropy_sums(const torch::Tensor& logits, const torch::Tensor& targets,
                                     const torch::Tensor& mask, double z_loss_multiplier) {
+  if (z_loss_multiplier == 0) {
+    const auto V = logits.size(-1);
+    const auto per_token = torch::nn::functional::cross_entropy(
+        logits.reshape({-1, V}), targets.reshape({-1}),
+        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));  // (B*L)
+    return {(per_token.view_as(mask) * mask).sum(), torch::zeros({}, logits.options())};
+  }
   const auto lse = torch::logsumexp(logits, -1);                                  // (B, L)
   const auto target_logit = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1);  // (B, L)
-  auto per_token = lse - target_logit;
-  torch::Tensor z_sum = torch::zeros({}, logits.options());
-  if (z_loss_multiplier > 0) {
-    const auto z = z_loss_multiplier * lse.square();
-    per_token = per_token + z;
-    z_sum = (z.detach() * mask).sum();
-  }
-  return {(per_token * mask).sum(), z_sum};
+  const auto z = z_loss_multiplier * lse.square();
+  return {((lse - target_logit + z) * mask).sum(), (z.detach() * mask).sum()};
 }
 
 // Multi-token prediction: depth k at position i predicts input token i+k+1 (= targets[i+k]).
@@ -206,7 +211,11 @@ StepOutput Trainer::forward_backward(int64_t step) {
     }
     std::vector<torch::Tensor> parts = {torch::tensor({W, stop_vote_ ? 1.0 : 0.0}, torch::kFloat64),
                                         torch::stack({ce_acc, z_acc, lb_acc, mtp_acc, router_z_acc, mtp_raw_acc}).cpu()};
-    if (expert_counts.defined()) parts.push_back(expert_counts.to(torch::kCPU, torch::kFloat64).reshape({-1}));
+    perf_note_host_read();  // the accumulators' .cpu() above
+    if (expert_counts.defined()) {
+      parts.push_back(expert_counts.to(torch::kCPU, torch::kFloat64).reshape({-1}));
+      perf_note_host_read();
+    }
     auto stats = torch::cat(parts);
     comm_->all_reduce_sum(stats, "the step's token count and loss sums");
     const double* v = stats.data_ptr<double>();

@@ -42,6 +42,9 @@ struct StepOutput {
   int64_t collectives = 0;            // all-reduces this step needed (0 with one process)
   double grad_sync_seconds = 0;       // host time spent in those all-reduces
   bool stop_requested = false;        // some rank received SIGTERM/SIGINT before this step
+  int64_t host_reads = 0;             // device values read by the host inside the step (syncs on a GPU)
+  int64_t host_allocations = -1;      // LibTorch CPU allocations in the step (-1: not counted, device.h)
+  int64_t grad_sized_allocations = -1;  // of them, exactly the flat gradient buffer's size
 };
 
 // One micro-batch's terms of J (DESIGN section 5), differentiable, before any normalization.
@@ -129,7 +132,8 @@ class Trainer {
   int64_t shard_begin_ = 0, shard_end_ = 0;
   torch::Tensor adam_m_;        // (shard) fp32, first moment
   torch::Tensor adam_v_;        // (shard) fp32, second moment
-  torch::Tensor adam_scratch_;  // (shard) fp32, denominator workspace (no per-step allocation)
+  torch::Tensor adam_scratch_;  // (shard) fp32, denominator workspace (no per-step allocation); unfused path
+  torch::Tensor adam_step_;     // (1) fp32 on the device: t, for the fused CUDA AdamW kernel
   torch::Tensor gather_buffer_; // (P) fp32, ZeRO-1 only: assembles the shards of all ranks
   int64_t updates_applied_ = 0;
   bool stop_vote_ = false;  // this rank's SIGTERM/SIGINT, agreed on in the step's stats all-reduce

@@ -15,6 +15,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "trainer/metrics/perf_counters.h"
 #include "trainer/train/train.h"
 #include "trainer/util/error.h"
 
@@ -68,13 +69,17 @@ Trainer::Trainer(Config config)
       comm_(dist_init(dist_, {config_.collective_timeout_seconds, config_.dist_backend, device_})),
       data_(agree_on_config(config_, dist_, *comm_), dist_.rank),
       size_(model_size(config_)) {
+  perf_startup_mark("device, rendezvous, data");
   if (config_.num_threads > 0) torch::set_num_threads(static_cast<int>(config_.num_threads));
   // Nothing in a step draws from the global generator today; seeding it anyway makes its state
   // (saved in checkpoints) a function of the config, so future random ops resume bit-exactly.
   torch::manual_seed(static_cast<uint64_t>(config_.init_weights_seed));
   model_ = model_build(config_);
+  perf_startup_mark("model init");
   model_->to(device_);
   build_flat_buffers();
+  perf_startup_mark("to device + flat buffers");
+  if (device_.is_cpu()) host_allocations_watch(static_cast<size_t>(flat_grads_.numel()) * sizeof(float));
   const std::string name = device_name(device_);
   peak_tflops_ = config_.peak_tflops_per_device > 0 ? config_.peak_tflops_per_device
                                                     : device_known_peak_tflops(name, config_.dtype);
@@ -88,8 +93,16 @@ Trainer::Trainer(Config config)
 Trainer::~Trainer() = default;
 
 StepOutput Trainer::train_step(int64_t step) {
+  const int64_t reads_before = perf_host_reads();
+  const HostAllocationCounts allocations_before = host_allocations();
   StepOutput out = forward_backward(step);
   optimizer_update(out);
+  out.host_reads = perf_host_reads() - reads_before;
+  const HostAllocationCounts allocations_after = host_allocations();
+  if (allocations_after.available) {
+    out.host_allocations = allocations_after.allocations - allocations_before.allocations;
+    out.grad_sized_allocations = allocations_after.watched - allocations_before.watched;
+  }
   return out;
 }
 
@@ -110,6 +123,7 @@ MetricValues Trainer::read_metrics(const StepOutput& out) const {
     scalars.push_back((std::get<0>(load.max(1)) / load.mean(1).clamp_min(1e-12)).mean());
   }
   const auto host = torch::stack(scalars).cpu();
+  perf_note_host_read();
   const double* v = host.data_ptr<double>();
   const double loss = v[0], raw_grad_norm = v[6];
   const double tokens = static_cast<double>(config_.per_device_batch_size *
@@ -135,11 +149,16 @@ MetricValues Trainer::read_metrics(const StepOutput& out) const {
       {"perf/step_time_seconds", seconds},
       {"perf/data_wait_seconds", out.data_wait_seconds},
       {"perf/collectives_per_step", static_cast<double>(out.collectives)},
+      {"perf/host_reads_in_step", static_cast<double>(out.host_reads)},
       {"perf/grad_sync_seconds", out.grad_sync_seconds},
       {"perf/per_device_tokens_per_sec", seconds > 0 ? tokens / seconds : 0.0},
       {"perf/per_device_tflops_per_sec", seconds > 0 ? size_.flops_per_step_per_device / seconds / 1e12 : 0.0},
   };
   if (moe) values.emplace_back("moe/expert_load_max_over_mean", v[11]);
+  if (out.host_allocations >= 0) {  // CPU with LibTorch 1.13 (device.h)
+    values.emplace_back("perf/host_allocations_in_step", static_cast<double>(out.host_allocations));
+    values.emplace_back("perf/grad_sized_allocations_in_step", static_cast<double>(out.grad_sized_allocations));
+  }
   // MFU only against a known peak (peak_tflops_per_device, or a known GPU's); otherwise it is
   // left out, not guessed.
   if (peak_tflops_ > 0 && seconds > 0)
@@ -178,6 +197,7 @@ MetricValues Trainer::evaluate(int64_t index) {
       const auto batch = eval_data_->data_loader_next(index * c.eval_steps + s, micro);
       const auto m = micro_batch_losses(model_, batch, c, device_);
       ce += (m.ce - m.z).item<double>();  // cross-entropy only (no z-loss), token-weighted
+      perf_note_host_read();
       weights += m.weights;
     }
   auto sums = torch::tensor({ce, weights}, torch::kFloat64);
@@ -206,6 +226,7 @@ void install_stop_handlers() {
 void Trainer::train() {
   const Config& c = config_;
   const int64_t start_step = load_initial_state();
+  perf_startup_mark("resume");
   if (start_step >= c.steps) {
     spdlog::info("run_dir {} already reached step {} (steps = {}); nothing to do", c.run_dir, start_step, c.steps);
     return;
@@ -230,9 +251,11 @@ void Trainer::train() {
   // the device queue; step t's time is the interval between the starts of t and t+1.
   std::optional<StepOutput> pending;
   Clock::time_point pending_start;
+  double launch_to_first_step = 0;
   auto report = [&](StepOutput& out, Clock::time_point end) {
     out.step_time_seconds = std::chrono::duration<double>(end - pending_start).count();
-    const MetricValues values = read_metrics(out);
+    MetricValues values = read_metrics(out);
+    if (out.step == start_step) values.emplace_back("perf/launch_to_first_step_seconds", launch_to_first_step);
     if (logger_) logger_->log(out.step, values);
     const bool nan = metric_get(values, "learning/is_nan") > 0, inf = metric_get(values, "learning/is_inf") > 0;
     if ((nan && c.abort_on_nan_loss) || (inf && c.abort_on_inf_loss)) {
@@ -273,6 +296,12 @@ void Trainer::train() {
     const auto start = Clock::now();
     stop_vote_ = g_stop_signal.load() != 0;
     StepOutput out = train_step(step);
+    if (step == start_step) {  // once: wait for the first step to finish, to time the startup
+      (void)out.loss.item<double>();
+      perf_startup_mark("first step");
+      launch_to_first_step = perf_process_age_seconds();
+      spdlog::info("startup: {}", perf_startup_summary());
+    }
     const bool stop = out.stop_requested;  // agreed by all ranks in the step's all-reduce
     if (pending) report(*pending, start);
     pending = std::move(out);

@@ -87,3 +87,29 @@ inline torch::Tensor masked_attention(const torch::Tensor& q, const torch::Tenso
 }
 
 }  // namespace trainer::compat
+
+namespace trainer::compat {
+
+// One fused AdamW kernel over a flat fp32 buffer on a CUDA device (LibTorch >= 2.1), with the
+// trainer's formula: p *= 1 - lr*wd; m = lerp(m, g, 1-b1); v = b2*v + (1-b2)*g^2;
+// p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps). `step` is a 1-element fp32 device tensor
+// holding t. Returns false where the kernel does not exist (the caller runs the unfused path).
+inline bool fused_adamw(torch::Tensor& params, const torch::Tensor& grads, torch::Tensor& m, torch::Tensor& v,
+                        const torch::Tensor& step, double lr, double b1, double b2, double weight_decay, double eps) {
+#if TRAINER_TORCH_AT_LEAST(2, 1)
+  if (!params.is_cuda()) return false;
+  std::vector<at::Tensor> p_list{params}, g_list{grads}, m_list{m}, v_list{v}, steps{step};
+  at::_fused_adamw_(p_list, g_list, m_list, v_list, /*max_exp_avg_sqs=*/{}, steps, lr, b1, b2, weight_decay, eps,
+                    /*amsgrad=*/false, /*maximize=*/false);
+  return true;
+#else
+  (void)params, (void)grads, (void)m, (void)v, (void)step, (void)lr, (void)b1, (void)b2, (void)weight_decay, (void)eps;
+  return false;
+#endif
+}
+
+inline bool fused_adamw_available(const torch::Device& device) {
+  return TRAINER_TORCH_AT_LEAST(2, 1) && device.is_cuda();
+}
+
+}  // namespace trainer::compat
