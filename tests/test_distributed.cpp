@@ -94,7 +94,11 @@ TEST_CASE("R=2 under mpirun equals R=1 on the same samples, in both normalizatio
     const auto wa = checkpoint_read_tensors(kOut + "/r2-" + mode + "/checkpoints/3/model.safetensors");
     const auto wb = checkpoint_read_tensors(kOut + "/r1-" + mode + "/checkpoints/3/model.safetensors");
     REQUIRE(wa.size() == wb.size());
-    for (size_t i = 0; i < wa.size(); ++i) CHECK(torch::allclose(wa[i].second, wb[i].second, 1e-5, 1e-6));
+    // Weights after 3 AdamW updates: an element whose gradient is rounding noise (a near-cancelling
+    // sum, summed in another order across ranks) gets an update of up to lr from m/sqrt(v), so
+    // single elements may differ by ~1e-6 (seen: 1.8e-6 in 1 of 22,688). The strict comparison is
+    // of loss, gradient norm and parameter norm above; here atol is 1e-5 (0.05% of the init std).
+    for (size_t i = 0; i < wa.size(); ++i) CHECK(torch::allclose(wa[i].second, wb[i].second, 1e-5, 1e-5));
   }
 }
 

@@ -95,7 +95,9 @@ TEST_CASE("per-token mode: (K=4, b=1) equals (K=1, b=4) on uneven data, through 
     k1.train_step(step);
   }
   CHECK(k4.updates_applied() == 3);
-  CHECK(torch::allclose(k4.flat_params(), k1.flat_params(), 1e-5, 1e-6));
+  // After AdamW, elements with rounding-noise gradients may move by up to lr from m/sqrt(v)
+  // (see test_distributed.cpp); the exact checks are the loss and gradient checks above.
+  CHECK(torch::allclose(k4.flat_params(), k1.flat_params(), 1e-5, 1e-5));
   // And the updates moved the weights (so the comparison above is not vacuous).
   Trainer fresh(tiny_config(uneven()));
   CHECK((fresh.flat_params() - k1.flat_params()).abs().max().item<double>() > 1e-3);

@@ -37,7 +37,7 @@ def trainer_arm(name, overrides, warmup):
             "mfu": statistics.median(r.get("perf/mfu", float("nan")) for r in timed),
             "allocated": rows[-1].get("memory/cuda_peak_allocated_bytes", 0),
             "reserved": rows[-1].get("memory/cuda_peak_reserved_bytes", 0), "wall": time.time() - start,
-            "loss0": rows[0]["learning/loss"], "log": proc.stderr}
+            "loss0": rows[0]["learning/loss"], "log": proc.stdout + proc.stderr}
 
 
 def peer_arm(name, warmup):
@@ -85,7 +85,7 @@ def main():
                   f"{r['reserved'] / 2**30:.2f} | {r['loss0']:.4f} |", flush=True)
         print(f"<!-- K={K}: peer/trainer time ratio {p['median'] / t['median']:.3f}; trainer-reported perf/mfu "
               f"{t['mfu']}; wall s trainer {t['wall']:.0f} peer {p['wall']:.0f} -->", flush=True)
-        startup = [l for l in t["log"].splitlines() if "perf/mfu against" in l or "parameters" in l]
+        startup = [l for l in t["log"].splitlines() if "perf/mfu against" in l or "startup:" in l]
         print("<!-- " + " / ".join(s[-160:] for s in startup[:2]) + " -->", flush=True)
 
 

@@ -122,8 +122,13 @@ void C10dCommunicator<c10d::ProcessGroupGloo>::shutdown() {}
 #endif
 
 #if TRAINER_WITH_NCCL
+// Blocking wait makes work->wait() return only when the collective finished and throw when it
+// times out, so a dead or hung rank gives exit 5 naming the operation (as with Gloo) instead of
+// the watchdog aborting the process. Set TORCH_NCCL_BLOCKING_WAIT=0 to choose the watchdog.
 template <>
-void C10dCommunicator<c10d::ProcessGroupNCCL>::configure(c10d::ProcessGroupNCCL::Options&) {}
+void C10dCommunicator<c10d::ProcessGroupNCCL>::configure(c10d::ProcessGroupNCCL::Options&) {
+  setenv("TORCH_NCCL_BLOCKING_WAIT", "1", /*overwrite=*/0);
+}
 // NCCL's communicators must be torn down explicitly before the process exits (LibTorch 2.x
 // warns otherwise and may hang in its watchdog).
 template <>
