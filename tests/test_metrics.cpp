@@ -1,5 +1,11 @@
 // Metrics sinks: TensorBoard event files checked with an independent decoder of the record
 // format (length, masked CRC32C, protobuf fields), Megatron's log line, MFU and memory metrics.
+// LibTorch first: its glog headers define CHECK, and Catch's definition must come last (this file
+// is built without the shared PCH, which otherwise puts LibTorch first).
+#include "trainer/train/device.h"
+#include "trainer/train/train.h"
+#include "trainer/util/torch_compat.h"
+
 #include <catch2/catch.hpp>
 
 #include <cstring>
@@ -7,9 +13,6 @@
 #include <regex>
 
 #include "test_support.h"
-#include "trainer/train/device.h"
-#include "trainer/train/train.h"
-#include "trainer/util/torch_compat.h"
 
 using namespace trainer;
 using namespace trainer::testing;
