@@ -12,11 +12,7 @@ cd "$(dirname "$0")/../.."
 [ -x build/trainer ] || scripts/setup.sh
 out=$(mktemp -d /tmp/trainer-peer-bench-XXXX)
 trap 'rm -rf "$out"' EXIT
-declare -A SHAPES=(
-  [tiny]="override_model_config=true base_emb_dim=64 base_num_query_heads=4 base_num_kv_heads=2 head_dim=16 base_mlp_dim=192 base_num_decoder_layers=2 max_target_length=64 per_device_batch_size=4"
-  [small]="override_model_config=true base_emb_dim=512 base_num_query_heads=8 base_num_kv_heads=4 head_dim=64 base_mlp_dim=1536 base_num_decoder_layers=8 max_target_length=256 per_device_batch_size=4"
-  [medium]="override_model_config=true base_emb_dim=768 base_num_query_heads=12 base_num_kv_heads=4 head_dim=64 base_mlp_dim=3072 base_num_decoder_layers=12 max_target_length=512 per_device_batch_size=1"
-)
+source scripts/bench/shapes.sh
 declare -A STEPS=([tiny]=25 [small]=8 [medium]=6) WARMUP=([tiny]=5 [small]=2 [medium]=2) ROUNDS=([tiny]=2 [small]=1 [medium]=1)
 ROWS=${ROWS:-"tiny:1:float32 tiny:8:float32 tiny:1:bfloat16 tiny:8:bfloat16 small:1:float32 small:1:bfloat16 medium:1:float32"}
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); $(date -u +%F); both arms 1 thread"

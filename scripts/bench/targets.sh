@@ -11,10 +11,7 @@ cd "$(dirname "$0")/../.."
 [ -x build/trainer ] || scripts/setup.sh
 out=$(mktemp -d /tmp/trainer-targets-XXXX)
 trap 'rm -rf "$out"' EXIT
-declare -A SHAPES=(
-  [small]="override_model_config=true base_emb_dim=512 base_num_query_heads=8 base_num_kv_heads=4 head_dim=64 base_mlp_dim=1536 base_num_decoder_layers=8 max_target_length=256 per_device_batch_size=4"
-  [medium]="override_model_config=true base_emb_dim=768 base_num_query_heads=12 base_num_kv_heads=4 head_dim=64 base_mlp_dim=3072 base_num_decoder_layers=12 max_target_length=512 per_device_batch_size=1"
-)
+source scripts/bench/shapes.sh
 declare -A STEPS=([small]=${STEPS_SMALL:-8} [medium]=${STEPS_MEDIUM:-6})
 summary() {  # run dir, K -> "median_step_s per_micro_s peak_rss_MiB tflops host_reads grad_sized allocations"
   python3 - "$1" "$2" <<'PY'

@@ -147,7 +147,10 @@ BlockContext DecoderStackImpl::context(const torch::Tensor& positions, const tor
   BlockContext ctx;
   ctx.rope = {emb.cos(), emb.sin()};
   ctx.valid = segment_ids != 0;
-  if (one_segment_per_row) return ctx;  // plain causal: no mask tensor at all
+  if (one_segment_per_row) {  // plain causal: no (B, L, L) segment mask
+    ctx.allowed = compat::causal_mask(L, opts);
+    return ctx;
+  }
   // Query i may attend key j when j <= i and both are in the same segment (packed documents).
   const auto causal = torch::ones({L, L}, opts.dtype(torch::kBool)).tril();
   const auto same_segment = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1);  // (B, L, L)

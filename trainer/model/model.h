@@ -30,8 +30,8 @@ struct RopeTables {
 class AttentionImpl : public torch::nn::Module {
  public:
   explicit AttentionImpl(const Config& config);
-  // x: (B, L, D); allowed: (B, 1, L, L) bool, true where query i may attend to key j, or
-  // undefined for plain causal attention.
+  // x: (B, L, D); allowed: (B, 1, L, L) or (L, L) bool, true where query i may attend to key
+  // j, or undefined for plain causal attention (LibTorch 2.x).
   torch::Tensor forward(const torch::Tensor& x, const RopeTables& rope, const torch::Tensor& allowed);
   torch::nn::Linear q_proj{nullptr};  // (Hq*hd, D)
   torch::nn::Linear k_proj{nullptr};  // (Hkv*hd, D)
@@ -65,7 +65,8 @@ struct MoeLayerStats {
 // Per-forward context shared by all blocks.
 struct BlockContext {
   RopeTables rope;
-  torch::Tensor allowed;  // (B, 1, L, L) bool: causal and same segment; undefined = plain causal
+  torch::Tensor allowed;  // (B, 1, L, L) bool: causal and same segment; for plain causal
+                          // (one segment per row) (L, L) on LibTorch 1.13, undefined on 2.x
   torch::Tensor valid;    // (B, L) bool: real tokens (segment id != 0)
   std::vector<MoeLayerStats>* moe_stats = nullptr;  // MoE layers append here
 };

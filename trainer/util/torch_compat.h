@@ -68,8 +68,8 @@ struct AutocastGuard {
 namespace trainer::compat {
 
 // softmax(q k^T / sqrt(hd), masked to `allowed`) v. q, k, v: (B, H, L, hd); allowed:
-// (B, 1, L, L) bool with at least one true per row, or undefined for plain causal attention.
-// 2.x has fused kernels (flash attention for the plain causal case); 1.13 does not.
+// (B, 1, L, L) bool with at least one true per row, or undefined for plain causal attention
+// (2.x only: see causal_mask). 2.x has fused kernels (flash attention when causal); 1.13 does not.
 inline torch::Tensor masked_attention(const torch::Tensor& q, const torch::Tensor& k,
                                       const torch::Tensor& v, const torch::Tensor& allowed) {
 #if TRAINER_TORCH_AT_LEAST(2, 0)
@@ -78,11 +78,19 @@ inline torch::Tensor masked_attention(const torch::Tensor& q, const torch::Tenso
 #else
   const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
   auto scores = torch::matmul(q, k.transpose(-2, -1)) * scale;  // (B, H, L, L)
-  const auto mask = allowed.defined()
-                        ? allowed
-                        : torch::ones({q.size(-2), k.size(-2)}, q.options().dtype(torch::kBool)).tril();
-  scores = scores.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity());
+  scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity());
   return torch::matmul(torch::softmax(scores, -1).to(v.scalar_type()), v);
+#endif
+}
+
+// The mask for plain causal attention over L positions: undefined on 2.x (masked_attention then
+// runs the fused causal kernel), the (L, L) lower triangle on 1.13. Built once per forward.
+inline torch::Tensor causal_mask(int64_t L, const torch::TensorOptions& options) {
+#if TRAINER_TORCH_AT_LEAST(2, 0)
+  (void)L, (void)options;
+  return {};
+#else
+  return torch::ones({L, L}, options.dtype(torch::kBool)).tril();
 #endif
 }
 
@@ -93,18 +101,16 @@ namespace trainer::compat {
 // One fused AdamW kernel over a flat fp32 buffer on a CUDA device (LibTorch >= 2.1), with the
 // trainer's formula: p *= 1 - lr*wd; m = lerp(m, g, 1-b1); v = b2*v + (1-b2)*g^2;
 // p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps). `step` is a 1-element fp32 device tensor
-// holding t. Returns false where the kernel does not exist (the caller runs the unfused path).
-inline bool fused_adamw(torch::Tensor& params, const torch::Tensor& grads, torch::Tensor& m, torch::Tensor& v,
+// holding t. Call only where fused_adamw_available(device) is true.
+inline void fused_adamw(torch::Tensor& params, const torch::Tensor& grads, torch::Tensor& m, torch::Tensor& v,
                         const torch::Tensor& step, double lr, double b1, double b2, double weight_decay, double eps) {
 #if TRAINER_TORCH_AT_LEAST(2, 1)
-  if (!params.is_cuda()) return false;
   std::vector<at::Tensor> p_list{params}, g_list{grads}, m_list{m}, v_list{v}, steps{step};
   at::_fused_adamw_(p_list, g_list, m_list, v_list, /*max_exp_avg_sqs=*/{}, steps, lr, b1, b2, weight_decay, eps,
                     /*amsgrad=*/false, /*maximize=*/false);
-  return true;
 #else
   (void)params, (void)grads, (void)m, (void)v, (void)step, (void)lr, (void)b1, (void)b2, (void)weight_decay, (void)eps;
-  return false;
+  TORCH_CHECK(false, "fused AdamW needs LibTorch >= 2.1 on CUDA");
 #endif
 }
 
