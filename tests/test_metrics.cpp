@@ -4,7 +4,6 @@
 // is built without the shared PCH, which otherwise puts LibTorch first).
 #include "trainer/train/device.h"
 #include "trainer/train/train.h"
-#include "trainer/util/torch_compat.h"
 
 #include <catch2/catch.hpp>
 
@@ -193,12 +192,8 @@ TEST_CASE("host reads and allocations per step are counted where they happen", "
   const auto [dense, dense_log] = rows_of("counts-dense", "skip_step_on_spikes=false");
   for (const auto& line : dense) {
     CHECK(json_metric(line, "perf/host_reads_in_step") == 0);
-#if TRAINER_TORCH_AT_LEAST(2, 0)  // no allocation counter on LibTorch 2.x (device.h): not reported
-    CHECK_THROWS(json_metric(line, "perf/host_allocations_in_step"));
-#else
     CHECK(json_metric(line, "perf/grad_sized_allocations_in_step") == 0);
     CHECK(json_metric(line, "perf/host_allocations_in_step") > 0);  // activations: the counter is live
-#endif
   }
   CHECK(json_metric(dense[0], "perf/launch_to_first_step_seconds") > 0);
   CHECK_THROWS(json_metric(dense[1], "perf/launch_to_first_step_seconds"));  // first step only
@@ -215,10 +210,6 @@ TEST_CASE("host reads and allocations per step are counted where they happen", "
 TEST_CASE("a gradient-sized temporary would be counted", "[metrics]") {
   Trainer t(tiny_config());
   const auto before = host_allocations();
-#if TRAINER_TORCH_AT_LEAST(2, 0)
-  CHECK_FALSE(before.available);  // documented: LibTorch 2.x builds have no allocation counter
-  return;
-#endif
   REQUIRE(before.available);
   const auto copy = t.flat_grads().clone();
   const auto after = host_allocations();

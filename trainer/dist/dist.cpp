@@ -1,4 +1,4 @@
-// Launcher environment and the Gloo communicator (see dist.h).
+// Launcher environment and the c10d communicators, Gloo and NCCL (see dist.h).
 #include "trainer/dist/dist.h"
 
 #include <netinet/in.h>
@@ -24,7 +24,7 @@
 #endif
 
 #include "trainer/util/error.h"
-
+#include "trainer/util/torch_compat.h"
 
 namespace trainer {
 namespace {
@@ -59,7 +59,13 @@ class C10dCommunicator : public Communicator {
     store_options.waitWorkers = true;
     store_options.timeout = timeout_;
     try {
-      store_ = c10::make_intrusive<c10d::TCPStore>(host, store_options);
+      try {
+        store_ = c10::make_intrusive<c10d::TCPStore>(host, store_options);
+      } catch (const std::exception& e) {
+        const bool no_libuv = std::string(e.what()).find("libuv") != std::string::npos;
+        if (!no_libuv || !compat::tcp_store_use_classic_backend(store_options)) throw;
+        store_ = c10::make_intrusive<c10d::TCPStore>(host, store_options);
+      }
       auto group_options = Group::Options::create();
       group_options->timeout = timeout_;
       configure(*group_options);

@@ -20,45 +20,32 @@
 namespace trainer {
 namespace {
 
-#if !TRAINER_TORCH_AT_LEAST(2, 0)
-// Delegates every call to the allocator it replaces; the DataPtrs it returns carry the original
-// deleter, so frees (also of tensors allocated before the wrapper) go where they always went.
-class CountingCpuAllocator final : public c10::Allocator {
+// Counts LibTorch's CPU allocations, and those of exactly watch_bytes.
+class CountingCpuAllocator final : public compat::ForwardingAllocator {
  public:
-  CountingCpuAllocator(c10::Allocator* base, size_t watch_bytes) : base_(base), watch_bytes_(watch_bytes) {}
-  c10::DataPtr allocate(size_t n) const override {
-    allocations_.fetch_add(1, std::memory_order_relaxed);
-    if (n == watch_bytes_) watched_.fetch_add(1, std::memory_order_relaxed);
-    return base_->allocate(n);
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return base_->raw_deleter(); }
+  CountingCpuAllocator(c10::Allocator* base, size_t watch_bytes) : ForwardingAllocator(base), watch_bytes_(watch_bytes) {}
   HostAllocationCounts counts() const { return {true, allocations_.load(), watched_.load()}; }
 
  private:
-  c10::Allocator* base_;
+  void on_allocate(size_t n) const override {
+    allocations_.fetch_add(1, std::memory_order_relaxed);
+    if (n == watch_bytes_) watched_.fetch_add(1, std::memory_order_relaxed);
+  }
   size_t watch_bytes_;
   mutable std::atomic<int64_t> allocations_{0}, watched_{0};
 };
 CountingCpuAllocator* g_counting_allocator = nullptr;  // installed once, never freed (LibTorch keeps it)
-#endif
 
 }  // namespace
 
 void host_allocations_watch(size_t watch_bytes) {
-#if !TRAINER_TORCH_AT_LEAST(2, 0)
   if (g_counting_allocator) return;
   g_counting_allocator = new CountingCpuAllocator(c10::GetCPUAllocator(), watch_bytes);
   c10::SetCPUAllocator(g_counting_allocator, /*priority=*/100);
-#else
-  (void)watch_bytes;
-#endif
 }
 
 HostAllocationCounts host_allocations() {
-#if !TRAINER_TORCH_AT_LEAST(2, 0)
-  if (g_counting_allocator) return g_counting_allocator->counts();
-#endif
-  return {};
+  return g_counting_allocator ? g_counting_allocator->counts() : HostAllocationCounts{};
 }
 
 torch::Device device_select(const Config& config, int64_t local_rank) {

@@ -30,8 +30,8 @@ struct DeviceMemoryPeaks {
 DeviceMemoryPeaks device_memory_peaks(const torch::Device& device);
 
 // LibTorch CPU allocations, counted by a wrapper around the CPU allocator that
-// host_allocations_watch installs (LibTorch 1.13's allocator interface; on 2.x `available` stays
-// false). `watched` counts allocations of exactly the watched size (the flat gradient buffer's
+// host_allocations_watch installs (`available` is false until then; the Trainer watches on CPU
+// devices). `watched` counts allocations of exactly the watched size (the flat gradient buffer's
 // bytes), so a gradient-sized temporary in the step cannot hide.
 struct HostAllocationCounts {
   bool available = false;

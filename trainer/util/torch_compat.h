@@ -119,3 +119,53 @@ inline bool fused_adamw_available(const torch::Device& device) {
 }
 
 }  // namespace trainer::compat
+
+namespace trainer::compat {
+
+// LibTorch >= 2.4 starts a TCPStore server on its libuv backend by default, and builds without
+// libuv (Debian's 2.x) throw "use_libuv was requested but PyTorch was build without libuv
+// support" instead of falling back. Switches `options` (a c10d::TCPStoreOptions) to the classic
+// backend and returns true; returns false where there is no such switch (1.13 has only that one).
+template <class StoreOptions>
+bool tcp_store_use_classic_backend(StoreOptions& options) {
+#if TRAINER_TORCH_AT_LEAST(2, 3)
+  if (!options.useLibUV) return false;
+  options.useLibUV = false;
+  return true;
+#else
+  (void)options;
+  return false;
+#endif
+}
+
+}  // namespace trainer::compat
+
+namespace trainer::compat {
+
+// A c10::Allocator that hands every request to another one and sees each size first. LibTorch
+// 2.3 made allocate() non-const and added the pure virtual copy_data(); both live here. The
+// DataPtrs come from the base, with its deleter, so frees go where they always went.
+class ForwardingAllocator : public c10::Allocator {
+ public:
+  explicit ForwardingAllocator(c10::Allocator* base) : base_(base) {}
+#if TRAINER_TORCH_AT_LEAST(2, 3)
+  c10::DataPtr allocate(size_t n) override {
+#else
+  c10::DataPtr allocate(size_t n) const override {
+#endif
+    on_allocate(n);
+    return base_->allocate(n);
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return base_->raw_deleter(); }
+#if TRAINER_TORCH_AT_LEAST(2, 3)
+  void copy_data(void* dest, const void* src, std::size_t count) const override { base_->copy_data(dest, src, count); }
+#endif
+
+ protected:
+  virtual void on_allocate(size_t n) const = 0;
+
+ private:
+  c10::Allocator* base_;
+};
+
+}  // namespace trainer::compat
