@@ -1,5 +1,10 @@
 // trainer: parse the config, build the Trainer, train, exit with the documented code.
+#include <execinfo.h>
+#include <unistd.h>
+
+#include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -33,10 +38,35 @@ void print_dry_run(const trainer::Config& c) {
               static_cast<long long>(c.max_target_length));
 }
 
+// A crash (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT) prints the signal and the native stack to
+// stderr, then dies of the same signal, so the exit status still says what happened (139 for
+// SIGSEGV). Addresses inside trainer resolve with `addr2line -f -C -e build/trainer 0x...`.
+extern "C" void on_fatal_signal(int signo) {
+  const char* name = signo == SIGSEGV ? "SIGSEGV" : signo == SIGBUS ? "SIGBUS" : signo == SIGFPE ? "SIGFPE"
+                   : signo == SIGILL  ? "SIGILL"  : "SIGABRT";
+  const char* parts[] = {"trainer: fatal signal ", name, ", native stack:\n"};
+  for (const char* part : parts) (void)!write(STDERR_FILENO, part, std::strlen(part));
+  void* frames[64];
+  backtrace_symbols_fd(frames, backtrace(frames, 64), STDERR_FILENO);
+  std::signal(signo, SIG_DFL);
+  std::raise(signo);
+}
+
+void install_fatal_signal_handlers() {
+  void* warm_up[1];
+  backtrace(warm_up, 1);  // loads libgcc's unwinder now: not inside the handler, where malloc may be broken
+  struct sigaction action {};
+  action.sa_handler = on_fatal_signal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESETHAND;
+  for (int signo : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) sigaction(signo, &action, nullptr);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   trainer::perf_startup_mark("libraries");  // exec -> main: the dynamic loader (LibTorch)
+  install_fatal_signal_handlers();
   CLI::App app{"trainer: pretrain decoder-only language models (MaxText-style config)"};
   app.set_version_flag("--version", std::string("trainer ") + TRAINER_VERSION);
   std::string config_path;

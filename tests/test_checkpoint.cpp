@@ -2,6 +2,7 @@
 // SIGTERM, disabled checkpointing, the safetensors format read by hand, async == sync bytes.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <random>
@@ -103,7 +104,9 @@ TEST_CASE("kill -9 at random moments never leaves a checkpoint that is taken for
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 700));
     kill(pid, SIGKILL);
-    CHECK(wait_exit_code(pid) == 128 + SIGKILL);
+    const int code = wait_exit_code(pid);
+    INFO("round " << round << ", trainer log:\n" << read_file(dir + ".log"));  // a crash shows its stack here
+    CHECK(code == 128 + SIGKILL);
     for (const auto& entry : fs::directory_iterator(dir + "/checkpoints"))
       saw_temp += entry.path().filename().string().rfind(".tmp-", 0) == 0;
     const auto latest = checkpoint_find_latest(dir + "/checkpoints");
@@ -145,6 +148,7 @@ TEST_CASE("a flipped byte in model.safetensors is detected and the previous chec
     f.write(&c, 1);
   }
   const auto r = run_trainer(args + "steps=6");
+  INFO("trainer output:\n" << r.output);
   CHECK(r.exit_code == 0);
   CHECK_THAT(r.output, Catch::Contains("checksum mismatch") && Catch::Contains("falling back") &&
                            Catch::Contains("resumed from checkpoint " + kOut + "/flip/checkpoints/2"));
@@ -179,6 +183,25 @@ TEST_CASE("SIGTERM finishes the step, saves, and exits 0, and a resume continues
                              " base_output_directory=" + kOut + " run_name=sigterm");
   CHECK(r.exit_code == 0);
   CHECK(read_lines(dir + "/metrics.jsonl").size() == lines.size() + 1);
+}
+
+TEST_CASE("a crash prints the signal and the native stack, and still dies of that signal", "[checkpoint][cli]") {
+  // SIGSEGV sent from outside takes the same handler as a real fault: the log names it and shows
+  // frames, and the exit status stays 128 + 11, so scripts and the tests above still see a crash.
+  const std::string dir = kOut + "/crash";
+  fs::remove_all(dir);
+  const pid_t pid = spawn_trainer({"model_name=test-tiny", "max_target_length=16", "steps=100000",
+                                   "checkpoint_period=100000", "base_output_directory=" + kOut, "run_name=crash"},
+                                  dir + ".log");
+  for (int i = 0; i < 200 && read_lines(dir + "/metrics.jsonl").empty(); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  kill(pid, SIGSEGV);
+  CHECK(wait_exit_code(pid) == 128 + SIGSEGV);
+  const auto log = read_file(dir + ".log");
+  CHECK_THAT(log, Catch::Contains("trainer: fatal signal SIGSEGV, native stack:"));
+  const auto stack = log.substr(log.find("native stack:"));
+  CHECK(std::count(stack.begin(), stack.end(), '\n') >= 3);  // frames, one per line
+  CHECK_THAT(stack, Catch::Contains("libc.so"));             // e.g. the thread's start routine
 }
 
 TEST_CASE("model.safetensors follows the format spec and HF names (read by hand)", "[checkpoint]") {
