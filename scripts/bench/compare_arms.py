@@ -10,6 +10,8 @@ Usage:
   scripts/bench/compare_arms.py --steps 60 --warmup 10 --rounds 2 \
       --arm dense "model_name=moe-tiny override_model_config=true num_experts=1 shared_experts=0 base_mlp_dim=108" \
       --arm moe   "model_name=moe-tiny"
+Two builds of trainer side by side: --binary NAME PATH runs arm NAME with PATH instead of
+build/trainer (e.g. a copy of the binary from before a change).
 """
 import argparse
 import json
@@ -23,8 +25,8 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_arm(overrides, steps, out_dir, run_name):
-    cmd = [os.path.join(ROOT, "build", "trainer"), os.path.join(ROOT, "configs", "base.yml"),
+def run_arm(binary, overrides, steps, out_dir, run_name):
+    cmd = [binary, os.path.join(ROOT, "configs", "base.yml"),
            f"steps={steps}", f"base_output_directory={out_dir}", f"run_name={run_name}",
            f"log_period={steps}"] + shlex.split(overrides)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -44,17 +46,23 @@ def run_arm(overrides, steps, out_dir, run_name):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arm", nargs=2, action="append", metavar=("NAME", "OVERRIDES"), required=True)
+    parser.add_argument("--binary", nargs=2, action="append", metavar=("NAME", "PATH"), default=[])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
 
+    binaries = dict(args.binary)
+    unknown = set(binaries) - {name for name, _ in args.arm}
+    if unknown:
+        sys.exit(f"--binary names no arm: {', '.join(sorted(unknown))}")
     times = {name: [] for name, _ in args.arm}
     info = {}
     with tempfile.TemporaryDirectory(prefix="trainer-bench-") as out_dir:
         for r in range(args.rounds):
             for name, overrides in args.arm:
-                rows, tokens, rss = run_arm(overrides, args.steps, out_dir, f"{name}-{r}")
+                binary = binaries.get(name, os.path.join(ROOT, "build", "trainer"))
+                rows, tokens, rss = run_arm(binary, overrides, args.steps, out_dir, f"{name}-{r}")
                 times[name] += [row["perf/step_time_seconds"] for row in rows[args.warmup:]]
                 info[name] = (tokens, max(rss, info.get(name, (0, 0))[1]))
                 print(f"round {r + 1}/{args.rounds} {name}: done", file=sys.stderr)
@@ -72,7 +80,7 @@ def main():
     print(f"\n{args.rounds} rounds x {args.steps} steps per arm, alternating; statistics over steps "
           f">= {args.warmup} of every run ({len(times[args.arm[0][0]])} steps per arm).")
     for name, overrides in args.arm:
-        print(f"- {name}: `{overrides}`")
+        print(f"- {name}: `{overrides}`" + (f" with {binaries[name]}" if name in binaries else ""))
 
 
 if __name__ == "__main__":

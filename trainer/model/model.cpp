@@ -26,20 +26,27 @@ torch::nn::Linear linear(int64_t in, int64_t out) {
   return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
 }
 
-// HF rotate_half: pairs are (i, i + rotary_dim/2).
-torch::Tensor rotate_half(const torch::Tensor& x) {
-  const auto half = x.size(-1) / 2;
-  return torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+// x: (B, H, L, hd). HF's rotate_half pairs dimension i with i + rotary_dim/2:
+//   rope(x) = x * cos + rotate_half(x) * sin,  rotate_half(x) = (-x2, x1)  for x = (x1, x2).
+// With the sign folded into the table, sin_signed = (-sin1, sin2), this is
+//   rope(x) = x * cos + (x2, x1) * sin_signed,
+// the same numbers (a negation is exact) with one kernel fewer forward and backward.
+// Rotates the first rotary_dim dimensions and passes the rest through.
+torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin_signed) {
+  const auto rotary_dim = cos.size(-1), half = rotary_dim / 2;
+  const auto rot = rotary_dim == x.size(-1) ? x : x.narrow(-1, 0, rotary_dim);
+  const auto swapped = torch::cat({rot.narrow(-1, half, half), rot.narrow(-1, 0, half)}, -1);
+  const auto rotated = rot * cos + swapped * sin_signed;
+  if (rotary_dim == x.size(-1)) return rotated;
+  return torch::cat({rotated, x.narrow(-1, rotary_dim, x.size(-1) - rotary_dim)}, -1);
 }
 
-// x: (B, H, L, hd). Rotates the first rotary_dim dimensions, passes the rest through.
-torch::Tensor apply_rope(const torch::Tensor& x, const RopeTables& rope) {
-  const auto rotary_dim = rope.cos.size(-1);
-  const auto cos = rope.cos.to(x.scalar_type()), sin = rope.sin.to(x.scalar_type());
-  if (rotary_dim == x.size(-1)) return x * cos + rotate_half(x) * sin;
-  const auto rot = x.narrow(-1, 0, rotary_dim);
-  const auto pass = x.narrow(-1, rotary_dim, x.size(-1) - rotary_dim);
-  return torch::cat({rot * cos + rotate_half(rot) * sin, pass}, -1);
+// One GEMM for several projections of the same input: their weights (each (out_i, D)) are
+// concatenated along the output dimension per forward. The copy is of weights only, small next to
+// the activations; it saves a GEMM per extra projection forward, two backward, and the
+// accumulation of their input gradients. Returns the (..., sum out_i) output; callers narrow it.
+torch::Tensor linear_fused(const torch::Tensor& x, std::initializer_list<torch::Tensor> weights) {
+  return F::linear(x, torch::cat(weights));
 }
 
 }  // namespace
@@ -59,15 +66,19 @@ AttentionImpl::AttentionImpl(const Config& c)
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const RopeTables& rope,
                                      const torch::Tensor& allowed) {
   const auto B = x.size(0), L = x.size(1);
-  auto q = q_proj(x).view({B, L, num_heads_, head_dim_});     // (B, L, Hq, hd)
-  auto k = k_proj(x).view({B, L, num_kv_heads_, head_dim_});  // (B, L, Hkv, hd)
-  auto v = v_proj(x).view({B, L, num_kv_heads_, head_dim_});  // (B, L, Hkv, hd)
+  const auto q_dim = num_heads_ * head_dim_, kv_dim = num_kv_heads_ * head_dim_;
+  const auto qkv = linear_fused(x, {q_proj->weight, k_proj->weight, v_proj->weight});  // (B, L, q_dim + 2 kv_dim)
+  auto q = qkv.narrow(-1, 0, q_dim).view({B, L, num_heads_, head_dim_});                // (B, L, Hq, hd)
+  auto k = qkv.narrow(-1, q_dim, kv_dim).view({B, L, num_kv_heads_, head_dim_});        // (B, L, Hkv, hd)
+  auto v = qkv.narrow(-1, q_dim + kv_dim, kv_dim).view({B, L, num_kv_heads_, head_dim_});  // (B, L, Hkv, hd)
   if (q_norm) {
     q = q_norm(q);
     k = k_norm(k);
   }
-  q = apply_rope(q.transpose(1, 2), rope);  // (B, Hq, L, hd)
-  k = apply_rope(k.transpose(1, 2), rope);  // (B, Hkv, L, hd)
+  // Under bf16 autocast q and k are bf16: the fp32 tables are cast once per layer.
+  const auto cos = rope.cos.to(q.scalar_type()), sin_signed = rope.sin_signed.to(q.scalar_type());
+  q = apply_rope(q.transpose(1, 2), cos, sin_signed);  // (B, Hq, L, hd)
+  k = apply_rope(k.transpose(1, 2), cos, sin_signed);  // (B, Hkv, L, hd)
   v = v.transpose(1, 2);                    // (B, Hkv, L, hd)
   const auto group = num_heads_ / num_kv_heads_;
   if (group > 1) {  // query head h reads kv head h / group (HF repeat_kv)
@@ -85,7 +96,9 @@ MlpImpl::MlpImpl(int64_t dim, int64_t hidden) {
 }
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
-  return down_proj(F::silu(gate_proj(x)) * up_proj(x));
+  const auto hidden = gate_proj->weight.size(0);
+  const auto gate_up = linear_fused(x, {gate_proj->weight, up_proj->weight});  // (B, L, 2F)
+  return down_proj(F::silu(gate_up.narrow(-1, 0, hidden)) * gate_up.narrow(-1, hidden, hidden));
 }
 
 DecoderLayerImpl::DecoderLayerImpl(const Config& c, bool use_moe) {
@@ -142,10 +155,10 @@ BlockContext DecoderStackImpl::context(const torch::Tensor& positions, const tor
   const auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(positions.device());
   const auto inv_freq =
       torch::pow(rope_theta_, -torch::arange(0, rotary_dim_, 2, opts) / static_cast<double>(rotary_dim_));
-  const auto angles = positions.to(torch::kFloat32).unsqueeze(-1) * inv_freq;  // (B, L, rot/2)
-  const auto emb = torch::cat({angles, angles}, -1).unsqueeze(1);               // (B, 1, L, rot)
+  const auto angles = (positions.to(torch::kFloat32).unsqueeze(-1) * inv_freq).unsqueeze(1);  // (B, 1, L, rot/2)
+  const auto cos = angles.cos(), sin = angles.sin();
   BlockContext ctx;
-  ctx.rope = {emb.cos(), emb.sin()};
+  ctx.rope = {torch::cat({cos, cos}, -1), torch::cat({-sin, sin}, -1)};  // (B, 1, L, rot) each
   ctx.valid = segment_ids != 0;
   if (one_segment_per_row) {  // plain causal: no (B, L, L) segment mask
     ctx.allowed = compat::causal_mask(L, opts);

@@ -22,8 +22,8 @@ TORCH_MODULE(RMSNorm);
 
 // Rotary embedding tables for explicit per-token positions (positions restart per document).
 struct RopeTables {
-  torch::Tensor cos;  // (B, 1, L, rotary_dim)
-  torch::Tensor sin;  // (B, 1, L, rotary_dim)
+  torch::Tensor cos;         // (B, 1, L, rotary_dim): cos of (angles, angles)
+  torch::Tensor sin_signed;  // (B, 1, L, rotary_dim): (-sin(angles), sin(angles)), see apply_rope
 };
 
 // Causal grouped-query attention that only attends within the token's own segment.
