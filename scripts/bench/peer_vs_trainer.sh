@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Host overhead and throughput against the PyTorch peer (scripts/bench/peer.py) on the CPU: the
-# same model, data, loss, AdamW and schedule, both single-threaded, alternating trainer / peer per
-# round, median step time over the steps after warm-up. Shapes: tiny (host-bound), small (25M),
-# medium (104M); fp32 and bf16 autocast.
+# same model, data, loss, AdamW and schedule, both with one LibTorch intra-op thread (OpenBLAS
+# keeps its own pool), alternating trainer / peer per round, median step time over the steps
+# after warm-up. Shapes: tiny (host-bound), small (25M), medium (104M); fp32 and bf16 autocast.
 #   scripts/bench/peer_vs_trainer.sh                 the rows of docs/benchmarks.md
 #   ROWS="tiny:8:bfloat16 small:1:float32" scripts/bench/peer_vs_trainer.sh   chosen rows
 # A row is shape:K:dtype. Steps, warm-up and rounds per shape are below (small and medium take
@@ -15,7 +15,7 @@ trap 'rm -rf "$out"' EXIT
 source scripts/bench/shapes.sh
 declare -A STEPS=([tiny]=25 [small]=8 [medium]=6) WARMUP=([tiny]=5 [small]=2 [medium]=2) ROUNDS=([tiny]=2 [small]=1 [medium]=1)
 ROWS=${ROWS:-"tiny:1:float32 tiny:8:float32 tiny:1:bfloat16 tiny:8:bfloat16 small:1:float32 small:1:bfloat16 medium:1:float32"}
-echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); $(date -u +%F); both arms 1 thread"
+echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); $(date -u +%F); both arms 1 LibTorch thread"
 echo
 echo "| shape | K | dtype | params | steps (warm-up) x rounds | trainer median s/step | peer median s/step | peer / trainer |"
 echo "|---|---|---|---|---|---|---|---|"
