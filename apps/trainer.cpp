@@ -48,8 +48,7 @@ extern "C" void on_fatal_signal(int signo) {
   for (const char* part : parts) (void)!write(STDERR_FILENO, part, std::strlen(part));
   void* frames[64];
   backtrace_symbols_fd(frames, backtrace(frames, 64), STDERR_FILENO);
-  std::signal(signo, SIG_DFL);
-  std::raise(signo);
+  std::raise(signo);  // SA_RESETHAND restored the default action: this ends the process
 }
 
 void install_fatal_signal_handlers() {

@@ -2,63 +2,81 @@
 # Builds trainer against LibTorch 2.x and runs every test there: Debian 13's libtorch-dev 2.6
 # (CPU) in a chroot made with debootstrap. This compiles and runs the 2.x side of
 # trainer/util/torch_compat.h (fused attention, the 2.x autocast API, the TCPStore backend
-# switch) on machines without a GPU; only the CUDA-specific code is left to scripts/gpu/.
-# Needs root (debootstrap, chroot, mounts) and Debian's package mirror. The chroot is kept between
-# runs (about 2.5 GB; first run ~3 min to create) and refreshed from the working tree each time.
+# switch, the allocator interface) on machines without a GPU; only the CUDA-specific code is left
+# to scripts/gpu/. Needs root (debootstrap, chroot, mounts; re-runs itself with sudo) and Debian's
+# package mirror. The chroot is kept between runs (about 3 GB; the first run takes ~9 minutes, 3 of
+# them for the chroot) and refreshed from the working tree each time.
 #   scripts/test_libtorch2.sh [ctest args]      TRAINER_TORCH2_ROOT picks the chroot's folder
+# TRAINER_SKIP_TORCH2=1 skips it, loudly (for machines without root or mirror access).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${TRAINER_SKIP_TORCH2:-0}" = 1 ]; then
+  echo "test_libtorch2: SKIPPED (TRAINER_SKIP_TORCH2=1): the LibTorch 2.x suite did not run" >&2
+  exit 0
+fi
+[ "$(id -u)" -eq 0 ] ||
+  exec sudo --preserve-env=JOBS,TRAINER_TORCH2_ROOT,TRAINER_TORCH2_MIRROR "$0" "$@"
 root=${TRAINER_TORCH2_ROOT:-/var/tmp/trainer-trixie}
 mirror=${TRAINER_TORCH2_MIRROR:-http://deb.debian.org/debian}
-SUDO=""
-[ "$(id -u)" -ne 0 ] && SUDO="sudo"
+mkdir -p "$(dirname "$root")"
+exec 9> "$root.lock"
+flock -n 9 || { echo "test_libtorch2: another run holds $root.lock" >&2; exit 3; }
 
 # The chroot's own packages: the same list as scripts/setup.sh, from Debian 13 (trixie). Catch2
-# is the exception: trixie has v3, the tests use v2, which is header-only and copied from the host.
+# is the exception: trixie has v3, the tests use v2, whose header and CMake files (and its small
+# static library) are copied from the host.
 PACKAGES="g++ cmake make ccache pkg-config libtorch-dev libgloo-dev libopenmpi-dev openmpi-bin
   libopenblas0-pthread libyaml-cpp-dev libspdlog-dev libcli11-dev nlohmann-json3-dev libsentencepiece-dev
   fortunes python3 python3-numpy python3-torch"
 stamp="$root/.trainer-ready"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$PACKAGES" ]; then
   command -v debootstrap > /dev/null || {
-    $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq debootstrap; }
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap; }
   [ -d /usr/include/catch2 ] || { echo "test_libtorch2: Catch2 v2 missing on the host (run scripts/setup.sh)" >&2; exit 3; }
   echo "test_libtorch2: creating the Debian 13 chroot in $root" >&2
-  [ -x "$root/usr/bin/apt-get" ] ||
-    $SUDO debootstrap --variant=minbase trixie "$root" "$mirror" > "$root.debootstrap.log" 2>&1 ||
-    { tail -20 "$root.debootstrap.log" >&2; echo "test_libtorch2: debootstrap failed (log $root.debootstrap.log)" >&2; exit 3; }
-  $SUDO chroot "$root" sh -c "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+  # debootstrap removes $root/debootstrap/ when it succeeds: its presence means an interrupted run.
+  if [ ! -x "$root/usr/bin/apt-get" ] || [ -d "$root/debootstrap" ]; then
+    debootstrap --variant=minbase trixie "$root" "$mirror" > "$root.debootstrap.log" 2>&1 ||
+      { tail -20 "$root.debootstrap.log" >&2; echo "test_libtorch2: debootstrap failed (log $root.debootstrap.log)" >&2; exit 3; }
+  fi
+  chroot "$root" sh -c "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
     --no-install-recommends $(echo $PACKAGES)" > "$root.apt.log" 2>&1 ||
     { tail -20 "$root.apt.log" >&2; echo "test_libtorch2: apt-get in the chroot failed (log $root.apt.log)" >&2; exit 3; }
-  $SUDO mkdir -p "$root/opt/catch2v2/usr/include" "$root/opt/catch2v2/usr/lib/cmake"
-  $SUDO cp -r /usr/include/catch2 "$root/opt/catch2v2/usr/include/"
-  $SUDO cp -r /usr/lib/cmake/Catch2 "$root/opt/catch2v2/usr/lib/cmake/"
-  $SUDO cp /usr/lib/libCatch2*.a "$root/opt/catch2v2/usr/lib/"
-  echo "$PACKAGES" | $SUDO tee "$stamp" > /dev/null
+  mkdir -p "$root/opt/catch2v2/usr/include" "$root/opt/catch2v2/usr/lib/cmake"
+  cp -r /usr/include/catch2 "$root/opt/catch2v2/usr/include/"
+  cp -r /usr/lib/cmake/Catch2 "$root/opt/catch2v2/usr/lib/cmake/"
+  cp /usr/lib/libCatch2*.a "$root/opt/catch2v2/usr/lib/"
+  echo "$PACKAGES" > "$stamp"
 fi
 
 # Host name resolution (the rendezvous uses the host name) and the kernel interfaces the tests
-# read (/proc for process age and RSS, /dev/shm for Open MPI); unmounted on exit.
-$SUDO cp /etc/hosts "$root/etc/hosts"
-mounted=()
-cleanup() { for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do $SUDO umount "${mounted[i]}" || true; done; }
-trap cleanup EXIT
-mount_once() {  # type-or-bind source target
-  mountpoint -q "$root/$3" && return 0
-  $SUDO mkdir -p "$root/$3"
-  if [ "$1" = bind ]; then $SUDO mount --bind "$2" "$root/$3"; else $SUDO mount -t "$1" "$2" "$root/$3"; fi
-  mounted+=("$root/$3")
+# read (/proc for process age and RSS, /dev/shm for Open MPI). Every mount under $root, also one
+# left by an interrupted run, is undone on exit (lazily if busy), so deleting $root never reaches
+# the host's /dev.
+cp /etc/hosts "$root/etc/hosts"
+mounts=(proc dev dev/shm)
+cleanup() {
+  for ((i = ${#mounts[@]} - 1; i >= 0; i--)); do
+    mountpoint -q "$root/${mounts[i]}" && { umount "$root/${mounts[i]}" 2> /dev/null || umount -l "$root/${mounts[i]}"; }
+  done
+  if findmnt -R "$root" > /dev/null 2>&1; then
+    echo "test_libtorch2: WARNING: still mounted under $root (do not delete it before unmounting):" >&2
+    findmnt -R "$root" >&2
+  fi
 }
-mount_once proc proc proc
-mount_once bind /dev dev
-mount_once bind /dev/shm dev/shm
+trap cleanup EXIT
+mountpoint -q "$root/proc" || mount -t proc proc "$root/proc"
+mountpoint -q "$root/dev" || mount --bind /dev "$root/dev"
+mountpoint -q "$root/dev/shm" || mount --bind /dev/shm "$root/dev/shm"
 
-# The working tree (tracked and untracked, not ignored) replaces the chroot's copy; its build
-# folder and the corpus are kept, so a second run rebuilds only what changed.
-$SUDO mkdir -p "$root/src"
-$SUDO find "$root/src" -mindepth 1 -maxdepth 1 ! -name build ! -name data -exec rm -rf {} +
-git ls-files -co --exclude-standard -z | $SUDO tar -c --null -T - -f - | $SUDO tar -x -f - -C "$root/src"
-$SUDO chroot "$root" env CCACHE_DIR=/var/cache/ccache JOBS="${JOBS:-2}" bash -c '
+# The working tree (tracked and untracked, not ignored; deleted files are skipped with a warning)
+# replaces the chroot's copy; its build folder and the corpus are kept, so a second run rebuilds
+# only what changed.
+mkdir -p "$root/src"
+find "$root/src" -mindepth 1 -maxdepth 1 ! -name build ! -name data -exec rm -rf {} +
+git -c safe.directory="$PWD" ls-files -co --exclude-standard -z |
+  tar -c --null --ignore-failed-read -T - -f - | tar -x -f - -C "$root/src"
+chroot "$root" env CCACHE_DIR=/var/cache/ccache JOBS="${JOBS:-2}" bash -c '
   set -euo pipefail
   cd /src
   echo "test_libtorch2: $(dpkg-query -W -f="libtorch-dev \${Version}, " libtorch-dev)$(g++ --version | head -1)" >&2

@@ -24,14 +24,14 @@ fi
 tail -3 "$log/build.log"
 phase "checks"
 python3 scripts/gpu/check.py 2>&1 | tee "$log/check.log"
-phase "benchmark"
-timeout "${BENCH_SECONDS:-240}" python3 scripts/gpu/bench.py "$@" 2>&1 | tee "$log/bench.log"
-phase "profile (peer arm, kernel categories)"
-timeout 90 python3 scripts/gpu/profile_peer.py /tmp/trainer-gpu-bench/llama3.2-1b-k1 2>&1 | tee "$log/profile.log"
 phase "the 2.11 resume crash (docs/checkpoints.md, known issue): the two tests, native stack on a crash"
 (cd build-gpu && timeout 120 ./trainer_tests "a flipped byte in model.safetensors*" \
    "kill -9 at random moments never leaves a checkpoint that is taken for complete" > "$log/resume_crash.log" 2>&1)
 grep -E "fatal signal|^/|libtorch|trainer\(|test cases|assertions" "$log/resume_crash.log" | head -80
+phase "benchmark"
+timeout "${BENCH_SECONDS:-240}" python3 scripts/gpu/bench.py "$@" 2>&1 | tee "$log/bench.log"
+phase "profile (peer arm, kernel categories)"
+timeout 90 python3 scripts/gpu/profile_peer.py /tmp/trainer-gpu-bench/llama3.2-1b-k1 2>&1 | tee "$log/profile.log"
 phase "CPU test suite on this LibTorch (no mpirun, no Gloo here)"
 left=$(( ${TOTAL_SECONDS:-480} - SECONDS ))
 echo "ctest gets ${left}s"

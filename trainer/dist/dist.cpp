@@ -62,7 +62,7 @@ class C10dCommunicator : public Communicator {
       try {
         store_ = c10::make_intrusive<c10d::TCPStore>(host, store_options);
       } catch (const std::exception& e) {
-        const bool no_libuv = std::string(e.what()).find("libuv") != std::string::npos;
+        const bool no_libuv = std::string(e.what()).find("without libuv support") != std::string::npos;
         if (!no_libuv || !compat::tcp_store_use_classic_backend(store_options)) throw;
         store_ = c10::make_intrusive<c10d::TCPStore>(host, store_options);
       }

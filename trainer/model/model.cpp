@@ -79,7 +79,7 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const RopeTables& r
   const auto cos = rope.cos.to(q.scalar_type()), sin_signed = rope.sin_signed.to(q.scalar_type());
   q = apply_rope(q.transpose(1, 2), cos, sin_signed);  // (B, Hq, L, hd)
   k = apply_rope(k.transpose(1, 2), cos, sin_signed);  // (B, Hkv, L, hd)
-  v = v.transpose(1, 2);                    // (B, Hkv, L, hd)
+  v = v.transpose(1, 2);                               // (B, Hkv, L, hd)
   const auto group = num_heads_ / num_kv_heads_;
   if (group > 1) {  // query head h reads kv head h / group (HF repeat_kv)
     k = k.unsqueeze(2).expand({B, num_kv_heads_, group, L, head_dim_}).reshape({B, num_heads_, L, head_dim_});
@@ -89,13 +89,14 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const RopeTables& r
   return o_proj(out.transpose(1, 2).reshape({B, L, num_heads_ * head_dim_}));
 }
 
-MlpImpl::MlpImpl(int64_t dim, int64_t hidden) {
+MlpImpl::MlpImpl(int64_t dim, int64_t hidden, bool one_gemm_for_gate_up) : one_gemm_for_gate_up_(one_gemm_for_gate_up) {
   gate_proj = register_module("gate_proj", linear(dim, hidden));
   up_proj = register_module("up_proj", linear(dim, hidden));
   down_proj = register_module("down_proj", linear(hidden, dim));
 }
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
+  if (!one_gemm_for_gate_up_) return down_proj(F::silu(gate_proj(x)) * up_proj(x));
   const auto hidden = gate_proj->weight.size(0);
   const auto gate_up = linear_fused(x, {gate_proj->weight, up_proj->weight});  // (B, L, 2F)
   return down_proj(F::silu(gate_up.narrow(-1, 0, hidden)) * gate_up.narrow(-1, hidden, hidden));

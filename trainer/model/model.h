@@ -44,14 +44,18 @@ class AttentionImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Attention);
 
-// SwiGLU: down(silu(gate(x)) * up(x)).
+// SwiGLU: down(silu(gate(x)) * up(x)). With one_gemm_for_gate_up, gate and up run as one GEMM
+// over their concatenated weights (model.cpp, linear_fused): right when every token passes
+// through; a routed MoE expert sees a few tokens, where copying its weights would cost more.
 class MlpImpl : public torch::nn::Module {
  public:
-  MlpImpl(int64_t dim, int64_t hidden);
+  MlpImpl(int64_t dim, int64_t hidden, bool one_gemm_for_gate_up = true);
   torch::Tensor forward(const torch::Tensor& x);
   torch::nn::Linear gate_proj{nullptr};  // (F, D)
   torch::nn::Linear up_proj{nullptr};    // (F, D)
   torch::nn::Linear down_proj{nullptr};  // (D, F)
+ private:
+  bool one_gemm_for_gate_up_;
 };
 TORCH_MODULE(Mlp);
 

@@ -32,7 +32,7 @@ MoeImpl::MoeImpl(const Config& c)
       scaling_(c.routed_scaling_factor) {
   gate = register_module("gate", MoeGate(c.base_emb_dim, c.num_experts));
   experts = register_module("experts", torch::nn::ModuleList());
-  for (int64_t e = 0; e < num_experts_; ++e) experts->push_back(Mlp(c.base_emb_dim, c.base_moe_mlp_dim));
+  for (int64_t e = 0; e < num_experts_; ++e) experts->push_back(Mlp(c.base_emb_dim, c.base_moe_mlp_dim, /*one_gemm_for_gate_up=*/false));
   if (c.shared_experts > 0)
     shared_experts = register_module("shared_experts", Mlp(c.base_emb_dim, c.shared_experts * c.base_moe_mlp_dim));
 }

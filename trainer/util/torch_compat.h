@@ -1,5 +1,6 @@
-// The one place where differences between LibTorch versions live: Debian's 1.13 (CPU) and the
-// 2.x that ships inside the PyTorch wheel (CUDA). Everything else calls these wrappers.
+// The one place where differences between LibTorch versions live: Debian 12's 1.13 (CPU), Debian
+// 13's 2.6 (CPU, scripts/test_libtorch2.sh) and the 2.x inside the PyTorch wheel (CUDA).
+// Everything else calls these wrappers.
 #pragma once
 #include <torch/torch.h>
 #include <torch/version.h>
@@ -159,6 +160,7 @@ class ForwardingAllocator : public c10::Allocator {
   c10::DeleterFnPtr raw_deleter() const override { return base_->raw_deleter(); }
 #if TRAINER_TORCH_AT_LEAST(2, 3)
   void copy_data(void* dest, const void* src, std::size_t count) const override { base_->copy_data(dest, src, count); }
+  bool is_simple_data_ptr(const c10::DataPtr& data_ptr) const override { return base_->is_simple_data_ptr(data_ptr); }
 #endif
 
  protected:
