@@ -1,6 +1,10 @@
-// preprocess_data: JSON lines -> Megatron <prefix>_<key>_document.bin/.idx (Megatron-LM's
-// tools/preprocess_data.py flags where they exist). Output is identical for any --workers.
+// preprocess_data: JSON lines -> Megatron <prefix>_<key>_document.bin/.idx, byte for byte what
+// Megatron-LM's tools/preprocess_data.py writes with the same tokens (its flags where they exist;
+// the rules per case are in encode_document below and docs/data.md). Output is identical for any
+// --workers.
+#include <algorithm>
 #include <atomic>
+#include <limits>
 #include <mutex>
 #include <chrono>
 #include <cstdio>
@@ -16,11 +20,51 @@
 #include "trainer/data/tokenizer.h"
 #include "trainer/util/error.h"
 
+namespace {
+
+// Megatron's Encoder.encode for one key of one JSON line (tools/preprocess_data.py at d98e8a64):
+// the value is a string (one sentence) or a list of strings (sentences); each sentence that
+// tokenizes to at least one token becomes one sequence, empty ones are dropped; <eod> is appended
+// to the last sequence only when the document has a token at all. So empty text gives a document
+// with no sequence (the document index still advances), never a lone <eod>.
+trainer::IndexedDocument encode_document(const nlohmann::json& value, const std::string& key,
+                                         const trainer::Tokenizer& tokenizer, bool append_eod, size_t& bytes) {
+  std::vector<const std::string*> sentences;
+  if (value.is_string()) {
+    sentences.push_back(&value.get_ref<const std::string&>());
+  } else if (value.is_array()) {
+    for (const auto& item : value) {
+      if (!item.is_string()) throw std::runtime_error("field \"" + key + "\" is a list with a non-string element");
+      sentences.push_back(&item.get_ref<const std::string&>());
+    }
+  } else {
+    throw std::runtime_error("field \"" + key + "\" is " + value.type_name() + ", not a string or a list of strings");
+  }
+  trainer::IndexedDocument doc;
+  for (const std::string* sentence : sentences) {
+    bytes += sentence->size();
+    const auto ids = tokenizer.tokenizer_encode(*sentence);
+    if (ids.empty()) continue;
+    doc.tokens.insert(doc.tokens.end(), ids.begin(), ids.end());
+    doc.sequence_lengths.push_back(static_cast<int64_t>(ids.size()));
+  }
+  if (!doc.tokens.empty() && append_eod) {
+    doc.tokens.push_back(tokenizer.tokenizer_eod());
+    doc.sequence_lengths.back() += 1;
+  }
+  if (!doc.sequence_lengths.empty() &&
+      *std::max_element(doc.sequence_lengths.begin(), doc.sequence_lengths.end()) > std::numeric_limits<int32_t>::max())
+    throw std::runtime_error("field \"" + key + "\" has a sequence longer than 2^31 - 1 tokens (the .idx int32 length)");
+  return doc;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   CLI::App app{"preprocess_data: JSON lines -> Megatron .bin/.idx"};
   std::string input, output_prefix, tokenizer_type = "byte", tokenizer_model;
   std::vector<std::string> json_keys = {"text"};
-  bool append_eod = false;
+  bool append_eod = false, split_sentences = false;
   int workers = 1;
   app.add_option("--input", input, "JSON lines file, one document per line")->required();
   app.add_option("--output-prefix", output_prefix, "writes <prefix>_<key>_document.bin/.idx")->required();
@@ -29,43 +73,54 @@ int main(int argc, char** argv) {
   app.add_option("--tokenizer-model", tokenizer_model, "SentencePiece .model file");
   app.add_flag("--append-eod", append_eod, "append <eod> to every document");
   app.add_option("--workers", workers, "tokenizer threads")->check(CLI::PositiveNumber);
+  app.add_flag("--split-sentences", split_sentences, "not implemented (Megatron splits with NLTK punkt)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     const int code = app.exit(e);
     return code == 0 ? 0 : trainer::kExitUsage;
   }
+  if (split_sentences) {
+    std::fprintf(stderr, "preprocess_data: error: --split-sentences is not implemented (Megatron splits with NLTK's "
+                         "punkt model); give each document's \"%s\" as a list of sentences instead\n",
+                 json_keys.front().c_str());
+    return trainer::kExitUsage;
+  }
   try {
     const auto tokenizer = trainer::tokenizer_create(tokenizer_type, tokenizer_model);
     std::ifstream in(input);
     if (!in) throw trainer::Error(trainer::kExitData, "cannot open --input " + input);
+    // Every line is a document, a blank one too: Megatron's json.loads fails on it, and so do we.
     std::vector<std::string> lines;
-    for (std::string line; std::getline(in, line);)
-      if (!line.empty()) lines.push_back(std::move(line));
+    for (std::string line; std::getline(in, line);) lines.push_back(std::move(line));
     const auto start = std::chrono::steady_clock::now();
     // One output per key; documents keep input order because each worker fills its own slots.
-    std::vector<std::vector<std::vector<int64_t>>> docs(json_keys.size(), std::vector<std::vector<int64_t>>(lines.size()));
+    std::vector<std::vector<trainer::IndexedDocument>> docs(json_keys.size(), std::vector<trainer::IndexedDocument>(lines.size()));
     std::atomic<size_t> next{0}, done{0}, bytes{0};
     std::atomic<bool> failed{false};
+    size_t failed_line = 0;  // guarded by error_mutex
     std::string error;
     std::mutex error_mutex;
     auto work = [&] {
       for (size_t i; !failed && (i = next.fetch_add(1)) < lines.size();) {
         try {
+          // Strict: invalid UTF-8 (Megatron opens the input with encoding='utf-8', errors strict),
+          // a blank line, or anything but one JSON object fails, naming the line.
           const auto j = nlohmann::json::parse(lines[i]);
+          if (!j.is_object()) throw std::runtime_error("not a JSON object");
           for (size_t k = 0; k < json_keys.size(); ++k) {
-            if (!j.contains(json_keys[k]) || !j[json_keys[k]].is_string())
-              throw std::runtime_error("no string field \"" + json_keys[k] + "\"");
-            const std::string& text = j[json_keys[k]].get_ref<const std::string&>();
-            bytes += text.size();
-            auto ids = tokenizer->tokenizer_encode(text);
-            if (append_eod) ids.push_back(tokenizer->tokenizer_eod());
-            docs[k][i] = std::move(ids);
+            if (!j.contains(json_keys[k])) throw std::runtime_error("no field \"" + json_keys[k] + "\"");
+            size_t line_bytes = 0;
+            docs[k][i] = encode_document(j[json_keys[k]], json_keys[k], *tokenizer, append_eod, line_bytes);
+            bytes += line_bytes;
           }
         } catch (const std::exception& e) {
           std::lock_guard<std::mutex> lock(error_mutex);
+          // The first failing line in input order is reported, whatever the thread timing (lines
+          // are taken in order, so every earlier line is finished by some worker).
+          const std::string message = input + ": line " + std::to_string(i + 1) + ": " + e.what();
+          if (!failed || i < failed_line) failed_line = i, error = message;
           failed = true;
-          error = input + ": line " + std::to_string(i + 1) + ": " + e.what();
         }
         if (++done % 10000 == 0) {
           const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -82,11 +137,11 @@ int main(int argc, char** argv) {
     for (size_t k = 0; k < json_keys.size(); ++k) {
       const std::string prefix = output_prefix + "_" + json_keys[k] + "_document";
       trainer::indexed_dataset_write(prefix, docs[k], dtype);
-      size_t tokens = 0;
-      for (const auto& d : docs[k]) tokens += d.size();
+      size_t tokens = 0, sequences = 0;
+      for (const auto& d : docs[k]) tokens += d.tokens.size(), sequences += d.sequence_lengths.size();
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      std::fprintf(stderr, "preprocess_data: wrote %s.bin/.idx: %zu documents, %zu tokens (%s), %.2f s, %.1f MB/s of text\n",
-                   prefix.c_str(), docs[k].size(), tokens, dtype == 8 ? "uint16" : "int32", s, bytes / 1e6 / s);
+      std::fprintf(stderr, "preprocess_data: wrote %s.bin/.idx: %zu documents, %zu sequences, %zu tokens (%s), %.2f s, %.1f MB/s of text\n",
+                   prefix.c_str(), docs[k].size(), sequences, tokens, dtype == 8 ? "uint16" : "int32", s, bytes / 1e6 / s);
     }
     return trainer::kExitOk;
   } catch (const trainer::Error& e) {

@@ -389,6 +389,155 @@ TEST_CASE("preprocess_data: JSON lines to .bin/.idx, same bytes for any --worker
   CHECK(run("--output-prefix " + kDir + "/bad --json-keys missing").first == 3);
 }
 
+namespace {
+// Megatron's tools/preprocess_data.py, transcribed for the cases below (commit d98e8a64):
+//   Encoder.encode: for each sentence of data[key] ([text] for a string, the list itself for a
+//   list): ids = tokenize(sentence); if len(ids) > 0: doc_ids.extend(ids); sentence_lens.append(len(ids))
+//   then: if len(doc_ids) > 0 and append_eod: doc_ids.append(eod); sentence_lens[-1] += 1
+//   IndexedDatasetBuilder.add_document(doc_ids, sentence_lens): writes the tokens, extends
+//   sequence_lengths by sentence_lens, appends len(sequence_lengths) to document_indices ([0] first).
+//   _IndexWriter: b"MMIDIDX\x00\x00", <Q 1, <B dtype code, <Q len(lengths), <Q len(document_indices),
+//   int32 lengths, int64 pointers (byte offsets), int64 document_indices.
+std::string megatron_idx_bytes(uint8_t code, const std::vector<int32_t>& lengths, const std::vector<int64_t>& documents) {
+  std::string out("MMIDIDX\0\0", 9);
+  auto put = [&](const void* p, size_t n) { out.append(static_cast<const char*>(p), n); };
+  const uint64_t version = 1, S = lengths.size(), D = documents.size();
+  put(&version, 8);
+  out.push_back(static_cast<char>(code));
+  put(&S, 8);
+  put(&D, 8);
+  for (int32_t l : lengths) put(&l, 4);
+  int64_t pointer = 0;
+  for (int32_t l : lengths) put(&pointer, 8), pointer += 2 * l;  // uint16 tokens
+  for (int64_t d : documents) put(&d, 8);
+  return out;
+}
+
+std::string uint16_bytes(const std::vector<int>& tokens) {
+  std::string out;
+  for (int t : tokens) out.push_back(static_cast<char>(t & 0xff)), out.push_back(static_cast<char>(t >> 8));
+  return out;
+}
+
+// Runs preprocess_data (byte tokenizer: ids are the UTF-8 bytes, <eod> = 256) on `jsonl` written
+// to <kDir>/<name>.jsonl; returns {exit code, output}.
+std::pair<int, std::string> preprocess(const std::string& name, const std::string& jsonl, const std::string& args) {
+  fs::create_directories(kDir);
+  std::ofstream(kDir + "/" + name + ".jsonl", std::ios::binary) << jsonl;
+  const std::string cmd = std::string(PREPROCESS_BINARY) + " --input " + kDir + "/" + name + ".jsonl --output-prefix " +
+                          kDir + "/" + name + " " + args + " 2>&1";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  std::string out;
+  char buf[4096];
+  for (size_t n; (n = fread(buf, 1, sizeof buf, pipe)) > 0;) out.append(buf, n);
+  const int status = pclose(pipe);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+}  // namespace
+
+TEST_CASE("preprocess_data as Megatron: empty text adds no sequence and no EOD, but a document", "[data][cli]") {
+  const auto [code, log] = preprocess("empty", "{\"text\": \"ab\"}\n{\"text\": \"\"}\n{\"text\": \"c\"}\n", "--append-eod");
+  REQUIRE(code == 0);
+  CHECK(read_file(kDir + "/empty_text_document.idx") == megatron_idx_bytes(8, {3, 2}, {0, 1, 1, 2}));
+  CHECK(read_file(kDir + "/empty_text_document.bin") == uint16_bytes({97, 98, 256, 99, 256}));
+  IndexedDataset data(kDir + "/empty_text_document");  // our reader accepts the empty document
+  CHECK(data.num_documents() == 3);
+  CHECK(data.num_sequences() == 2);
+  // Without --append-eod the empty document is still a document.
+  REQUIRE(preprocess("empty-noeod", "{\"text\": \"\"}\n{\"text\": \"ab\"}\n", "").first == 0);
+  CHECK(read_file(kDir + "/empty-noeod_text_document.idx") == megatron_idx_bytes(8, {2}, {0, 0, 1}));
+}
+
+TEST_CASE("preprocess_data as Megatron: a list of sentences is one document of several sequences", "[data][cli]") {
+  // ["ab", "", "c"]: the empty sentence is dropped, EOD goes on the last sequence.
+  const auto [code, log] =
+      preprocess("sentences", "{\"text\": [\"ab\", \"\", \"c\"]}\n{\"text\": []}\n{\"text\": [\"d\"]}\n", "--append-eod");
+  REQUIRE(code == 0);
+  CHECK(read_file(kDir + "/sentences_text_document.idx") == megatron_idx_bytes(8, {2, 2, 2}, {0, 2, 2, 3}));
+  CHECK(read_file(kDir + "/sentences_text_document.bin") == uint16_bytes({97, 98, 99, 256, 100, 256}));
+  CHECK_THAT(log, Catch::Contains("3 documents, 3 sequences"));
+  // --split-sentences needs NLTK's punkt model: refused, not silently ignored.
+  const auto split = preprocess("split", "{\"text\": \"a. b.\"}\n", "--split-sentences");
+  CHECK(split.first == 2);
+  CHECK_THAT(split.second, Catch::Contains("--split-sentences is not implemented"));
+}
+
+TEST_CASE("preprocess_data as Megatron: several --json-keys give one file pair per key", "[data][cli]") {
+  const auto [code, log] = preprocess(
+      "keys", "{\"text\": \"ab\", \"title\": \"\"}\n{\"text\": \"\", \"title\": \"xyz\"}\n", "--json-keys text title --append-eod");
+  REQUIRE(code == 0);
+  CHECK(read_file(kDir + "/keys_text_document.idx") == megatron_idx_bytes(8, {3}, {0, 1, 1}));
+  CHECK(read_file(kDir + "/keys_text_document.bin") == uint16_bytes({97, 98, 256}));
+  CHECK(read_file(kDir + "/keys_title_document.idx") == megatron_idx_bytes(8, {4}, {0, 0, 1}));
+  CHECK(read_file(kDir + "/keys_title_document.bin") == uint16_bytes({120, 121, 122, 256}));
+}
+
+TEST_CASE("empty and multi-sequence documents: samples are drawn over sequences, as Megatron's GPTDataset", "[data][cli]") {
+  // The same sequences, once with empty documents and sentence lists, once one per line: Megatron
+  // splits and samples by sequence, so both give the same samples.
+  std::string with_empty, flat;
+  for (int d = 0; d < 40; ++d) {
+    const std::string a = "doc " + std::to_string(d) + " first part", b = "and " + std::to_string(d * 7) + " second";
+    with_empty += "{\"text\": [\"" + a + "\", \"" + b + "\"]}\n{\"text\": \"\"}\n";
+    flat += "{\"text\": \"" + a + "\"}\n{\"text\": \"" + b + "\"}\n";
+  }
+  REQUIRE(preprocess("seq-empty", with_empty, "").first == 0);
+  REQUIRE(preprocess("seq-flat", flat, "").first == 0);
+  CHECK(IndexedDataset(kDir + "/seq-empty_text_document").num_documents() == 80);
+  CHECK(IndexedDataset(kDir + "/seq-flat_text_document").num_documents() == 80);
+  auto dump = [&](const std::string& name) {
+    return run_trainer("dataset_type=megatron dataset_path=" + kDir + "/" + name + "_text_document model_name=test-tiny "
+                       "override_model_config=true vocab_size=258 pad_id=-1 eod_id=-1 max_target_length=8 steps=20 "
+                       "per_device_batch_size=2 data_cache_path=" + kDir + "/cache-" + name + " --dump-samples 30");
+  };
+  const auto a = dump("seq-empty"), b = dump("seq-flat");
+  REQUIRE(a.exit_code == 0);
+  REQUIRE(b.exit_code == 0);
+  CHECK(std::count(a.output.begin(), a.output.end(), '\n') >= 30);
+  const auto samples = [](const std::string& out) { return out.substr(out.find("{\"index\": 0")); };
+  CHECK(samples(a.output) == samples(b.output));
+}
+
+TEST_CASE("preprocess_data fails with exit 3 naming the line where Megatron's script raises", "[data][cli]") {
+  struct Case {
+    const char* what;
+    std::string jsonl;
+    std::string args;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"blank line (json.loads raises)", "{\"text\": \"a\"}\n\n{\"text\": \"b\"}\n", "", "line 2"},
+      {"invalid UTF-8 (strict decoding)", "{\"text\": \"a\"}\n{\"text\": \"\xff\xfe\"}\n", "", "line 2"},
+      {"missing key (KeyError)", "{\"text\": \"a\"}\n{\"body\": \"b\"}\n", "", "line 2: no field \"text\""},
+      {"second key missing", "{\"text\": \"a\", \"t\": \"b\"}\n{\"text\": \"a\"}\n", "--json-keys text t",
+       "line 2: no field \"t\""},
+      {"a number, not text", "{\"text\": 7}\n", "", "line 1: field \"text\" is number"},
+      {"a list holding a number", "{\"text\": [\"a\", 7]}\n", "", "line 1: field \"text\" is a list with a non-string"},
+      {"not an object", "[1, 2]\n", "", "line 1: not a JSON object"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    INFO(cases[i].what);
+    const auto [code, log] = preprocess("bad" + std::to_string(i), cases[i].jsonl, cases[i].args + " --workers 2");
+    CHECK(code == 3);
+    CHECK_THAT(log, Catch::Contains(cases[i].message));
+  }
+}
+
+TEST_CASE("indexed_dataset_write refuses tokens that do not fit the dtype", "[data]") {
+  fs::create_directories(kDir);
+  try {
+    indexed_dataset_write(kDir + "/toolarge", {{1, 2}, {3, 70000}}, 8);
+    FAIL("wrote token 70000 as uint16");
+  } catch (const Error& e) {
+    CHECK(e.exit_code() == kExitData);
+    CHECK_THAT(e.what(), Catch::Contains("document 1") && Catch::Contains("70000") && Catch::Contains("uint16"));
+  }
+  indexed_dataset_write(kDir + "/int32ok", {{1, 70000}}, 4);
+  std::vector<int64_t> tokens;
+  IndexedDataset(kDir + "/int32ok").read(0, 0, 2, tokens);
+  CHECK(tokens == std::vector<int64_t>{1, 70000});
+}
+
 TEST_CASE("dump-samples prints the first samples in global order", "[data][cli]") {
   const auto& g = reference()["gpt"][0];
   corpus_config(g, "dump");

@@ -145,7 +145,7 @@ TEST_CASE("log_format=megatron prints Megatron-LM's training_log line", "[metric
   const auto lines = read_lines(kOut + "/megatron/metrics.jsonl");
   char expected_loss[32];
   std::snprintf(expected_loss, sizeof expected_loss, "%.6E",
-                (json_metric(lines[2], "learning/lm_loss") + json_metric(lines[3], "learning/lm_loss")) / 2);
+                (json_metric(lines[2], "megatron/lm_loss") + json_metric(lines[3], "megatron/lm_loss")) / 2);
   const std::regex pattern(R"( iteration +4/ +4 \| consumed samples: +12 \| elapsed time per iteration \(ms\): [0-9.]+ \| )"
                            R"(learning rate: [0-9.]+E[-+][0-9]+ \| global batch size: +3 \| lm loss: ([0-9.]+E[-+][0-9]+) \| )"
                            R"(loss scale: 1\.0 \| grad norm: [0-9.]+ \| num zeros: [0-9.]+ \| params norm: [0-9.]+ \| )"
@@ -154,6 +154,89 @@ TEST_CASE("log_format=megatron prints Megatron-LM's training_log line", "[metric
   REQUIRE(std::regex_search(r.output, m, pattern));
   CHECK(m[1].str() == expected_loss);  // averaged over the interval, as Megatron does
   CHECK_THAT(r.output, Catch::Contains(" iteration        2/       4 |"));
+}
+
+namespace {
+// Megatron-LM's training_log, transcribed from megatron/training/training.py at commit d98e8a64
+// (the format strings, in order; Python's format specs map to printf's):
+//   f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')}]"
+//   ' iteration {:8d}/{:8d} |'  ' consumed samples: {:12d} |'  ' elapsed time per iteration (ms): {:.1f} |'
+//   f' learning rate: {learning_rate:.6E} |'  f' global batch size: {batch_size:5d} |'
+//   for key in total_loss_dict: ' {}: {:.6E} |'.format(key, total / advanced_iterations)
+//     keys in order: 'lm loss', then the MoE tracker's 'load_balancing_loss', 'z_loss' (each
+//     aux_loss / coeff, summed over layers / num_moe_layers), then 'mtp_{i+1} loss' per depth
+//   f' loss scale: {loss_scale:.1f} |'  f' grad norm: {grad_norm:.3f} |'  f' num zeros: {num_zeros_in_grad} |'
+//   f' params norm: {params_norm:.3f} |'  ' number of skipped iterations: {:3d} |'  ' number of nan iterations: {:3d} |'
+std::string printf_string(const char* format, double value) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, format, value);
+  return buf;
+}
+}  // namespace
+
+TEST_CASE("Megatron line: each label and number formatted as Megatron-LM's training_log", "[metrics]") {
+  const Config c = tiny_config({"model_name=moe-tiny", "mtp_num_layers=2", "router_z_loss_weight=0.001", "steps=10",
+                                "log_period=2", "per_device_batch_size=3", "gradient_accumulation_steps=2"});
+  MetricHistory history;
+  auto step_values = [](double lm, double lb, double z, double mtp1, double mtp2, double seconds, double skipped) {
+    return MetricValues{{"megatron/lm_loss", lm},           {"megatron/load_balancing_loss", lb},
+                        {"megatron/z_loss", z},             {"megatron/mtp_1_loss", mtp1},
+                        {"megatron/mtp_2_loss", mtp2},      {"learning/lm_loss", 99.0},
+                        {"learning/moe_lb_loss", 98.0},     {"learning/mtp_loss_raw", 97.0},
+                        {"perf/step_time_seconds", seconds}, {"optim/step_skipped", skipped},
+                        {"learning/is_nan", 0.0},           {"learning/is_inf", 0.0},
+                        {"learning/current_learning_rate", 1.5e-4}, {"learning/raw_grad_norm", 2.71828},
+                        {"learning/num_zeros", 1234.0},     {"learning/param_norm", 31.4159}};
+  };
+  history.emplace_back(2, step_values(9.0, 9.0, 9.0, 9.0, 9.0, 0.5, 0));  // outside the interval
+  history.emplace_back(3, step_values(2.5, 1.25, 0.5, 3.0, 4.0, 1.0, 0));
+  history.emplace_back(4, step_values(3.5, 1.75, 1.5, 5.0, 6.0, 2.0, 0));
+  const std::string line = megatron_log_line(c, 4, history, "2026-12-01 10:20:30.123456");
+  std::string expected = " [2026-12-01 10:20:30.123456]";
+  expected += " iteration        5/      10 |";
+  expected += " consumed samples:           30 |";  // 5 iterations x global batch 6
+  expected += " elapsed time per iteration (ms): 1500.0 |";
+  expected += " learning rate: 1.500000E-04 |";
+  expected += " global batch size:     6 |";
+  expected += " lm loss: " + printf_string("%.6E", 3.0) + " |";  // means over the interval
+  expected += " load_balancing_loss: " + printf_string("%.6E", 1.5) + " |";
+  expected += " z_loss: " + printf_string("%.6E", 1.0) + " |";
+  expected += " mtp_1 loss: " + printf_string("%.6E", 4.0) + " |";
+  expected += " mtp_2 loss: " + printf_string("%.6E", 5.0) + " |";
+  expected += " loss scale: 1.0 |";
+  expected += " grad norm: 2.718 |";
+  expected += " num zeros: 1234.0 |";  // Python prints the float count as 1234.0
+  expected += " params norm: 31.416 |";
+  expected += " number of skipped iterations:   0 |";
+  expected += " number of nan iterations:   0 |";
+  CHECK(line == expected);
+
+  // A skipped iteration counts in the time and the skipped count, not in the loss means; without
+  // log_num_zeros_in_grad there is no num zeros label (Megatron prints it only when computed).
+  history.back().second = step_values(100.0, 100.0, 100.0, 100.0, 100.0, 2.0, 1);
+  const Config quiet = tiny_config({"log_num_zeros_in_grad=false", "steps=10", "log_period=2"});
+  const std::string dense = megatron_log_line(quiet, 4, history, "t");
+  CHECK_THAT(dense, Catch::Contains(" lm loss: 2.500000E+00 | loss scale: 1.0 | grad norm: 2.718 | params norm: 31.416 |"
+                                    " number of skipped iterations:   1 |"));
+  CHECK_THAT(dense, !Catch::Contains("num zeros") && !Catch::Contains("load_balancing_loss"));
+}
+
+TEST_CASE("Megatron-logged values: LB and router z-loss divided by their weights, MTP per depth", "[metrics]") {
+  // K = 2 in Megatron mode: moe_lb_loss (the term of J) is the plain micro-batch mean of
+  // lb_weight * LB + z_weight * Z, so it must equal lb_weight * load_balancing_loss + z_weight *
+  // z_loss as logged for Megatron; mtp_loss_raw is the mean of the depth losses.
+  Trainer t(tiny_config({"model_name=moe-tiny", "mtp_num_layers=2", "router_z_loss_weight=0.01",
+                         "load_balance_loss_weight=0.02", "calculate_per_token_loss=false",
+                         "gradient_accumulation_steps=2", "per_device_batch_size=2", "synthetic_min_valid_fraction=0.3"}));
+  const auto values = t.read_metrics(t.forward_backward(0));
+  const double lb = metric_get(values, "megatron/load_balancing_loss"), z = metric_get(values, "megatron/z_loss");
+  const double mtp1 = metric_get(values, "megatron/mtp_1_loss"), mtp2 = metric_get(values, "megatron/mtp_2_loss");
+  CHECK(lb > 0.5);  // E * sum f P is ~1 near balance, far above its weighted 0.02x
+  CHECK(0.02 * lb + 0.01 * z == Approx(metric_get(values, "learning/moe_lb_loss")).epsilon(1e-9));
+  CHECK(0.01 * z == Approx(metric_get(values, "moe/router_z_loss")).epsilon(1e-9));
+  CHECK((mtp1 + mtp2) / 2 == Approx(metric_get(values, "learning/mtp_loss_raw")).epsilon(1e-9));
+  CHECK(mtp1 != mtp2);
+  CHECK(mtp1 > 1.0);  // a cross-entropy over 256 classes, unscaled (mtp_loss_scaling_factor is 0.1)
 }
 
 TEST_CASE("MFU only against a known peak, peak RSS and ETA are reported", "[metrics][cli]") {

@@ -3,7 +3,10 @@
 // invariances that gradient accumulation must keep.
 #include <catch2/catch.hpp>
 
+#include <ATen/CPUGeneratorImpl.h>
+
 #include <cmath>
+#include <limits>
 #include <filesystem>
 
 #include "test_numerics.h"
@@ -121,6 +124,10 @@ TEST_CASE("Megatron mode: lm_loss is the mean of per-micro-batch means and diffe
   CHECK(std::abs(megatron_objective(terms) - per_token_objective(terms)) > 1e-3);
   CHECK(std::abs(metric(meg, m, "learning/lm_loss") - metric(tok, t, "learning/lm_loss")) > 1e-3);
   CHECK_FALSE(torch::allclose(meg.flat_grads(), tok.flat_grads(), 1e-4, 1e-6));
+  // What Megatron-LM logs as `lm loss` is the token-weighted mean in both modes (its loss_func
+  // returns (sum, count) pairs reduced sum/sum): megatron/lm_loss is that, in either mode.
+  CHECK(metric(meg, m, "megatron/lm_loss") == Approx(per_token_objective(terms)).epsilon(1e-5));
+  CHECK(metric(tok, t, "megatron/lm_loss") == Approx(per_token_objective(terms)).epsilon(1e-5));
 }
 
 TEST_CASE("K=1: both modes give the same loss and gradient", "[training]") {
@@ -288,4 +295,81 @@ TEST_CASE("end to end: the default-shaped run learns and writes every metric eac
     CHECK_NOTHROW(json_metric(lines.back(), name));
   CHECK(json_metric(lines.back(), "learning/loss") < json_metric(lines.front(), "learning/loss") - 1.0);
   CHECK(std::filesystem::exists("/tmp/trainer-tests/learn/config.yml"));
+}
+
+namespace {
+// Float64 norm and zero count of a contiguous fp32 buffer by a plain loop: the reference.
+std::pair<double, int64_t> reference_norm_and_zeros(const torch::Tensor& flat) {
+  const float* x = flat.data_ptr<float>();
+  double sum = 0;
+  int64_t zeros = 0;
+  for (int64_t i = 0; i < flat.numel(); ++i) {
+    sum += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+    zeros += x[i] == 0.0f;
+  }
+  return {std::sqrt(sum), zeros};
+}
+}  // namespace
+
+TEST_CASE("flat-buffer norm and zero count agree with float64 on 24M elements", "[training][numerics]") {
+  // Mixed magnitudes, as a gradient has (embedding rows near 0, a few large entries): LibTorch
+  // 1.13's fp32 norm() of this buffer is ~5e-4 low; the requirement is 1e-6.
+  const int64_t n = 24 * 1000 * 1000 + 37;  // not a multiple of the row length: the tail counts
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(7);
+  auto flat = torch::randn({n}, generator, torch::kFloat32).mul_(1e-2);
+  flat.narrow(0, 0, n / 3).mul_(1e-3);
+  flat.slice(0, 5, n, 9973).mul_(300.0);
+  flat.slice(0, 11, n, 4099).zero_();
+  flat[n - 1] = 0.0f;
+  flat[n - 2] = -0.0f;  // counts as zero, as eq(0) does
+  const auto [norm, zeros] = reference_norm_and_zeros(flat);
+  REQUIRE(zeros > 5000);
+  INFO("fp32 norm() relative error " << (flat.norm().item<double>() - norm) / norm);
+  CHECK(std::abs(flat_buffer_norm(flat).item<double>() - norm) <= 1e-6 * norm);
+  CHECK(flat_buffer_norm(flat).scalar_type() == torch::kFloat64);
+  CHECK(flat_buffer_count_zeros(flat).item<int64_t>() == zeros);
+  // Non-finite values propagate (the NaN/Inf flags depend on it) and NaN is not a zero.
+  flat[3] = std::numeric_limits<float>::infinity();
+  CHECK(std::isinf(flat_buffer_norm(flat).item<double>()));
+  flat[3] = std::numeric_limits<float>::quiet_NaN();
+  CHECK(std::isnan(flat_buffer_norm(flat).item<double>()));
+  CHECK(flat_buffer_count_zeros(flat).item<int64_t>() == zeros);
+  // Shorter than one row: only the tail path.
+  auto small = torch::tensor({3.0f, 0.0f, 4.0f});
+  CHECK(flat_buffer_norm(small).item<double>() == 5.0);
+  CHECK(flat_buffer_count_zeros(small).item<int64_t>() == 1);
+}
+
+TEST_CASE("reported gradient and parameter norms are the float64 norms, and clipping honours them", "[training][numerics]") {
+  // The default model (0.46M parameters), where LibTorch 1.13's fp32 norm() was 1e-5 low.
+  const auto options = uneven({"model_name=default", "max_target_length=64", "per_device_batch_size=4"});
+  Trainer t(tiny_config(options));
+  auto out = t.forward_backward(0);
+  REQUIRE(t.flat_grads().numel() > 400000);
+  const auto [grad_norm, grad_zeros] = reference_norm_and_zeros(t.flat_grads());
+  const auto values = t.read_metrics(out);
+  CHECK(std::abs(metric_get(values, "learning/raw_grad_norm") - grad_norm) <= 1e-6 * grad_norm);
+  CHECK(metric_get(values, "learning/num_zeros") == static_cast<double>(grad_zeros));
+  t.optimizer_update(out);
+  const auto [param_norm, param_zeros] = reference_norm_and_zeros(t.flat_params());
+  CHECK(std::abs(metric_get(t.read_metrics(out), "learning/param_norm") - param_norm) <= 1e-6 * param_norm);
+
+  // Clipping to half the norm leaves a gradient whose float64 norm is the threshold.
+  auto clip_options = options;
+  clip_options.push_back("gradient_clipping_threshold=" + std::to_string(grad_norm / 2));
+  const double threshold = std::stod(std::to_string(grad_norm / 2));
+  Trainer clipped(tiny_config(clip_options));
+  auto c = clipped.forward_backward(0);
+  clipped.optimizer_update(c);
+  CHECK(std::abs(reference_norm_and_zeros(clipped.flat_grads()).first - threshold) <= 1e-6 * threshold);
+  CHECK(metric(clipped, c, "learning/grad_norm") == Approx(threshold).epsilon(1e-12));
+}
+
+TEST_CASE("log_num_zeros_in_grad=false leaves learning/num_zeros out", "[training]") {
+  Trainer t(tiny_config(uneven({"log_num_zeros_in_grad=false"})));
+  auto out = t.forward_backward(0);
+  CHECK_FALSE(out.num_zeros.defined());
+  const auto values = t.read_metrics(out);
+  CHECK_THROWS(metric_get(values, "learning/num_zeros"));
+  CHECK(std::isfinite(metric_get(values, "learning/raw_grad_norm")));
 }

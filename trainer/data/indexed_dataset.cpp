@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <limits>
 
 #include "trainer/util/error.h"
 
@@ -147,30 +148,53 @@ void IndexedDataset::read(int64_t sequence, int64_t offset, int64_t length, std:
   }
 }
 
-void indexed_dataset_write(const std::string& prefix, const std::vector<std::vector<int64_t>>& documents,
+void indexed_dataset_write(const std::string& prefix, const std::vector<IndexedDocument>& documents,
                            uint8_t dtype_code) {
   const int64_t item = indexed_dtype_size(dtype_code);
   if (dtype_code != 8 && dtype_code != 4) throw Error(kExitUsage, "indexed_dataset_write: dtype code must be 8 or 4");
+  const int64_t lowest = dtype_code == 8 ? 0 : std::numeric_limits<int32_t>::min();
+  const int64_t highest = dtype_code == 8 ? std::numeric_limits<uint16_t>::max() : std::numeric_limits<int32_t>::max();
   std::ofstream bin(prefix + ".bin", std::ios::binary), idx(prefix + ".idx", std::ios::binary);
   if (!bin || !idx) throw Error(kExitFailure, "cannot create " + prefix + ".bin/.idx");
+  // Megatron's builder: lengths and pointers per sequence, and after each document the number of
+  // sequences so far (document_indices starts at [0]).
   std::vector<int32_t> lengths;
-  std::vector<int64_t> pointers;
+  std::vector<int64_t> pointers, document_index = {0};
   int64_t pointer = 0;
-  for (const auto& doc : documents) {
-    lengths.push_back(static_cast<int32_t>(doc.size()));
-    pointers.push_back(pointer);
-    for (int64_t token : doc) {
+  std::vector<char> bytes;
+  for (size_t d = 0; d < documents.size(); ++d) {
+    const auto& doc = documents[d];
+    int64_t total = 0;
+    for (int64_t length : doc.sequence_lengths) {
+      if (length < 0 || length > std::numeric_limits<int32_t>::max())
+        throw Error(kExitData, prefix + ": document " + std::to_string(d) + " has a sequence of " +
+                                   std::to_string(length) + " tokens; the .idx length field is int32");
+      lengths.push_back(static_cast<int32_t>(length));
+      pointers.push_back(pointer);
+      pointer += length * item;
+      total += length;
+    }
+    if (total != static_cast<int64_t>(doc.tokens.size()))
+      throw Error(kExitFailure, prefix + ": document " + std::to_string(d) + ": sequence lengths sum to " +
+                                    std::to_string(total) + ", not its " + std::to_string(doc.tokens.size()) + " tokens");
+    document_index.push_back(static_cast<int64_t>(lengths.size()));
+    bytes.resize(doc.tokens.size() * static_cast<size_t>(item));
+    for (size_t i = 0; i < doc.tokens.size(); ++i) {
+      const int64_t token = doc.tokens[i];
+      if (token < lowest || token > highest)
+        throw Error(kExitData, prefix + ": document " + std::to_string(d) + ": token id " + std::to_string(token) +
+                                   " does not fit the " + (dtype_code == 8 ? "uint16" : "int32") + " dtype");
       if (dtype_code == 8) {
         const uint16_t v = static_cast<uint16_t>(token);
-        bin.write(reinterpret_cast<const char*>(&v), 2);
+        std::memcpy(bytes.data() + 2 * i, &v, 2);
       } else {
         const int32_t v = static_cast<int32_t>(token);
-        bin.write(reinterpret_cast<const char*>(&v), 4);
+        std::memcpy(bytes.data() + 4 * i, &v, 4);
       }
     }
-    pointer += static_cast<int64_t>(doc.size()) * item;
+    bin.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   }
-  const uint64_t version = 1, S = lengths.size(), D = documents.size() + 1;
+  const uint64_t version = 1, S = lengths.size(), D = document_index.size();
   idx.write(kMagic, 9);
   idx.write(reinterpret_cast<const char*>(&version), 8);
   idx.put(static_cast<char>(dtype_code));
@@ -178,11 +202,16 @@ void indexed_dataset_write(const std::string& prefix, const std::vector<std::vec
   idx.write(reinterpret_cast<const char*>(&D), 8);
   idx.write(reinterpret_cast<const char*>(lengths.data()), static_cast<std::streamsize>(4 * S));
   idx.write(reinterpret_cast<const char*>(pointers.data()), static_cast<std::streamsize>(8 * S));
-  for (uint64_t d = 0; d < D; ++d) {
-    const int64_t v = static_cast<int64_t>(d);
-    idx.write(reinterpret_cast<const char*>(&v), 8);
-  }
+  idx.write(reinterpret_cast<const char*>(document_index.data()), static_cast<std::streamsize>(8 * D));
   if (!bin || !idx) throw Error(kExitFailure, "cannot write " + prefix + ".bin/.idx");
+}
+
+void indexed_dataset_write(const std::string& prefix, const std::vector<std::vector<int64_t>>& documents,
+                           uint8_t dtype_code) {
+  std::vector<IndexedDocument> docs;
+  docs.reserve(documents.size());
+  for (const auto& tokens : documents) docs.push_back({tokens, {static_cast<int64_t>(tokens.size())}});
+  indexed_dataset_write(prefix, docs, dtype_code);
 }
 
 }  // namespace trainer

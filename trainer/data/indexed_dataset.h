@@ -58,8 +58,20 @@ class IndexedDataset {
 // Bytes per token of a dtype code (0 if unknown).
 int64_t indexed_dtype_size(uint8_t code);
 
-// Writes <prefix>.bin and <prefix>.idx for documents of tokens, one sequence per document
-// (as Megatron's preprocess_data.py without sentence splitting). dtype code 8 (uint16) or 4 (int32).
+// One document as Megatron's IndexedDatasetBuilder.add_document receives it: its tokens and the
+// lengths of the sequences they split into (sum = tokens.size()). No sequence at all is allowed:
+// the document index still advances (an empty document, as Megatron writes for empty text).
+struct IndexedDocument {
+  std::vector<int64_t> tokens;
+  std::vector<int64_t> sequence_lengths;
+};
+
+// Writes <prefix>.bin and <prefix>.idx. dtype code 8 (uint16) or 4 (int32). Throws
+// trainer::Error (exit 3) naming the document when a token does not fit the dtype or a sequence
+// is longer than the int32 length field allows.
+void indexed_dataset_write(const std::string& prefix, const std::vector<IndexedDocument>& documents,
+                           uint8_t dtype_code);
+// The same with one sequence per document (fixtures and tests).
 void indexed_dataset_write(const std::string& prefix, const std::vector<std::vector<int64_t>>& documents,
                            uint8_t dtype_code);
 

@@ -101,14 +101,16 @@ class MegatronSource : public SampleSource {
       Component comp;
       comp.data = std::make_unique<IndexedDataset>(blend[d].second);
       comp.num_samples = sizes[d];
-      const auto bounds = gpt_split_boundaries(c.split, comp.data->num_documents());
+      // Megatron's GPT splits and samples sequences, not documents (numel_low_level_dataset is
+      // sequence_lengths.shape[0]): they differ once a document is empty or holds several sequences.
+      const auto bounds = gpt_split_boundaries(c.split, comp.data->num_sequences());
       const int s = static_cast<int>(split);
-      std::vector<int32_t> documents;
-      for (int64_t doc = bounds[s]; doc < bounds[s + 1]; ++doc) documents.push_back(static_cast<int32_t>(doc));
+      std::vector<int32_t> documents;  // sequence ids; Megatron's GPTDataset calls them documents
+      for (int64_t seq = bounds[s]; seq < bounds[s + 1]; ++seq) documents.push_back(static_cast<int32_t>(seq));
       if (documents.empty())
-        throw Error(kExitData, blend[d].second + ": split \"" + c.split + "\" leaves no documents for the " +
+        throw Error(kExitData, blend[d].second + ": split \"" + c.split + "\" leaves no sequences for the " +
                                    std::vector<std::string>{"train", "valid", "test"}[s] + " split (" +
-                                   std::to_string(comp.data->num_documents()) + " documents)");
+                                   std::to_string(comp.data->num_sequences()) + " sequences)");
       comp.indices = cached_indices(c, *comp.data, documents, s, comp.num_samples);
       components_.push_back(std::move(comp));
     }

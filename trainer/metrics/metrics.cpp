@@ -5,6 +5,8 @@
 
 #include <cerrno>
 #include <algorithm>
+#include <chrono>
+#include <ctime>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -84,35 +86,65 @@ void MetricsLogger::log(int64_t step, const MetricValues& values) {
   }
 }
 
-// Megatron-LM's training_log line: iteration (1-based), consumed samples, time per iteration,
-// learning rate, global batch size, lm loss averaged over the interval's non-skipped iterations,
-// loss scale (1.0: no fp16 scaler), grad norm (before clipping), num zeros, params norm, and the
-// interval's skipped and nan iteration counts.
-void MetricsLogger::megatron_line(int64_t step) {
-  const int64_t first = step + 1 - std::min<int64_t>(config_.log_period, static_cast<int64_t>(history_.size()));
-  double loss_sum = 0, time_sum = 0;
+// Megatron-LM's training_log line, label for label as megatron/training/training.py prints it at
+// commit d98e8a64 (docs/metrics.md): a timestamp, iteration (1-based), consumed samples, time per
+// iteration, learning rate, global batch size, then each loss averaged over the interval's
+// non-skipped iterations -- `lm loss` (token-weighted over the global batch, in both
+// normalization modes), `load_balancing_loss` and `z_loss` (divided by their coefficients, mean
+// over MoE layers), `mtp_<k> loss` per depth (unscaled) -- then loss scale (1.0: no fp16 scaler),
+// grad norm (before clipping), num zeros (with log_num_zeros_in_grad), params norm, and the
+// interval's skipped and nan iteration counts. Printed to stdout without a logger prefix.
+std::string megatron_log_line(const Config& config, int64_t step,
+                              const MetricHistory& history, const std::string& timestamp) {
+  const int64_t first = step + 1 - std::min<int64_t>(config.log_period, static_cast<int64_t>(history.size()));
+  std::vector<std::string> loss_metrics = {"megatron/lm_loss"}, loss_labels = {"lm loss"};
+  if (config.num_experts > 1 && config.load_balance_loss_weight > 0)
+    loss_metrics.push_back("megatron/load_balancing_loss"), loss_labels.push_back("load_balancing_loss");
+  if (config.num_experts > 1 && config.router_z_loss_weight > 0)
+    loss_metrics.push_back("megatron/z_loss"), loss_labels.push_back("z_loss");
+  for (int64_t k = 1; k <= config.mtp_num_layers; ++k)
+    loss_metrics.push_back("megatron/mtp_" + std::to_string(k) + "_loss"),
+        loss_labels.push_back("mtp_" + std::to_string(k) + " loss");
+  std::vector<double> loss_sums(loss_metrics.size(), 0.0);
+  double time_sum = 0;
   int64_t counted = 0, iterations = 0, skipped = 0, nan = 0;
-  for (const auto& [s, v] : history_) {
+  for (const auto& [s, v] : history) {
     if (s < first || s > step) continue;
     ++iterations;
     time_sum += metric_get(v, "perf/step_time_seconds");
     skipped += metric_get(v, "optim/step_skipped") > 0;
     nan += metric_get(v, "learning/is_nan") > 0 || metric_get(v, "learning/is_inf") > 0;
-    if (metric_get(v, "optim/step_skipped") == 0) loss_sum += metric_get(v, "learning/lm_loss"), ++counted;
+    if (metric_get(v, "optim/step_skipped") != 0) continue;
+    ++counted;
+    for (size_t i = 0; i < loss_metrics.size(); ++i) loss_sums[i] += metric_get(v, loss_metrics[i]);
   }
-  const MetricValues& v = history_.back().second;
+  const MetricValues& v = history.back().second;
   std::string line = fmt::format(
-      " iteration {:8d}/{:8d} | consumed samples: {:12d} | elapsed time per iteration (ms): {:.1f} | "
-      "learning rate: {:.6E} | global batch size: {:5d} | lm loss: {:.6E} |",
-      step + 1, config_.steps, (step + 1) * config_.global_batch_size, 1000.0 * time_sum / std::max<int64_t>(iterations, 1),
-      metric_get(v, "learning/current_learning_rate"), config_.global_batch_size, loss_sum / std::max<int64_t>(counted, 1));
-  if (config_.num_experts > 1) line += fmt::format(" load_balancing_loss: {:.6E} |", metric_get(v, "learning/moe_lb_loss"));
-  if (config_.mtp_num_layers > 0) line += fmt::format(" mtp_1 loss: {:.6E} |", metric_get(v, "learning/mtp_loss_raw"));
-  line += fmt::format(" loss scale: 1.0 | grad norm: {:.3f} | num zeros: {:.1f} | params norm: {:.3f} |"
-                      " number of skipped iterations: {:3d} | number of nan iterations: {:3d} |",
-                      metric_get(v, "learning/raw_grad_norm"), metric_get(v, "learning/num_zeros"),
+      " [{}] iteration {:8d}/{:8d} | consumed samples: {:12d} | elapsed time per iteration (ms): {:.1f} | "
+      "learning rate: {:.6E} | global batch size: {:5d} |",
+      timestamp, step + 1, config.steps, (step + 1) * config.global_batch_size,
+      1000.0 * time_sum / static_cast<double>(std::max<int64_t>(iterations, 1)),
+      metric_get(v, "learning/current_learning_rate"), config.global_batch_size);
+  for (size_t i = 0; i < loss_metrics.size(); ++i)
+    line += fmt::format(" {}: {:.6E} |", loss_labels[i], loss_sums[i] / static_cast<double>(std::max<int64_t>(counted, 1)));
+  line += fmt::format(" loss scale: 1.0 | grad norm: {:.3f} |", metric_get(v, "learning/raw_grad_norm"));
+  if (config.log_num_zeros_in_grad) line += fmt::format(" num zeros: {:.1f} |", metric_get(v, "learning/num_zeros"));
+  line += fmt::format(" params norm: {:.3f} | number of skipped iterations: {:3d} | number of nan iterations: {:3d} |",
                       metric_get(v, "learning/param_norm"), skipped, nan);
-  spdlog::info("{}", line);
+  return line;
+}
+
+void MetricsLogger::megatron_line(int64_t step) {
+  const auto now = std::chrono::system_clock::now();
+  const auto micros = std::chrono::duration_cast<std::chrono::microseconds>(now.time_since_epoch()).count() % 1000000;
+  const std::time_t seconds = std::chrono::system_clock::to_time_t(now);
+  std::tm local{};
+  localtime_r(&seconds, &local);
+  char date[32];
+  std::strftime(date, sizeof date, "%Y-%m-%d %H:%M:%S", &local);
+  const std::string line = megatron_log_line(config_, step, history_, fmt::format("{}.{:06d}", date, micros));
+  std::fputs((line + "\n").c_str(), stdout);
+  std::fflush(stdout);
 }
 
 void MetricsLogger::log_eval(int64_t step, const MetricValues& values) {

@@ -22,6 +22,14 @@ double metric_get(const MetricValues& values, const std::string& name);  // thro
 // (round-trippable); NaN and infinities as NaN / Infinity / -Infinity (Python's json reads them).
 std::string metrics_to_json(int64_t step, const MetricValues& values);
 
+using MetricHistory = std::deque<std::pair<int64_t, MetricValues>>;  // (step, values), oldest first
+
+// Megatron-LM's training_log line for iteration step + 1 over the last log_period steps of
+// `history` (format and sources in metrics.cpp and docs/metrics.md); `timestamp` goes between
+// the leading brackets ("2026-12-01 10:00:00.123456").
+std::string megatron_log_line(const Config& config, int64_t step, const MetricHistory& history,
+                              const std::string& timestamp);
+
 class MetricsLogger {
  public:
   static constexpr size_t kHistoryLength = 128;  // bounded in-memory history
@@ -33,7 +41,7 @@ class MetricsLogger {
   void log(int64_t step, const MetricValues& values);
   // An evaluation after `step`: one JSON line {"step": step, "eval/...": ...} and a console line.
   void log_eval(int64_t step, const MetricValues& values);
-  const std::deque<std::pair<int64_t, MetricValues>>& history() const { return history_; }
+  const MetricHistory& history() const { return history_; }
 
  private:
   void console_line(int64_t step, const MetricValues& values);
@@ -42,7 +50,7 @@ class MetricsLogger {
   Config config_;
   std::unique_ptr<TensorBoardWriter> tensorboard_;
   std::FILE* file_ = nullptr;
-  std::deque<std::pair<int64_t, MetricValues>> history_;
+  MetricHistory history_;
 };
 
 }  // namespace trainer

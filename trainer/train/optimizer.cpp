@@ -97,8 +97,8 @@ void Trainer::optimizer_update(StepOutput& out) {
   }
   // Global-norm clipping (optax.clip_by_global_norm): g *= min(1, threshold / ||g||).
   if (c.gradient_clipping_threshold > 0) {
-    const auto factor = out.raw_grad_norm.reciprocal().mul(c.gradient_clipping_threshold).clamp_max(1.0);
-    flat_grads_.mul_(factor);
+    const auto factor = out.raw_grad_norm.reciprocal().mul(c.gradient_clipping_threshold).clamp_max(1.0);  // fp64
+    flat_grads_.mul_(factor.to(torch::kFloat32));
     out.grad_norm = out.raw_grad_norm * factor;
   } else {
     out.grad_norm = out.raw_grad_norm;
@@ -131,7 +131,7 @@ void Trainer::optimizer_update(StepOutput& out) {
   }
   out.step_skipped = skip;
   out.collectives += comm_->collectives() - collectives_before;  // the ZeRO-1 gather, if any
-  out.param_norm = flat_params_.norm();
+  out.param_norm = flat_buffer_norm(flat_params_);
 }
 
 // Aux-loss-free balancing (DeepSeek-V3): after an applied update, each MoE layer's selection

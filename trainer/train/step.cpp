@@ -93,10 +93,10 @@ CrossEntropySums cross_entropy_sums(const torch::Tensor& logits, const torch::Te
 // position i, and targets[i+k] is unmasked: no prediction crosses a document boundary or the end
 // of the sequence, even where the main loss (Megatron-style) predicts across an EOD. Each depth
 // is a per-token mean on its own; the depths are averaged (unscaled: the caller multiplies by
-// mtp_loss_scaling_factor).
-torch::Tensor mtp_raw_loss(const std::vector<torch::Tensor>& mtp_logits, const MicroBatchTensors& t) {
+// mtp_loss_scaling_factor). Returns the (depths) losses; their mean is mtp_raw.
+torch::Tensor mtp_depth_losses(const std::vector<torch::Tensor>& mtp_logits, const MicroBatchTensors& t) {
   const auto L = t.targets.size(1);
-  auto total = torch::zeros({}, mtp_logits.front().options());
+  std::vector<torch::Tensor> depths;
   for (size_t depth = 0; depth < mtp_logits.size(); ++depth) {
     const int64_t k = static_cast<int64_t>(depth) + 1;
     const auto in_range = torch::arange(L, t.segment_ids.options()) < L - k - 1;
@@ -105,9 +105,9 @@ torch::Tensor mtp_raw_loss(const std::vector<torch::Tensor>& mtp_logits, const M
     const auto& logits = mtp_logits[depth];  // (B, L, V)
     const auto targets = t.targets.roll(-k, 1);
     const auto ce = torch::logsumexp(logits, -1) - logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1);
-    total = total + (ce * valid).sum() / valid.sum().clamp_min(1.0);
+    depths.push_back((ce * valid).sum() / valid.sum().clamp_min(1.0));
   }
-  return total / static_cast<double>(mtp_logits.size());
+  return torch::stack(depths);
 }
 
 }  // namespace
@@ -127,6 +127,8 @@ MicroBatchLosses micro_batch_losses(Transformer& model, const MicroBatch& batch,
   losses.z = sums.z;
   losses.lb = torch::zeros({}, sums.ce.options());
   losses.router_z = torch::zeros({}, sums.ce.options());
+  losses.lb_unweighted = torch::zeros({}, sums.ce.options());
+  losses.router_z_unweighted = torch::zeros({}, sums.ce.options());
   if (!output.moe_stats.empty()) {
     std::vector<torch::Tensor> balance, z, counts;
     for (const auto& layer : output.moe_stats) {
@@ -134,12 +136,21 @@ MicroBatchLosses micro_batch_losses(Transformer& model, const MicroBatch& batch,
       z.push_back(layer.router_z);
       counts.push_back(layer.counts);
     }
-    losses.router_z = c.router_z_loss_weight * torch::stack(z).mean();
-    losses.lb = c.load_balance_loss_weight * torch::stack(balance).mean() + losses.router_z;
+    losses.router_z_unweighted = torch::stack(z).mean();
+    losses.lb_unweighted = torch::stack(balance).mean();
+    losses.router_z = c.router_z_loss_weight * losses.router_z_unweighted;
+    losses.lb = c.load_balance_loss_weight * losses.lb_unweighted + losses.router_z;
+    losses.router_z_unweighted = losses.router_z_unweighted.detach();
+    losses.lb_unweighted = losses.lb_unweighted.detach();
     losses.expert_counts = torch::stack(counts);
   }
-  losses.mtp_raw = output.mtp_logits.empty() ? torch::zeros({}, sums.ce.options())
-                                             : mtp_raw_loss(output.mtp_logits, t);
+  if (output.mtp_logits.empty()) {
+    losses.mtp_raw = torch::zeros({}, sums.ce.options());
+  } else {
+    const auto depths = mtp_depth_losses(output.mtp_logits, t);
+    losses.mtp_raw = depths.mean();
+    losses.mtp_depths = depths.detach();
+  }
   losses.mtp = c.mtp_loss_scaling_factor * losses.mtp_raw;
   return losses;
 }
@@ -158,6 +169,11 @@ StepOutput Trainer::forward_backward(int64_t step) {
   auto ce_acc = torch::zeros({}, f64), z_acc = torch::zeros({}, f64);
   auto lb_acc = torch::zeros({}, f64), mtp_acc = torch::zeros({}, f64);
   auto router_z_acc = torch::zeros({}, f64), mtp_raw_acc = torch::zeros({}, f64);
+  // Megatron's logged values: the plain CE sum (divided by W at the end, in both modes) and the
+  // unweighted aux losses summed over micro-batches (divided by R*K: Megatron's plain means).
+  auto ce_sum_acc = torch::zeros({}, f64), lb_unweighted_acc = torch::zeros({}, f64);
+  auto router_z_unweighted_acc = torch::zeros({}, f64);
+  auto mtp_depths_acc = torch::zeros({c.mtp_num_layers}, f64);
   torch::Tensor expert_counts;  // (MoE layers, E): summed over micro-batches here, averaged below
   double W = 0;
 
@@ -190,6 +206,10 @@ StepOutput Trainer::forward_backward(int64_t step) {
     mtp_acc.add_(m.mtp.detach().to(torch::kFloat64), aux_weight);
     router_z_acc.add_(m.router_z.detach().to(torch::kFloat64), aux_weight);
     mtp_raw_acc.add_(m.mtp_raw.detach().to(torch::kFloat64), aux_weight);
+    ce_sum_acc.add_(m.ce.detach().to(torch::kFloat64));
+    lb_unweighted_acc.add_(m.lb_unweighted.to(torch::kFloat64));
+    router_z_unweighted_acc.add_(m.router_z_unweighted.to(torch::kFloat64));
+    if (m.mtp_depths.defined()) mtp_depths_acc.add_(m.mtp_depths.to(torch::kFloat64));
     W += w;
     if (inject && micro == 0 && c.debug_inject_nonfinite_kind.rfind("grad_", 0) == 0) {
       // A non-finite value that reaches only the gradient, as a bad backward kernel would.
@@ -210,7 +230,9 @@ StepOutput Trainer::forward_backward(int64_t step) {
       comm_->all_reduce_sum(view, "the gradient bucket at element " + std::to_string(offset));
     }
     std::vector<torch::Tensor> parts = {torch::tensor({W, stop_vote_ ? 1.0 : 0.0}, torch::kFloat64),
-                                        torch::stack({ce_acc, z_acc, lb_acc, mtp_acc, router_z_acc, mtp_raw_acc}).cpu()};
+                                        torch::cat({torch::stack({ce_acc, z_acc, lb_acc, mtp_acc, router_z_acc, mtp_raw_acc,
+                                                                  ce_sum_acc, lb_unweighted_acc, router_z_unweighted_acc}),
+                                                    mtp_depths_acc}).cpu()};
     perf_note_host_read();  // the accumulators' .cpu() above
     if (expert_counts.defined()) {
       parts.push_back(expert_counts.to(torch::kCPU, torch::kFloat64).reshape({-1}));
@@ -224,8 +246,11 @@ StepOutput Trainer::forward_backward(int64_t step) {
     auto on_device = [&](int i) { return torch::tensor(v[i], f64); };
     ce_acc = on_device(2), z_acc = on_device(3), lb_acc = on_device(4), mtp_acc = on_device(5);
     router_z_acc = on_device(6), mtp_raw_acc = on_device(7);
+    ce_sum_acc = on_device(8), lb_unweighted_acc = on_device(9), router_z_unweighted_acc = on_device(10);
+    const int64_t depths = mtp_depths_acc.numel();
+    mtp_depths_acc = stats.narrow(0, 11, depths).to(f64);
     if (expert_counts.defined())
-      expert_counts = stats.narrow(0, 8, expert_counts.numel()).view(expert_counts.sizes()).to(expert_counts.options());
+      expert_counts = stats.narrow(0, 11 + depths, expert_counts.numel()).view(expert_counts.sizes()).to(expert_counts.options());
   } else {
     out.stop_requested = stop_vote_;
   }
@@ -246,11 +271,54 @@ StepOutput Trainer::forward_backward(int64_t step) {
   out.moe_router_z_loss = router_z_acc * scale;
   out.mtp_loss_raw = mtp_raw_acc * scale;
   out.loss = out.lm_loss + out.moe_lb_loss + out.mtp_loss;
+  const double plain_mean = 1.0 / (R * static_cast<double>(K));
+  out.megatron_lm_loss = ce_sum_acc * (W > 0 ? 1.0 / W : 0.0);
+  out.megatron_load_balancing_loss = lb_unweighted_acc * plain_mean;
+  out.megatron_z_loss = router_z_unweighted_acc * plain_mean;
+  if (c.mtp_num_layers > 0) out.megatron_mtp_depth_losses = mtp_depths_acc * plain_mean;
   // Expert load of the step: counts averaged over micro-batches and ranks, not summed.
   if (expert_counts.defined()) out.expert_load = expert_counts / (static_cast<double>(K) * R);
-  out.raw_grad_norm = flat_grads_.norm();
-  out.num_zeros = flat_grads_.eq(0).sum();
+  out.raw_grad_norm = flat_buffer_norm(flat_grads_);
+  if (c.log_num_zeros_in_grad) out.num_zeros = flat_buffer_count_zeros(flat_grads_);
   return out;
+}
+
+// Reductions over parameter-sized buffers. A plain fp32 `norm()` of P elements is off by up to
+// a few percent at P ~ 1e8 on CPU (LibTorch 1.13 accumulates each SIMD lane sequentially in fp32:
+// once the running sum is ~1e7 times an addend, the addend is rounded away). Here the buffer is
+// viewed as rows of kReductionRow elements; each row reduces in fp32 (at most 1024 addends: the
+// relative error is ~1e-8), and the P / kReductionRow row results are combined in fp64. The only
+// temporary is that (rows) vector, 1/1024 of the buffer, and the same two kernels run on CUDA.
+namespace {
+constexpr int64_t kReductionRow = 1024;
+
+// Applies `per_row` (rows, kReductionRow) -> (rows) and `tail` (n) -> 0-dim to the buffer, and
+// returns the fp64 sum of both.
+template <typename RowFn, typename TailFn>
+torch::Tensor flat_buffer_reduce(const torch::Tensor& flat, RowFn per_row, TailFn tail) {
+  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(), "flat_buffer_reduce: a contiguous 1-D buffer");
+  const int64_t rows = flat.numel() / kReductionRow, body = rows * kReductionRow;
+  auto total = per_row(flat.narrow(0, 0, body).view({rows, kReductionRow})).to(torch::kFloat64).sum();
+  if (body < flat.numel()) total = total + tail(flat.narrow(0, body, flat.numel() - body)).to(torch::kFloat64);
+  return total;
+}
+}  // namespace
+
+torch::Tensor flat_buffer_norm(const torch::Tensor& flat) {
+  // sum over rows of (row norm)^2, in fp64; NaN and Inf propagate as in norm().
+  const auto sum_of_squares = flat_buffer_reduce(
+      flat, [](const torch::Tensor& rows) { return at::linalg_vector_norm(rows, 2, {1}).to(torch::kFloat64).square(); },
+      [](const torch::Tensor& tail) { return tail.to(torch::kFloat64).square().sum(); });
+  return sum_of_squares.sqrt();
+}
+
+torch::Tensor flat_buffer_count_zeros(const torch::Tensor& flat) {
+  // The L0 "norm" counts non-zero elements (NaN counts as non-zero, -0.0 as zero) without the
+  // (P) bool temporary of eq(0); per row it is an integer <= 1024, exact in fp32.
+  const auto nonzero = flat_buffer_reduce(
+      flat, [](const torch::Tensor& rows) { return at::linalg_vector_norm(rows, 0, {1}); },
+      [](const torch::Tensor& tail) { return tail.ne(0).sum(); });
+  return (static_cast<double>(flat.numel()) - nonzero).to(torch::kInt64);
 }
 
 }  // namespace trainer

@@ -29,10 +29,16 @@ struct StepOutput {
   torch::Tensor moe_router_z_loss;  // the router z-loss part of moe_lb_loss
   torch::Tensor mtp_loss_raw;       // mtp_loss before mtp_loss_scaling_factor
   torch::Tensor expert_load;        // (MoE layers, E) fp32: tokens per expert, mean over micro-batches
-  torch::Tensor raw_grad_norm;  // fp32 norm of the normalized gradient, before clipping
+  // What Megatron-LM logs (docs/metrics.md), fp64: the token-weighted CE mean over the global batch
+  // in both modes; LB and router z-loss divided by their coefficients, and each MTP depth's loss
+  // (unscaled), as plain means over micro-batches and ranks.
+  torch::Tensor megatron_lm_loss, megatron_load_balancing_loss, megatron_z_loss;
+  torch::Tensor megatron_mtp_depth_losses;  // (mtp_num_layers) fp64; undefined without MTP
+  torch::Tensor raw_grad_norm;  // fp64 norm of the normalized gradient, before clipping
   torch::Tensor grad_norm;      // after clipping
-  torch::Tensor num_zeros;      // int64: gradient elements exactly 0.0 after normalization
-  torch::Tensor param_norm;     // fp32 norm of the parameters after the update
+  torch::Tensor num_zeros;      // int64: gradient elements exactly 0.0 after normalization (undefined
+                                // when log_num_zeros_in_grad is off)
+  torch::Tensor param_norm;     // fp64 norm of the parameters after the update
   double total_weights = 0;           // W: unmasked target tokens in the step (host-known)
   double learning_rate = 0;
   bool step_skipped = false;          // spike guard or W == 0
@@ -56,8 +62,17 @@ struct MicroBatchLosses {
   torch::Tensor router_z;       // the router z-loss part of lb
   torch::Tensor mtp;            // mtp_loss_scaling_factor * mtp_raw (0 without MTP)
   torch::Tensor mtp_raw;        // mean over depths of each depth's per-token CE
+  torch::Tensor mtp_depths;     // (mtp_num_layers) each depth's per-token CE (detached); undefined without MTP
+  torch::Tensor lb_unweighted;  // mean over MoE layers of LB, not multiplied by its weight (detached)
+  torch::Tensor router_z_unweighted;  // mean over MoE layers of the router z-loss, unweighted (detached)
   torch::Tensor expert_counts;  // (MoE layers, E) fp32 tokens per expert; undefined if dense
 };
+
+// Reductions over a contiguous 1-D fp32 buffer of any size (the flat gradient or parameters) that
+// agree with float64 to ~1e-8 relative, without a buffer-sized temporary: fp32 rows of 1024
+// combined in fp64 (step.cpp). Both return 0-dim tensors on the buffer's device.
+torch::Tensor flat_buffer_norm(const torch::Tensor& flat);         // fp64 L2 norm
+torch::Tensor flat_buffer_count_zeros(const torch::Tensor& flat);  // int64 count of elements == 0
 
 // Runs the model on one micro-batch and computes its loss terms.
 MicroBatchLosses micro_batch_losses(Transformer& model, const MicroBatch& batch, const Config& config,

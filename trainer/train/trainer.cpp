@@ -116,7 +116,11 @@ MetricValues Trainer::read_metrics(const StepOutput& out) const {
   std::vector<torch::Tensor> scalars = {f64(out.loss), f64(out.lm_loss), f64(out.moe_lb_loss),
                                         f64(out.mtp_loss), f64(out.z_loss), f64(out.grad_norm),
                                         f64(out.raw_grad_norm), f64(out.param_norm), f64(out.num_zeros),
-                                        f64(out.mtp_loss_raw), f64(out.moe_router_z_loss)};
+                                        f64(out.mtp_loss_raw), f64(out.moe_router_z_loss),
+                                        f64(out.megatron_lm_loss), f64(out.megatron_load_balancing_loss),
+                                        f64(out.megatron_z_loss)};
+  const int64_t depths = out.megatron_mtp_depth_losses.defined() ? out.megatron_mtp_depth_losses.numel() : 0;
+  for (int64_t k = 0; k < depths; ++k) scalars.push_back(out.megatron_mtp_depth_losses[k].to(torch::kFloat64));
   const bool moe = out.expert_load.defined();
   if (moe) {  // imbalance: max over experts / mean over experts, averaged over MoE layers
     const auto load = out.expert_load.to(torch::kFloat64);
@@ -141,7 +145,6 @@ MetricValues Trainer::read_metrics(const StepOutput& out) const {
       {"learning/grad_norm", v[5]},
       {"learning/raw_grad_norm", raw_grad_norm},
       {"learning/param_norm", v[7]},
-      {"learning/num_zeros", v[8]},
       {"learning/is_nan", (std::isnan(loss) || std::isnan(raw_grad_norm)) ? 1.0 : 0.0},
       {"learning/is_inf", (std::isinf(loss) || std::isinf(raw_grad_norm)) ? 1.0 : 0.0},
       {"learning/current_learning_rate", out.learning_rate},
@@ -154,7 +157,15 @@ MetricValues Trainer::read_metrics(const StepOutput& out) const {
       {"perf/per_device_tokens_per_sec", seconds > 0 ? tokens / seconds : 0.0},
       {"perf/per_device_tflops_per_sec", seconds > 0 ? size_.flops_per_step_per_device / seconds / 1e12 : 0.0},
   };
-  if (moe) values.emplace_back("moe/expert_load_max_over_mean", v[11]);
+  if (out.num_zeros.defined()) values.emplace_back("learning/num_zeros", v[8]);
+  values.emplace_back("megatron/lm_loss", v[11]);
+  if (moe) {
+    values.emplace_back("megatron/load_balancing_loss", v[12]);
+    values.emplace_back("megatron/z_loss", v[13]);
+  }
+  for (int64_t k = 0; k < depths; ++k)
+    values.emplace_back("megatron/mtp_" + std::to_string(k + 1) + "_loss", v[14 + k]);
+  if (moe) values.emplace_back("moe/expert_load_max_over_mean", v[14 + depths]);
   if (out.host_allocations >= 0) {  // CPU with LibTorch 1.13 (device.h)
     values.emplace_back("perf/host_allocations_in_step", static_cast<double>(out.host_allocations));
     values.emplace_back("perf/grad_sized_allocations_in_step", static_cast<double>(out.grad_sized_allocations));
@@ -191,20 +202,28 @@ MetricValues Trainer::evaluate(int64_t index) {
     eval_data_ = std::make_unique<DataLoader>(c, dist_.rank, std::move(source));
   }
   torch::NoGradGuard no_grad;
-  double ce = 0, weights = 0;
+  // The same quantity as learning/lm_loss in per-token mode: the token-weighted mean of CE plus
+  // the z-loss term (the loss term being optimized); eval/z_loss is that z part, and perplexity
+  // is of the cross-entropy alone.
+  double ce = 0, z = 0, weights = 0;
   for (int64_t s = 0; s < c.eval_steps; ++s)
     for (int64_t micro = 0; micro < c.gradient_accumulation_steps; ++micro) {
       const auto batch = eval_data_->data_loader_next(index * c.eval_steps + s, micro);
       const auto m = micro_batch_losses(model_, batch, c, device_);
-      ce += (m.ce - m.z).item<double>();  // cross-entropy only (no z-loss), token-weighted
+      const auto host = torch::stack({m.ce.to(torch::kFloat64), m.z.to(torch::kFloat64)}).cpu();
       perf_note_host_read();
+      ce += host[0].item<double>();
+      z += host[1].item<double>();
       weights += m.weights;
     }
-  auto sums = torch::tensor({ce, weights}, torch::kFloat64);
+  auto sums = torch::tensor({ce, z, weights}, torch::kFloat64);
   comm_->all_reduce_sum(sums, "the evaluation loss sums");
-  ce = sums[0].item<double>(), weights = sums[1].item<double>();
-  const double lm_loss = weights > 0 ? ce / weights : 0.0;
-  return {{"eval/lm_loss", lm_loss}, {"eval/perplexity", std::exp(lm_loss)}, {"eval/total_weights", weights}};
+  ce = sums[0].item<double>(), z = sums[1].item<double>(), weights = sums[2].item<double>();
+  const double lm_loss = weights > 0 ? ce / weights : 0.0, z_loss = weights > 0 ? z / weights : 0.0;
+  return {{"eval/lm_loss", lm_loss},
+          {"eval/z_loss", z_loss},
+          {"eval/perplexity", std::exp(lm_loss - z_loss)},
+          {"eval/total_weights", weights}};
 }
 
 namespace {
