@@ -15,8 +15,11 @@
 #include "trainer/data/data.h"
 #include "trainer/metrics/perf_counters.h"
 #include "trainer/model/model_size.h"
+#include "trainer/dist/dist.h"
+#include "trainer/train/memory_plan.h"
 #include "trainer/train/train.h"
 #include "trainer/util/error.h"
+#include "trainer/util/torch_compat.h"
 
 namespace {
 
@@ -36,6 +39,23 @@ void print_dry_run(const trainer::Config& c) {
               s.attention_flops);
   std::printf("global batch: %lld sequences x %lld tokens\n", static_cast<long long>(c.global_batch_size),
               static_cast<long long>(c.max_target_length));
+  // The plan for this launch's layout (world size from the launcher's variables, if any).
+  const trainer::DistEnv env = trainer::dist_env_resolve();
+  const bool cuda = c.hardware == "gpu";
+  const trainer::MemoryPlan plan =
+      trainer::memory_plan(c, {env.world_size, env.local_world_size, cuda, trainer::compat::kFusedCausalAttention});
+  std::printf("memory plan per rank (%s, %s, %lld rank%s):\n%s", cuda ? "GPU" : "CPU", c.dtype.c_str(),
+              static_cast<long long>(env.world_size), env.world_size > 1 ? "s" : "",
+              trainer::memory_plan_format(plan).c_str());
+  if (cuda) {
+    std::printf("this machine: checked against the GPU's free memory when training starts\n");
+    return;
+  }
+  const trainer::HostMemory host = trainer::host_memory_available();
+  const double available = host.available_bytes / static_cast<double>(env.local_world_size);
+  const double needed = plan.total_bytes - host.resident_bytes;
+  std::printf("this machine: %s available per rank (%s): %s\n", trainer::memory_bytes_text(available).c_str(),
+              host.source.c_str(), needed <= available ? "fits" : "does NOT fit");
 }
 
 // A crash (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT) prints the signal and the native stack to
@@ -122,6 +142,18 @@ int main(int argc, char** argv) {
   } catch (const trainer::Error& e) {
     spdlog::error("{}", e.what());
     return e.exit_code();
+  } catch (const c10::Error& e) {
+    // LibTorch's message without its native stack (the stack names LibTorch internals, not the cause).
+    const std::string what = e.what_without_backtrace();
+    if (what.find("can't allocate memory") != std::string::npos || what.find("out of memory") != std::string::npos)
+      spdlog::error("out of memory: {}\nThe memory plan (--dry-run, docs/memory.md) was checked at start unless "
+                    "allow_memory_overcommit=true.", what);
+    else
+      spdlog::error("unexpected failure: {}", what);
+    return trainer::kExitFailure;
+  } catch (const std::bad_alloc&) {
+    spdlog::error("out of memory (std::bad_alloc); see the memory plan: --dry-run, docs/memory.md");
+    return trainer::kExitFailure;
   } catch (const std::exception& e) {
     spdlog::error("unexpected failure: {}", e.what());
     return trainer::kExitFailure;

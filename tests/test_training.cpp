@@ -6,11 +6,13 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
+#include <regex>
 #include <limits>
 #include <filesystem>
 
 #include "test_numerics.h"
 #include "test_support.h"
+#include "trainer/train/memory_plan.h"
 #include "trainer/train/train.h"
 
 using namespace trainer;
@@ -372,4 +374,84 @@ TEST_CASE("log_num_zeros_in_grad=false leaves learning/num_zeros out", "[trainin
   const auto values = t.read_metrics(out);
   CHECK_THROWS(metric_get(values, "learning/num_zeros"));
   CHECK(std::isfinite(metric_get(values, "learning/raw_grad_norm")));
+}
+
+namespace {
+double plan_item(const MemoryPlan& plan, const std::string& prefix) {
+  for (const auto& item : plan.items)
+    if (item.name.rfind(prefix, 0) == 0) return item.bytes;
+  throw std::runtime_error("no plan item " + prefix);
+}
+}  // namespace
+
+TEST_CASE("memory plan: model state is exactly what the trainer allocates, sharded by ZeRO-1", "[training][memory]") {
+  const Config c = tiny_config({"model_name=moe-tiny", "mtp_num_layers=1"});
+  Trainer t(c);
+  const double P = static_cast<double>(t.flat_params().numel());  // what was really allocated
+  const MemoryPlan plan = memory_plan(c, {});
+  CHECK(plan_item(plan, "weights") == 4 * P);
+  CHECK(plan_item(plan, "gradients") == 4 * P);
+  CHECK(plan_item(plan, "optimizer") == 12 * P);  // m, v and the CPU update's denominator
+  double sum = 0;
+  for (const auto& item : plan.items) sum += item.bytes;
+  CHECK(plan.total_bytes == sum);
+  // ZeRO-1 over 4 ranks: a quarter of the state (rounded up), plus the gather buffer.
+  Config zero = c;
+  zero.shard_optimizer_over_data = true;
+  const MemoryPlan sharded = memory_plan(zero, {4, 1, false, false});
+  CHECK(plan_item(sharded, "optimizer") == 12 * std::ceil(P / 4));
+  CHECK(plan_item(sharded, "ZeRO-1") == 4 * P);
+  // On a GPU the fused AdamW needs no workspace and there is no host runtime line.
+  const MemoryPlan gpu = memory_plan(c, {1, 1, true, false});
+  CHECK(plan_item(gpu, "optimizer") == 8 * P);
+  CHECK_THROWS(plan_item(gpu, "runtime"));
+}
+
+TEST_CASE("memory plan: activations scale with the micro-batch, not with K", "[training][memory]") {
+  const auto activations = [](std::vector<std::string> overrides) {
+    overrides.push_back("model_name=default");
+    return memory_plan(tiny_config(overrides), {}).activation_bytes;
+  };
+  const double base = activations({"per_device_batch_size=2", "max_target_length=128"});
+  CHECK(activations({"per_device_batch_size=2", "max_target_length=128", "gradient_accumulation_steps=8"}) == base);
+  // Linear in B but for the (L, L) causal mask, shared by the batch (16 KiB here).
+  CHECK(activations({"per_device_batch_size=4", "max_target_length=128"}) - 2 * base == Approx(-128.0 * 128).margin(0.5));
+  // The explicit attention keeps (B, H, L, L) probabilities: doubling L more than doubles them.
+  CHECK(activations({"per_device_batch_size=2", "max_target_length=256"}) > 2.2 * base);
+  // bf16 autocast halves the matmul activations, not the fp32 residual stream.
+  const double bf16 = activations({"per_device_batch_size=2", "max_target_length=128", "dtype=bfloat16"});
+  CHECK(bf16 < base);
+  CHECK(bf16 > 0.5 * base);
+}
+
+TEST_CASE("a run whose memory plan exceeds the machine exits 2 with the plan and what would fit", "[training][memory][cli]") {
+  // ulimit -v caps this process's address space (RLIMIT_AS): the check sees ~2 GB available.
+  const std::string limit = "ulimit -v 3000000;";
+  const std::string big = "model_name=default per_device_batch_size=64 max_target_length=1024 steps=1 "
+                          "base_output_directory=/tmp/trainer-tests run_name=memory-plan ";
+  auto r = run_trainer(big, limit);
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.output, Catch::Contains("the memory plan does not fit on rank 0") &&
+                           Catch::Contains("RLIMIT_AS (ulimit -v)") && Catch::Contains("activations saved for backward") &&
+                           Catch::Contains("would fit: per_device_batch_size=") &&
+                           Catch::Contains("allow_memory_overcommit=true skips"));
+  // The suggestion really fits: --dry-run of it, under the same limit, says so.
+  std::smatch m;
+  REQUIRE(std::regex_search(r.output, m, std::regex("would fit: (per_device_batch_size=[0-9]+ gradient_accumulation_steps=[0-9]+)")));
+  const auto suggested = run_trainer(big + m[1].str() + " --dry-run", limit);
+  CHECK(suggested.exit_code == 0);
+  CHECK_THAT(suggested.output, Catch::Contains("(RLIMIT_AS (ulimit -v)): fits"));
+  const auto dry = run_trainer(big + " --dry-run", limit);
+  CHECK_THAT(dry.output, Catch::Contains("does NOT fit") && Catch::Contains("memory plan per rank"));
+
+  // A 7B model: nothing fits, said so, and nothing was allocated (it ends at once, exit 2).
+  r = run_trainer("model_name=llama2-7b steps=1 base_output_directory=/tmp/trainer-tests run_name=memory-plan-7b", limit);
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.output, Catch::Contains("nothing the plan knows of fits") && Catch::Contains("weights, gradients and optimizer state alone need"));
+
+  // allow_memory_overcommit=true goes on, and the allocation failure is a one-line error, exit 1.
+  r = run_trainer(big + "allow_memory_overcommit=true", limit);
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.output, Catch::Contains("going on (allow_memory_overcommit)") && Catch::Contains("out of memory"));
+  CHECK_THAT(r.output, !Catch::Contains("frame #"));
 }

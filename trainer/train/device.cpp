@@ -86,6 +86,16 @@ double device_known_peak_tflops(const std::string& name, const std::string& dtyp
   return 0.0;
 }
 
+double device_free_memory_bytes(const torch::Device& device) {
+#if TRAINER_WITH_CUDA
+  size_t free_bytes = 0, total_bytes = 0;
+  if (device.is_cuda() && cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) return static_cast<double>(free_bytes);
+#else
+  (void)device;
+#endif
+  return -1;
+}
+
 DeviceMemoryPeaks device_memory_peaks(const torch::Device& device) {
   DeviceMemoryPeaks peaks;
 #if TRAINER_WITH_CUDA

@@ -28,6 +28,9 @@ struct DeviceMemoryPeaks {
 };
 // CUDA devices only (a host-side query, no device sync); zeros on the CPU.
 DeviceMemoryPeaks device_memory_peaks(const torch::Device& device);
+// Free memory of the current CUDA device (cudaMemGetInfo: what other processes and the CUDA
+// context left); -1 on the CPU.
+double device_free_memory_bytes(const torch::Device& device);
 
 // LibTorch CPU allocations, counted by a wrapper around the CPU allocator that
 // host_allocations_watch installs (`available` is false until then; the Trainer watches on CPU

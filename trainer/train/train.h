@@ -120,6 +120,7 @@ class Trainer {
   int64_t updates_applied() const { return updates_applied_; }
 
  private:
+  void check_memory_plan();  // exit 2 before allocating when the plan exceeds this rank's memory
   void build_flat_buffers();
   bool spike_guard_rejects(double loss, double grad_norm);
   void restore(const CheckpointContents& contents, bool full_state, const std::string& source);

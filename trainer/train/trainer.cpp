@@ -16,8 +16,10 @@
 #include <spdlog/spdlog.h>
 
 #include "trainer/metrics/perf_counters.h"
+#include "trainer/train/memory_plan.h"
 #include "trainer/train/train.h"
 #include "trainer/util/error.h"
+#include "trainer/util/torch_compat.h"
 
 namespace trainer {
 namespace {
@@ -74,6 +76,7 @@ Trainer::Trainer(Config config)
   // Nothing in a step draws from the global generator today; seeding it anyway makes its state
   // (saved in checkpoints) a function of the config, so future random ops resume bit-exactly.
   torch::manual_seed(static_cast<uint64_t>(config_.init_weights_seed));
+  check_memory_plan();
   model_ = model_build(config_);
   perf_startup_mark("model init");
   model_->to(device_);
@@ -91,6 +94,63 @@ Trainer::Trainer(Config config)
 }
 
 Trainer::~Trainer() = default;
+
+// Before the first parameter is allocated: the plan (memory_plan.h) against what this rank can
+// have: free device memory on a GPU; on the CPU the host's available memory (MemAvailable, cgroup,
+// rlimits) shared by the ranks on this machine. Every rank learns whether all fit, so all exit 2
+// together instead of some dying in an allocation and the others timing out.
+void Trainer::check_memory_plan() {
+  const Config& c = config_;
+  const MemoryPlanContext context{comm_->world_size(), dist_.local_world_size, device_.is_cuda(),
+                                  compat::kFusedCausalAttention};
+  const MemoryPlan plan = memory_plan(c, context);
+  double available = 0, resident = 0;
+  std::string source;
+  if (device_.is_cuda()) {
+    available = device_free_memory_bytes(device_);
+    source = "free memory of " + device_name(device_) + " " + device_.str();
+  } else {
+    const HostMemory host = host_memory_available();
+    available = host.available_bytes / static_cast<double>(dist_.local_world_size);
+    resident = host.resident_bytes;
+    source = host.source + (dist_.local_world_size > 1
+                                ? ", divided by the " + std::to_string(dist_.local_world_size) + " ranks on this machine"
+                                : "");
+  }
+  const double needed = plan.total_bytes - resident;  // the runtime part is already resident
+  const bool fits = needed <= available;
+  spdlog::info("memory plan: {} per rank ({} of it still to allocate), {} available ({}){}",
+               memory_bytes_text(plan.total_bytes), memory_bytes_text(needed), memory_bytes_text(available), source,
+               fits ? "" : c.allow_memory_overcommit ? "; does NOT fit, going on (allow_memory_overcommit)" : "");
+  if (c.allow_memory_overcommit) return;
+  double ranks_failing = fits ? 0.0 : 1.0;
+  if (!comm_->is_local()) {
+    auto flag = torch::tensor({ranks_failing}, torch::kFloat64);
+    comm_->all_reduce_sum(flag, "the memory plan check");
+    ranks_failing = flag.item<double>();
+  }
+  if (fits && ranks_failing > 0)
+    throw config_error("the memory plan does not fit on " + std::to_string(static_cast<int64_t>(ranks_failing)) +
+                       " other rank(s) (their message has the plan); allow_memory_overcommit=true skips this check");
+  if (fits) return;
+  std::string message = "the memory plan does not fit on rank " + std::to_string(dist_.rank) + ": it needs " +
+                        memory_bytes_text(needed) + " more, and " + memory_bytes_text(available) + " is available (" +
+                        source + ").\nmemory plan per rank:\n" + memory_plan_format(plan);
+  const auto suggestions = memory_plan_suggestions(c, context, available, resident);
+  if (suggestions.empty()) {
+    double model_state = 0;  // weights, gradients, optimizer state (and the ZeRO-1 buffer)
+    for (size_t i = 0; i < plan.items.size() && i < 4; ++i)
+      if (plan.items[i].name.rfind("weights", 0) == 0 || plan.items[i].name.rfind("gradients", 0) == 0 ||
+          plan.items[i].name.rfind("optimizer", 0) == 0 || plan.items[i].name.rfind("ZeRO", 0) == 0)
+        model_state += plan.items[i].bytes;
+    message += "nothing the plan knows of fits (smaller per_device_batch_size, ZeRO-1, bf16, synchronous saves); the "
+               "weights, gradients and optimizer state alone need " + memory_bytes_text(model_state) +
+               ": use a machine with more memory, more ranks, or a smaller model.\n";
+  }
+  for (size_t i = 0; i < suggestions.size(); ++i) message += (i == 0 ? "would fit: " : "       or: ") + suggestions[i] + "\n";
+  message += "allow_memory_overcommit=true skips this check.";
+  throw config_error(message);
+}
 
 StepOutput Trainer::train_step(int64_t step) {
   const int64_t reads_before = perf_host_reads();

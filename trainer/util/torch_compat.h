@@ -71,6 +71,10 @@ namespace trainer::compat {
 // softmax(q k^T / sqrt(hd), masked to `allowed`) v. q, k, v: (B, H, L, hd); allowed:
 // (B, 1, L, L) bool with at least one true per row, or undefined for plain causal attention
 // (2.x only: see causal_mask). 2.x has fused kernels (flash attention when causal); 1.13 does not.
+// Whether masked_attention runs a fused kernel for plain causal rows (no (B, H, L, L) scores kept
+// for backward): the memory plan counts attention activations by it.
+constexpr bool kFusedCausalAttention = TRAINER_TORCH_AT_LEAST(2, 0);
+
 inline torch::Tensor masked_attention(const torch::Tensor& q, const torch::Tensor& k,
                                       const torch::Tensor& v, const torch::Tensor& allowed) {
 #if TRAINER_TORCH_AT_LEAST(2, 0)

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The memory plan (--dry-run) against the measured peak RSS of the same run, for the benchmark
+# shapes tiny/small/medium and moe-tiny at K=1 and K=8 (fp32, CPU, checkpointing off so the
+# training peak is what is measured). Prints a markdown table for docs/benchmarks.md.
+#   scripts/bench/memory_plan.sh                 ROWS="tiny:1 medium:8" STEPS=2 to choose
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+[ -x build/trainer ] || scripts/setup.sh
+source scripts/bench/shapes.sh
+SHAPES[moe-tiny]="model_name=moe-tiny max_target_length=128 per_device_batch_size=4"
+ROWS=${ROWS:-"tiny:1 tiny:8 small:1 small:8 moe-tiny:1 moe-tiny:8 medium:1 medium:8"}
+STEPS=${STEPS:-2}
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+echo "| shape | K | plan (MiB) | of it activations (MiB) | measured peak RSS (MiB) | plan / measured |"
+echo "|---|---|---|---|---|---|"
+for row in $ROWS; do
+  shape=${row%%:*} K=${row##*:}
+  args="${SHAPES[$shape]} dataset_type=synthetic pad_id=0 gradient_accumulation_steps=$K steps=$STEPS
+        enable_checkpointing=false base_output_directory=$out run_name=$shape-$K"
+  plan=$(build/trainer configs/base.yml $args --dry-run)
+  total=$(sed -n 's/.*total .*(\([0-9]*\) bytes).*/\1/p' <<< "$plan")
+  activations=$(sed -n 's/^  activations saved for backward[^0-9]*\([0-9.]*\) \(MiB\|GiB\).*/\1 \2/p' <<< "$plan")
+  build/trainer configs/base.yml $args > "$out/$shape-$K.log" 2>&1 || { cat "$out/$shape-$K.log" >&2; exit 1; }
+  peak=$(python3 -c 'import json,sys; print(json.loads(open(sys.argv[1]).readlines()[-1])["memory/peak_rss_bytes"])' \
+         "$out/$shape-$K/metrics.jsonl")
+  python3 - "$shape" "$K" "$total" "$activations" "$peak" <<'PY'
+import sys
+shape, K, total, act, peak = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4].split(), float(sys.argv[5])
+act_mib = float(act[0]) * (1024 if act[1] == "GiB" else 1)
+print(f"| {shape} | {K} | {total / 2**20:.1f} | {act_mib:.1f} | {peak / 2**20:.1f} | {total / peak:.3f} |")
+PY
+done

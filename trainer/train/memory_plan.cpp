@@ -1,0 +1,323 @@
+// The memory plan: bytes per rank from the config alone, and the machine's side of the check.
+//
+// What is counted (T = per_device_batch_size * max_target_length tokens of one micro-batch, D the
+// width, q = Hq*hd and kv = Hkv*hd the projection widths, F the MLP width, V the vocabulary; r = 4
+// bytes for the fp32 residual stream and norms, m = 4 or 2 bytes for matmul inputs/outputs in
+// fp32 or under bf16 autocast). Micro-batches run one after another and each one's activations are
+// freed by its backward, so K does not appear in the activations: gradients accumulate in place.
+//
+// Static, for the whole run:
+//   weights and gradients    4P each (the flat fp32 arenas)
+//   AdamW                    m and v, 8 bytes per element of this rank's shard (ZeRO-1: P/R), plus
+//                            the 4-byte denominator workspace of the unfused (CPU) update; ZeRO-1
+//                            adds a P-sized gather buffer
+//   weight copies saved for backward: the per-forward concatenations of q/k/v and gate/up weights
+//                            (fp32), or under bf16 autocast the bf16 cast of every matmul weight
+//
+// Saved for backward, per dense decoder layer (each line one tensor autograd keeps):
+//   input RMSNorm: normed and scaled outputs     2 r T D
+//   q/k/v GEMM output (RoPE and attention keep views of it)   m T (q + 2kv)
+//   RoPE: the swapped halves and the rotated q and k          m T (q + kv) (2 f + [f < 1])
+//   GQA: k and v repeated to the query heads (Hq > Hkv)       2 m T q
+//   attention: masked/explicit path: softmax probabilities (fp32, B Hq L L), plus their bf16 copy;
+//              the fused causal kernel (LibTorch >= 2.0, unpacked rows): output + logsumexp
+//   attention output, transposed for o_proj                  m T q
+//   residual after attention                                 r T D
+//   post-attention RMSNorm                                   2 r T D
+//   SwiGLU: gate/up output, silu(gate), the product          4 m T F
+//   residual after the MLP (the next layer's input)          r T D
+//   bf16 autocast: the bf16 copies of the two normed GEMM inputs   2 * 2 T D
+// MoE layers replace the SwiGLU by: router logits and scores (fp32, T E each), and per routed row
+// (T k of them) the gathered input (fp32 + its bf16 copy), the expert's four SwiGLU tensors and its
+// output, plus the shared experts' SwiGLU and three T D sums.
+// The head: the final norm, and the log-probabilities (fp32, T V) for the loss; each MTP depth
+// adds the shifted embedding, two norms, their concatenation, one dense layer, a norm and its
+// fp32 logits (T V, kept by logsumexp).
+//
+// Transient, on top of everything saved: the backward of the head holds the gradient of the
+// log-probabilities and of the logits (2 x fp32 T V) and the output head's weight gradient (V D)
+// before it is added into the flat buffer; the explicit attention holds about two more B Hq L L
+// buffers in its backward. The plan takes the larger.
+#include "trainer/train/memory_plan.h"
+
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "trainer/model/model_size.h"
+
+namespace trainer {
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+constexpr double kMiB = 1024.0 * 1024.0;
+// Resident before the first tensor on the CPU: LibTorch and its libraries, OpenBLAS's per-thread
+// GEMM buffers, the allocator's arenas. Measured on Debian 12 (LibTorch 1.13): the peak RSS of
+// a run whose tensors are negligible (docs/benchmarks.md, "Memory plan").
+constexpr double kCpuRuntimeBytes = 330.0 * kMiB;
+
+std::string count_text(double n) {
+  char buf[32];
+  if (n >= 1e9)
+    std::snprintf(buf, sizeof buf, "%.2fB", n / 1e9);
+  else if (n >= 1e6)
+    std::snprintf(buf, sizeof buf, "%.1fM", n / 1e6);
+  else
+    std::snprintf(buf, sizeof buf, "%.0f", n);
+  return buf;
+}
+
+struct Shapes {
+  double B, L, T, D, q, kv, F, V, H, E, k, Fm, Fs, f;
+};
+
+// Activations saved for backward by one dense (`moe` false) or MoE decoder layer, in bytes.
+double layer_saved_bytes(const Shapes& s, bool moe, double r, double m, bool bf16, bool fused_attention,
+                         bool qk_norm) {
+  const double cast = bf16 ? 2.0 : 0.0;  // bf16 copy of a fp32 GEMM input
+  double bytes = 2 * r * s.T * s.D + cast * s.T * s.D;  // input norm (+ its bf16 copy)
+  bytes += m * s.T * (s.q + 2 * s.kv);                  // q/k/v GEMM output
+  if (qk_norm) bytes += (bf16 ? 14.0 : 8.0) * s.T * (s.q + s.kv);  // fp32 widening, normed, scaled (+ bf16)
+  bytes += m * s.T * (s.q + s.kv) * (2 * s.f + (s.f < 1 ? 1 : 0));  // RoPE
+  if (s.q > s.kv) bytes += 2 * m * s.T * s.q;                         // repeated k and v
+  if (fused_attention)
+    bytes += m * s.T * s.q + 4 * s.B * s.H * s.L;  // output + logsumexp
+  else
+    bytes += (4 + cast) * s.B * s.H * s.L * s.L;  // probabilities (+ bf16 copy)
+  bytes += m * s.T * s.q;                          // attention output for o_proj
+  bytes += r * s.T * s.D;                          // residual
+  bytes += 2 * r * s.T * s.D + cast * s.T * s.D;   // post-attention norm
+  if (!moe) {
+    bytes += 4 * m * s.T * s.F;  // SwiGLU
+  } else {
+    bytes += 2 * 4 * s.T * s.E;                                                  // router logits, scores
+    bytes += s.T * s.k * ((4 + cast) * s.D + 4 * m * s.Fm + m * s.D);            // routed rows
+    if (s.Fs > 0) bytes += 4 * m * s.T * s.Fs + cast * s.T * s.D;                // shared experts
+    bytes += 2 * r * s.T * s.D;                                                  // expert sum, + shared
+  }
+  bytes += r * s.T * s.D;  // residual: the layer's output
+  return bytes;
+}
+
+void add(MemoryPlan& plan, const std::string& name, double bytes, const std::string& detail) {
+  plan.items.push_back({name, bytes, detail});
+  plan.total_bytes += bytes;
+}
+
+}  // namespace
+
+std::string memory_bytes_text(double bytes) {
+  char buf[32];
+  if (bytes >= kGiB)
+    std::snprintf(buf, sizeof buf, "%.2f GiB", bytes / kGiB);
+  else
+    std::snprintf(buf, sizeof buf, "%.1f MiB", bytes / kMiB);
+  return buf;
+}
+
+MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
+  const ModelSize size = model_size(c);
+  const double P = static_cast<double>(size.total_params);
+  const bool bf16 = c.dtype == "bfloat16";
+  const double r = 4, m = bf16 ? 2 : 4;
+  Shapes s{};
+  s.B = static_cast<double>(c.per_device_batch_size);
+  s.L = static_cast<double>(c.max_target_length);
+  s.T = s.B * s.L;
+  s.D = static_cast<double>(c.base_emb_dim);
+  s.H = static_cast<double>(c.base_num_query_heads);
+  s.q = s.H * static_cast<double>(c.head_dim);
+  s.kv = static_cast<double>(c.base_num_kv_heads * c.head_dim);
+  s.F = static_cast<double>(c.base_mlp_dim);
+  s.V = static_cast<double>(c.vocab_size);
+  s.E = static_cast<double>(c.num_experts);
+  s.k = static_cast<double>(c.num_experts_per_tok);
+  s.Fm = static_cast<double>(c.base_moe_mlp_dim);
+  s.Fs = static_cast<double>(c.shared_experts * c.base_moe_mlp_dim);
+  s.f = c.partial_rotary_factor;
+  const bool moe_model = c.num_experts > 1;
+  const int64_t layers = c.base_num_decoder_layers;
+  const int64_t moe_layers = moe_model ? layers - c.first_num_dense_layers : 0;
+  const int64_t dense_layers = layers - moe_layers;
+  const bool fused_attention = ctx.fused_attention && !c.reset_attention_mask;
+
+  MemoryPlan plan;
+  const std::string params = "P = " + count_text(P);
+  add(plan, "weights (fp32 flat buffer)", 4 * P, params + " x 4 B");
+  add(plan, "gradients (fp32 flat buffer)", 4 * P, params + " x 4 B, accumulated in place over K micro-batches");
+  const bool zero1 = c.shard_optimizer_over_data && ctx.world_size > 1;
+  const double shard = zero1 ? std::ceil(P / static_cast<double>(ctx.world_size)) : P;
+  const double adam_per_element = ctx.cuda ? 8 : 12;  // m, v (+ the unfused update's denominator)
+  add(plan, "optimizer state (AdamW)", adam_per_element * shard,
+      std::string(ctx.cuda ? "m, v" : "m, v, update workspace") + " x 4 B over " + count_text(shard) + " elements" +
+          (zero1 ? " (ZeRO-1: 1/" + std::to_string(ctx.world_size) + " of P)" : ""));
+  if (zero1) add(plan, "ZeRO-1 parameter gather buffer", 4 * P, params + " x 4 B");
+
+  // Weight copies kept for backward.
+  const double qkv_weights = s.D * (s.q + 2 * s.kv), gate_up_weights = 2 * s.D * s.F;
+  const double mtp = static_cast<double>(c.mtp_num_layers);
+  if (!bf16) {
+    const double fused = (static_cast<double>(layers) + mtp) * qkv_weights +
+                         (static_cast<double>(dense_layers) + mtp) * gate_up_weights +
+                         (moe_layers > 0 ? static_cast<double>(moe_layers) * 2 * s.D * s.Fs : 0.0);
+    add(plan, "fused q/k/v and gate/up weight copies", 4 * fused, "concatenated per forward, fp32, kept for backward");
+  } else {
+    const double norms_and_router = static_cast<double>(moe_layers) * s.E * s.D;
+    const double matmul_weights = P - s.V * s.D * (c.logits_via_embedding ? 0 : 1) - norms_and_router;
+    add(plan, "bf16 weight copies", 2 * matmul_weights, "autocast's bf16 cast of every matmul weight, kept for backward");
+  }
+
+  // Activations of one micro-batch.
+  const double dense = layer_saved_bytes(s, false, r, m, bf16, fused_attention, c.use_qk_norm);
+  const double moe = moe_layers > 0 ? layer_saved_bytes(s, true, r, m, bf16, fused_attention, c.use_qk_norm) : 0.0;
+  const double embedding = r * s.T * s.D;
+  const double mask = fused_attention ? 0.0 : 2 * s.B * s.L * s.L + s.L * s.L;  // bool masks
+  const double head = 2 * r * s.T * s.D + (bf16 ? 2 : 0) * s.T * s.D + 4 * s.T * s.V;
+  const double mtp_depth = r * s.T * s.D + 4 * r * s.T * s.D + 2 * r * s.T * s.D + (bf16 ? 4 : 0) * s.T * s.D + dense +
+                           2 * r * s.T * s.D + 4 * s.T * s.V;
+  const double activations = embedding + mask + static_cast<double>(dense_layers) * dense +
+                             static_cast<double>(moe_layers) * moe + head + mtp * mtp_depth;
+  plan.activation_bytes = activations;
+  std::string detail = "B " + count_text(s.B) + " x L " + count_text(s.L) + ": " + memory_bytes_text(dense) +
+                       " per dense layer";
+  if (moe_layers > 0) detail += ", " + memory_bytes_text(moe) + " per MoE layer";
+  detail += fused_attention ? " (fused causal attention)"
+                            : " (incl. attention probabilities B x H x L x L: " +
+                                  memory_bytes_text((4 + (bf16 ? 2 : 0)) * s.B * s.H * s.L * s.L) + ")";
+  detail += ", head log-probabilities B x L x V: " + memory_bytes_text(4 * s.T * s.V);
+  add(plan, "activations saved for backward (one micro-batch)", activations, detail);
+
+  const double head_transient = 2 * 4 * s.T * s.V + (bf16 ? 2 : 0) * s.T * s.V + 4 * s.V * s.D;
+  const double attention_transient = fused_attention ? 0.0 : 2 * 4 * s.B * s.H * s.L * s.L;
+  const double transient = std::max(head_transient, attention_transient);
+  add(plan, "backward transients", transient,
+      head_transient >= attention_transient ? "gradients of the logits and log-probabilities, output head weight gradient"
+                                            : "attention probability gradients");
+
+  const double data = 2.0 * static_cast<double>(c.gradient_accumulation_steps + 2) * s.T * (5 * 8 + 4);
+  add(plan, "data buffers", data, "prefetched micro-batches, host and device copies");
+  if (!ctx.cuda && c.enable_checkpointing) {
+    // A save snapshots the weights and this rank's optimizer state to host memory. Asynchronous
+    // saves hold it while training goes on; synchronous ones only between steps, when the
+    // activations are gone, so then only the excess over the activations counts.
+    const double snapshot = 4 * P + 8 * shard;
+    const double counted = c.async_checkpointing ? snapshot : std::max(0.0, snapshot - activations - transient);
+    add(plan, "checkpoint snapshot", counted,
+        std::string(c.async_checkpointing ? "async saves: " : "synchronous saves, beyond the activations: ") +
+            "weights + optimizer state copied to host (" + memory_bytes_text(snapshot) + ")");
+  }
+  if (!ctx.cuda) add(plan, "runtime", kCpuRuntimeBytes, "LibTorch, OpenBLAS buffers, allocator (measured)");
+  return plan;
+}
+
+std::string memory_plan_format(const MemoryPlan& plan) {
+  std::string out;
+  char buf[512];
+  for (const auto& item : plan.items) {
+    std::snprintf(buf, sizeof buf, "  %-50s %12s  (%s)\n", item.name.c_str(), memory_bytes_text(item.bytes).c_str(),
+                  item.detail.c_str());
+    out += buf;
+  }
+  std::snprintf(buf, sizeof buf, "  %-50s %12s  (%.0f bytes)\n", "total", memory_bytes_text(plan.total_bytes).c_str(),
+                plan.total_bytes);
+  return out + buf;
+}
+
+namespace {
+
+// The number after `key` in a /proc file of "Key:   123 kB" lines, in bytes; -1 if absent.
+double proc_kb(const std::string& path, const std::string& key) {
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind(key + ":", 0) == 0) return std::stod(line.substr(key.size() + 1)) * 1024.0;
+  return -1;
+}
+
+// A number from a one-line cgroup file; -1 for "max", absent or unreadable.
+double cgroup_value(const std::string& path) {
+  std::ifstream in(path);
+  std::string text;
+  if (!(in >> text) || text == "max") return -1;
+  try {
+    return std::stod(text);
+  } catch (...) {
+    return -1;
+  }
+}
+
+}  // namespace
+
+HostMemory host_memory_available() {
+  HostMemory memory;
+  memory.available_bytes = proc_kb("/proc/meminfo", "MemAvailable");
+  memory.source = "MemAvailable in /proc/meminfo";
+  memory.resident_bytes = std::max(0.0, proc_kb("/proc/self/status", "VmRSS"));
+  const auto consider = [&](double bytes, const std::string& source) {
+    if (bytes >= 0 && (memory.available_bytes < 0 || bytes < memory.available_bytes)) {
+      memory.available_bytes = bytes;
+      memory.source = source;
+    }
+  };
+  // cgroup v2, then v1 (a container's limit is below MemAvailable, which shows the host's).
+  const double limit2 = cgroup_value("/sys/fs/cgroup/memory.max");
+  if (limit2 >= 0) consider(limit2 - std::max(0.0, cgroup_value("/sys/fs/cgroup/memory.current")), "the cgroup's memory.max");
+  const double limit1 = cgroup_value("/sys/fs/cgroup/memory/memory.limit_in_bytes");
+  if (limit1 >= 0 && limit1 < 1e18)
+    consider(limit1 - std::max(0.0, cgroup_value("/sys/fs/cgroup/memory/memory.usage_in_bytes")),
+             "the cgroup's memory.limit_in_bytes");
+  struct rlimit limit {};
+  if (getrlimit(RLIMIT_AS, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY)
+    consider(static_cast<double>(limit.rlim_cur) - std::max(0.0, proc_kb("/proc/self/status", "VmSize")),
+             "RLIMIT_AS (ulimit -v)");
+  if (getrlimit(RLIMIT_DATA, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY)
+    consider(static_cast<double>(limit.rlim_cur) - std::max(0.0, proc_kb("/proc/self/status", "VmData")),
+             "RLIMIT_DATA (ulimit -d)");
+  memory.available_bytes = std::max(0.0, memory.available_bytes);
+  return memory;
+}
+
+std::vector<std::string> memory_plan_suggestions(const Config& config, const MemoryPlanContext& context,
+                                                 double available_bytes, double already_resident_bytes) {
+  const auto fits = [&](const Config& c) {
+    return memory_plan(c, context).total_bytes - already_resident_bytes <= available_bytes;
+  };
+  std::vector<std::string> out;
+  const auto try_config = [&](Config c, const std::string& text) {
+    if (fits(c)) out.push_back(text);
+  };
+  const int64_t B = config.per_device_batch_size, K = config.gradient_accumulation_steps;
+  // The largest smaller batch that fits, with K raised to keep the global batch.
+  for (int64_t b = B / 2; b >= 1; b /= 2) {
+    if (B % b != 0) continue;
+    Config c = config;
+    c.per_device_batch_size = b;
+    c.gradient_accumulation_steps = K * (B / b);
+    if (fits(c)) {
+      out.push_back("per_device_batch_size=" + std::to_string(b) + " gradient_accumulation_steps=" +
+                    std::to_string(K * (B / b)) + " (same global batch)");
+      break;
+    }
+  }
+  if (context.world_size > 1 && !config.shard_optimizer_over_data) {
+    Config c = config;
+    c.shard_optimizer_over_data = true;
+    try_config(c, "shard_optimizer_over_data=true (ZeRO-1 over " + std::to_string(context.world_size) + " ranks)");
+  }
+  if (config.dtype == "float32") {
+    Config c = config;
+    c.dtype = "bfloat16";
+    try_config(c, "dtype=bfloat16 (bf16 activations)");
+  }
+  if (config.enable_checkpointing && config.async_checkpointing) {
+    Config c = config;
+    c.async_checkpointing = false;
+    try_config(c, "async_checkpointing=false (no snapshot held while training)");
+  }
+  return out;
+}
+
+}  // namespace trainer
