@@ -21,7 +21,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-const std::string kOut = "/tmp/trainer-tests-ckpt";
+const std::string kOut = test_root() + "/ckpt";
 
 std::string args_of(const std::vector<std::string>& v) {
   std::string s;
@@ -98,13 +98,13 @@ TEST_CASE("kill -9 at random moments never leaves a checkpoint that is taken for
                                          "base_output_directory=" + kOut, "run_name=killed"};
   int saw_temp = 0;
   for (int round = 0; round < 6; ++round) {
-    const pid_t pid = spawn_trainer(args, dir + ".log");
+    ChildProcesses children;
+    const pid_t pid = children.add(spawn_trainer(args, dir + ".log"));
     // Once the run is saving (a checkpoint exists), kill it at a random moment.
-    for (int i = 0; i < 600 && !checkpoint_find_latest(dir + "/checkpoints"); ++i)
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 700));
+    REQUIRE(wait_until([&] { return checkpoint_find_latest(dir + "/checkpoints").has_value(); }, 60));
+    std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 700));  // the random moment, not a wait
     kill(pid, SIGKILL);
-    const int code = wait_exit_code(pid);
+    const int code = children.wait(pid);
     INFO("round " << round << ", trainer log:\n" << read_file(dir + ".log"));  // a crash shows its stack here
     CHECK(code == 128 + SIGKILL);
     for (const auto& entry : fs::directory_iterator(dir + "/checkpoints"))
@@ -169,11 +169,11 @@ TEST_CASE("SIGTERM finishes the step, saves, and exits 0, and a resume continues
   fs::remove_all(dir);
   const std::vector<std::string> args = {"model_name=test-tiny", "max_target_length=16", "steps=100000",
                                          "checkpoint_period=100000", "base_output_directory=" + kOut, "run_name=sigterm"};
-  const pid_t pid = spawn_trainer(args, dir + ".log");
-  for (int i = 0; i < 200 && read_lines(dir + "/metrics.jsonl").size() < 3; ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ChildProcesses children;
+  const pid_t pid = children.add(spawn_trainer(args, dir + ".log"));
+  REQUIRE(wait_until([&] { return read_lines(dir + "/metrics.jsonl").size() >= 3; }, 60));
   kill(pid, SIGTERM);
-  CHECK(wait_exit_code(pid) == 0);
+  CHECK(children.wait(pid) == 0);
   CHECK_THAT(read_file(dir + ".log"), Catch::Contains("received SIGTERM"));
   const auto lines = read_lines(dir + "/metrics.jsonl");
   const auto latest = checkpoint_find_latest(dir + "/checkpoints");
@@ -190,13 +190,14 @@ TEST_CASE("a crash prints the signal and the native stack, and still dies of tha
   // frames, and the exit status stays 128 + 11, so scripts and the tests above still see a crash.
   const std::string dir = kOut + "/crash";
   fs::remove_all(dir);
-  const pid_t pid = spawn_trainer({"model_name=test-tiny", "max_target_length=16", "steps=100000",
-                                   "checkpoint_period=100000", "base_output_directory=" + kOut, "run_name=crash"},
-                                  dir + ".log");
-  for (int i = 0; i < 200 && read_lines(dir + "/metrics.jsonl").empty(); ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ChildProcesses children;
+  const pid_t pid = children.add(spawn_trainer({"model_name=test-tiny", "max_target_length=16", "steps=100000",
+                                                "checkpoint_period=100000", "base_output_directory=" + kOut,
+                                                "run_name=crash"},
+                                               dir + ".log"));
+  REQUIRE(wait_until([&] { return !read_lines(dir + "/metrics.jsonl").empty(); }, 60));
   kill(pid, SIGSEGV);
-  CHECK(wait_exit_code(pid) == 128 + SIGSEGV);
+  CHECK(children.wait(pid) == 128 + SIGSEGV);
   const auto log = read_file(dir + ".log");
   CHECK_THAT(log, Catch::Contains("trainer: fatal signal SIGSEGV, native stack:"));
   const auto stack = log.substr(log.find("native stack:"));

@@ -59,7 +59,7 @@ TEST_CASE("layering: base -> model file -> CLI -> environment, and derived value
 
 TEST_CASE("resolved config round-trips through --print-config's YAML", "[config]") {
   const Config a = tiny_config({"learning_rate=1.25e-4", "dtype=bfloat16", "z_loss_multiplier=1e-4"});
-  const std::string path = "/tmp/trainer-tests-roundtrip.yml";
+  const std::string path = test_root() + "/roundtrip.yml";
   std::ofstream(path) << config_to_yaml(a);
   // The dumped file lives outside configs/ (no models/ beside it): model_name="" loads no model file.
   const Config b = config_load(path, {"model_name="}, {});

@@ -20,7 +20,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-const std::string kDir = "/tmp/trainer-tests-data";
+const std::string kDir = test_root() + "/data";
 
 const nlohmann::json& reference() {
   static const nlohmann::json j = nlohmann::json::parse(read_file(source_path("tests/fixtures/numpy_reference.json")));

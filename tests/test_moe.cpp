@@ -329,13 +329,13 @@ TEST_CASE("gradient check with MoE, MTP and compensated aux losses (per-token an
 
 TEST_CASE("end to end: moe-tiny and ling2-tiny train with falling loss and report aux metrics", "[moe][cli]") {
   for (const std::string model : {"moe-tiny", "ling2-tiny"}) {
-    std::filesystem::remove_all("/tmp/trainer-tests/e2e-" + model);
+    std::filesystem::remove_all(test_root() + "/e2e-" + model);
     auto r = run_trainer("model_name=" + model + " max_target_length=32 steps=40 log_period=20 per_device_batch_size=4 "
-                         "base_output_directory=/tmp/trainer-tests run_name=e2e-" + model);
+                         "base_output_directory=" + test_root() + " run_name=e2e-" + model);
     INFO(r.output);
     REQUIRE(r.exit_code == 0);
     CHECK_THAT(r.output, Catch::Contains("moe_lb_loss"));
-    const auto lines = read_lines("/tmp/trainer-tests/e2e-" + model + "/metrics.jsonl");
+    const auto lines = read_lines(test_root() + "/e2e-" + model + "/metrics.jsonl");
     REQUIRE(lines.size() == 40);
     CHECK(json_metric(lines.back(), "learning/lm_loss") < json_metric(lines.front(), "learning/lm_loss") - 0.5);
     CHECK(json_metric(lines.back(), "moe/expert_load_max_over_mean") >= 1.0);

@@ -1,17 +1,49 @@
 // Helpers shared by the tests: configs from the repository's configs/, running the binary.
 #pragma once
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "trainer/config/config.h"
 
 namespace trainer::testing {
+
+// The variables a trainer reads from its environment (config overrides and launchers); the test
+// main removes them so no test depends on the caller's shell.
+inline bool is_launcher_or_config_variable(const std::string& name) {
+  for (const char* prefix : {"M_", "OMPI_", "PMI_", "PMIX_", "SLURM_", "MASTER_"})
+    if (name.rfind(prefix, 0) == 0) return true;
+  for (const char* exact : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"})
+    if (name == exact) return true;
+  return false;
+}
+
+namespace detail {
+inline bool& test_root_flag() {
+  static bool created = false;
+  return created;
+}
+}  // namespace detail
+
+// This test process's own temporary folder (/tmp/trainer-tests-XXXXXX, made on first use): no
+// two tests, and no two suites on one machine, share a path or a data cache.
+inline const std::string& test_root() {
+  static const std::string root = [] {
+    std::string path = "/tmp/trainer-tests-XXXXXX";
+    if (!mkdtemp(path.data())) throw std::runtime_error("mkdtemp " + path + " failed");
+    detail::test_root_flag() = true;
+    return path;
+  }();
+  return root;
+}
+inline bool test_root_created() { return detail::test_root_flag(); }
 
 inline std::string source_path(const std::string& relative) {
   return std::string(TRAINER_SOURCE_DIR) + "/" + relative;
@@ -21,7 +53,7 @@ inline std::string source_path(const std::string& relative) {
 inline Config tiny_config(std::vector<std::string> overrides = {}) {
   std::vector<std::string> all = {"model_name=test-tiny", "max_target_length=16", "run_name=test",
                                   "dataset_type=synthetic", "pad_id=0", "data_shuffle_seed=0",
-                                  "base_output_directory=" + std::string("/tmp/trainer-tests")};
+                                  "base_output_directory=" + test_root()};
   all.insert(all.end(), overrides.begin(), overrides.end());
   return config_load(source_path("configs/base.yml"), all, {});
 }
@@ -71,12 +103,17 @@ inline double json_metric(const std::string& line, const std::string& name) {
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
 #include <sstream>
+#include <thread>
 
 namespace trainer::testing {
 
 // Starts `build/trainer configs/base.yml <args...>` in the background, output to `log_path`.
 inline pid_t spawn_trainer(const std::vector<std::string>& args, const std::string& log_path) {
+  std::filesystem::create_directories(std::filesystem::path(log_path).parent_path());
   const pid_t pid = fork();
   if (pid == 0) {
     const int fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
@@ -99,6 +136,44 @@ inline int wait_exit_code(pid_t pid) {
   int status = 0;
   waitpid(pid, &status, 0);
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+// Owns the processes a test starts: whatever path the test leaves by (a failed REQUIRE, an
+// exception), the ones not yet waited for are killed and reaped, so no trainer outlives its test.
+class ChildProcesses {
+ public:
+  ChildProcesses() = default;
+  ChildProcesses(const ChildProcesses&) = delete;
+  ChildProcesses& operator=(const ChildProcesses&) = delete;
+  ~ChildProcesses() {
+    for (pid_t pid : running_) {
+      kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+    }
+  }
+  pid_t add(pid_t pid) {
+    running_.push_back(pid);
+    return pid;
+  }
+  int wait(pid_t pid) {  // exit code, or 128 + signal
+    running_.erase(std::remove(running_.begin(), running_.end(), pid), running_.end());
+    return wait_exit_code(pid);
+  }
+
+ private:
+  std::vector<pid_t> running_;
+};
+
+// Polls `done` every 20 ms for at most `seconds`; returns whether it became true. For waiting on
+// an observable event (a log line, a file, a metrics line), never for a fixed time.
+template <typename Predicate>
+bool wait_until(Predicate done, double seconds) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return true;
 }
 
 inline std::string read_file(const std::string& path) {

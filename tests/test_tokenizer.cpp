@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <filesystem>
@@ -21,7 +22,16 @@ namespace fs = std::filesystem;
 using namespace trainer;
 
 namespace {
-const std::string kDir = "/tmp/trainer-tests-tokenizer";
+// This process's own folder, removed at exit (no fixed /tmp path shared with another suite).
+struct TemporaryRoot {
+  std::string path = "/tmp/trainer-tests-tokenizer-XXXXXX";
+  TemporaryRoot() {
+    if (!mkdtemp(path.data())) throw std::runtime_error("mkdtemp failed");
+  }
+  ~TemporaryRoot() { fs::remove_all(path); }
+};
+const TemporaryRoot kRoot;
+const std::string kDir = kRoot.path;
 
 std::vector<std::string> texts() {
   std::vector<std::string> out;

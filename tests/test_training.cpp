@@ -224,16 +224,16 @@ TEST_CASE("num_zeros counts exact zeros over every gradient, and NaN/Inf flags",
 
 TEST_CASE("end to end: NaN aborts with exit 4 naming step and samples, and the spike guard skips it", "[training][cli]") {
   const std::string common = "model_name=test-tiny max_target_length=16 per_device_batch_size=2 steps=5 "
-                             "base_output_directory=/tmp/trainer-tests debug_inject_nonfinite_step=2 ";
-  std::filesystem::remove_all("/tmp/trainer-tests/nan-abort");
-  std::filesystem::remove_all("/tmp/trainer-tests/nan-skip");
+                             "base_output_directory=" + test_root() + " debug_inject_nonfinite_step=2 ";
+  std::filesystem::remove_all(test_root() + "/nan-abort");
+  std::filesystem::remove_all(test_root() + "/nan-skip");
   auto r = run_trainer(common + "run_name=nan-abort debug_inject_nonfinite_kind=grad_nan");
   CHECK(r.exit_code == 4);
   CHECK_THAT(r.output, Catch::Contains("step 2") && Catch::Contains("NaN") && Catch::Contains("4-5"));
 
   r = run_trainer(common + "run_name=nan-skip abort_on_nan_loss=false skip_step_on_spikes=true");
   REQUIRE(r.exit_code == 0);
-  const auto lines = read_lines("/tmp/trainer-tests/nan-skip/metrics.jsonl");
+  const auto lines = read_lines(test_root() + "/nan-skip/metrics.jsonl");
   REQUIRE(lines.size() == 5);
   for (int step = 0; step < 5; ++step) {
     INFO("step " << step);
@@ -281,12 +281,12 @@ TEST_CASE("bf16 compute: weights and gradients stay fp32, loss close to fp32", "
 }
 
 TEST_CASE("end to end: the default-shaped run learns and writes every metric each step", "[training][cli]") {
-  std::filesystem::remove_all("/tmp/trainer-tests/learn");
+  std::filesystem::remove_all(test_root() + "/learn");
   auto r = run_trainer("model_name=test-tiny max_target_length=32 steps=60 learning_rate=0.01 log_period=20 "
-                       "base_output_directory=/tmp/trainer-tests run_name=learn gradient_accumulation_steps=2");
+                       "base_output_directory=" + test_root() + " run_name=learn gradient_accumulation_steps=2");
   REQUIRE(r.exit_code == 0);
   CHECK_THAT(r.output, Catch::Contains("completed step: 20"));
-  const auto lines = read_lines("/tmp/trainer-tests/learn/metrics.jsonl");
+  const auto lines = read_lines(test_root() + "/learn/metrics.jsonl");
   REQUIRE(lines.size() == 60);
   for (const char* name : {"learning/loss", "learning/lm_loss", "learning/moe_lb_loss", "learning/mtp_loss",
                            "learning/z_loss", "learning/total_weights", "learning/grad_norm",
@@ -296,7 +296,7 @@ TEST_CASE("end to end: the default-shaped run learns and writes every metric eac
                            "perf/per_device_tflops_per_sec"})
     CHECK_NOTHROW(json_metric(lines.back(), name));
   CHECK(json_metric(lines.back(), "learning/loss") < json_metric(lines.front(), "learning/loss") - 1.0);
-  CHECK(std::filesystem::exists("/tmp/trainer-tests/learn/config.yml"));
+  CHECK(std::filesystem::exists(test_root() + "/learn/config.yml"));
 }
 
 namespace {
@@ -428,7 +428,7 @@ TEST_CASE("a run whose memory plan exceeds the machine exits 2 with the plan and
   // ulimit -v caps this process's address space (RLIMIT_AS): the check sees ~2 GB available.
   const std::string limit = "ulimit -v 3000000;";
   const std::string big = "model_name=default per_device_batch_size=64 max_target_length=1024 steps=1 "
-                          "base_output_directory=/tmp/trainer-tests run_name=memory-plan ";
+                          "base_output_directory=" + test_root() + " run_name=memory-plan ";
   auto r = run_trainer(big, limit);
   CHECK(r.exit_code == 2);
   CHECK_THAT(r.output, Catch::Contains("the memory plan does not fit on rank 0") &&
@@ -445,7 +445,7 @@ TEST_CASE("a run whose memory plan exceeds the machine exits 2 with the plan and
   CHECK_THAT(dry.output, Catch::Contains("does NOT fit") && Catch::Contains("memory plan per rank"));
 
   // A 7B model: nothing fits, said so, and nothing was allocated (it ends at once, exit 2).
-  r = run_trainer("model_name=llama2-7b steps=1 base_output_directory=/tmp/trainer-tests run_name=memory-plan-7b", limit);
+  r = run_trainer("model_name=llama2-7b steps=1 base_output_directory=" + test_root() + " run_name=memory-plan-7b", limit);
   CHECK(r.exit_code == 2);
   CHECK_THAT(r.output, Catch::Contains("nothing the plan knows of fits") && Catch::Contains("weights, gradients and optimizer state alone need"));
 
