@@ -2,7 +2,9 @@
 # Ling2 pretraining (the RFC's scripts/pretrain_ling2.sh, change 8, for this trainer).
 # Architecture: configs/models/ling2.yml (Ling 2.0 dimensions; MoE + MTP; see docs/moe.md).
 # Every setting below can be overridden from the environment (${VAR:-default}); anything after
-# the script name is passed through to build/trainer as key=value overrides.
+# the script name is passed through to the trainer as key=value overrides. TRAINER names the
+# binary (default build/trainer, built by scripts/setup.sh when missing; a TRAINER that does not
+# exist is an error, never a reason to install anything).
 #   NPROC=8 scripts/pretrain_ling2.sh                                 # one node, 8 processes
 #   HOSTFILE=hosts NPROC=16 scripts/pretrain_ling2.sh steps=1000      # several nodes (mpirun --hostfile)
 set -euo pipefail
@@ -47,7 +49,7 @@ DATA_PATH=${DATA_PATH:-data/fortunes_text_document}
 if [ "$DATA_PATH" = data/fortunes_text_document ]; then
   EOD_ID=${DEMO_EOD_ID:-256}
   PAD_ID=${DEMO_PAD_ID:-257}
-  [ -f data/fortunes_text_document.idx ] || scripts/prepare_corpus.sh
+  if [ "$DATASET_TYPE" = megatron ] && [ ! -f data/fortunes_text_document.idx ]; then scripts/prepare_corpus.sh; fi
 fi
 SPLIT=${SPLIT:-"969,30,1"}
 DATA_SEED=${DATA_SEED:-1234}
@@ -71,13 +73,18 @@ if [ ! -f "configs/models/${MODEL_NAME}.yml" ]; then
   echo "pretrain_ling2.sh: configs/models/${MODEL_NAME}.yml does not exist (MODEL_NAME=${MODEL_NAME})" >&2
   exit 2
 fi
-[ -x build/trainer ] || scripts/setup.sh
+if [ -n "${TRAINER:-}" ]; then
+  [ -x "$TRAINER" ] || { echo "pretrain_ling2.sh: TRAINER=$TRAINER is not an executable" >&2; exit 2; }
+else
+  TRAINER=build/trainer
+  [ -x "$TRAINER" ] || scripts/setup.sh
+fi
 
 # ============================================================================
 # 6. Start training
 # ============================================================================
 set -x
-exec "${LAUNCH[@]}" build/trainer "$CONFIG_FILE" \
+exec "${LAUNCH[@]}" "$TRAINER" "$CONFIG_FILE" \
   model_name="$MODEL_NAME" \
   override_model_config=true \
   run_name="$RUN_NAME" \

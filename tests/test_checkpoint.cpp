@@ -80,13 +80,27 @@ TEST_CASE("bit-exact resume: N steps straight == N/2 + resume + N/2 (both modes,
 }
 
 TEST_CASE("a run that already reached steps says so and exits 0, and more steps resume", "[checkpoint]") {
-  const std::string args = "model_name=test-tiny max_target_length=16 steps=3 base_output_directory=" + kOut + " run_name=done";
+  // The schedule length is fixed so that 3 steps, then 5, is the same run as 5 straight.
+  const std::string common = "model_name=test-tiny max_target_length=16 learning_rate_schedule_steps=5 "
+                             "warmup_steps_fraction=0.2 base_output_directory=" + kOut;
   fs::remove_all(kOut + "/done");
-  REQUIRE(run_trainer(args).exit_code == 0);
-  const auto again = run_trainer(args);
+  fs::remove_all(kOut + "/straight");
+  REQUIRE(run_trainer(common + " steps=3 run_name=done").exit_code == 0);
+  const auto again = run_trainer(common + " steps=3 run_name=done");
   CHECK(again.exit_code == 0);
   CHECK_THAT(again.output, Catch::Contains("already reached step 3"));
   CHECK(read_lines(kOut + "/done/metrics.jsonl").size() == 3);
+  // More steps continue from the checkpoint, exactly as an uninterrupted run.
+  REQUIRE(run_trainer(common + " steps=5 run_name=done").exit_code == 0);
+  REQUIRE(run_trainer(common + " steps=5 run_name=straight").exit_code == 0);
+  const auto resumed = read_lines(kOut + "/done/metrics.jsonl"), straight = read_lines(kOut + "/straight/metrics.jsonl");
+  REQUIRE(resumed.size() == 5);
+  REQUIRE(straight.size() == 5);
+  for (size_t step = 0; step < 5; ++step)
+    for (const char* name : {"learning/loss", "learning/raw_grad_norm", "learning/param_norm", "learning/current_learning_rate"}) {
+      INFO("step " << step << " " << name);
+      CHECK(json_metric(resumed[step], name) == json_metric(straight[step], name));
+    }
 }
 
 TEST_CASE("kill -9 at random moments never leaves a checkpoint that is taken for complete", "[checkpoint]") {

@@ -215,22 +215,29 @@ TEST_CASE("checkpoints of R=2 resume bit-exactly with R=2, and load with R=1", "
 TEST_CASE("scripts/pretrain_ling2.sh: valid bash, and a 2-step run with 2 processes", "[dist][cli]") {
   CHECK(run_command("bash -n " + source_path("scripts/pretrain_ling2.sh")).exit_code == 0);
   fs::remove_all(kOut + "/ling2-script");
-  const auto r = run_command("cd " + std::string(TRAINER_SOURCE_DIR) + " && MODEL_NAME=ling2-tiny VOCAB_SIZE=258 NPROC=2 "
+  // The binary under test, not build/trainer; synthetic data (no corpus preparation).
+  const std::string trainer = std::string("TRAINER=") + TRAINER_BINARY + " ";
+  const auto r = run_command("cd " + std::string(TRAINER_SOURCE_DIR) + " && " + trainer + "MODEL_NAME=ling2-tiny VOCAB_SIZE=258 NPROC=2 "
                              "STEPS=2 MAX_TARGET_LENGTH=32 DTYPE=float32 BASE_OUTPUT_DIR=" + kOut +
                              " RUN_NAME=ling2-script DATASET_TYPE=synthetic DEMO_EOD_ID=-1 DEMO_PAD_ID=0 "
                              "scripts/pretrain_ling2.sh data_cache_path=" + kOut + "/cache");
   INFO(r.output);
   CHECK(r.exit_code == 0);
   CHECK(metrics_of("ling2-script").size() == 2);
-  const auto missing = run_command("cd " + std::string(TRAINER_SOURCE_DIR) + " && MODEL_NAME=ling3 scripts/pretrain_ling2.sh");
+  const auto missing = run_command("cd " + std::string(TRAINER_SOURCE_DIR) + " && " + trainer +
+                                   "MODEL_NAME=ling3 scripts/pretrain_ling2.sh");
   CHECK(missing.exit_code == 2);
   CHECK_THAT(missing.output, Catch::Contains("configs/models/ling3.yml does not exist"));
+  const auto no_binary = run_command("cd " + std::string(TRAINER_SOURCE_DIR) + " && TRAINER=/nonexistent/trainer "
+                                     "MODEL_NAME=ling2-tiny scripts/pretrain_ling2.sh");
+  CHECK(no_binary.exit_code == 2);
+  CHECK_THAT(no_binary.output, Catch::Contains("TRAINER=/nonexistent/trainer is not an executable"));
 }
 
 TEST_CASE("ZeRO-1 gives the same weights and optimizer state as plain data parallel", "[dist][cli]") {
   const std::string common = "model_name=moe-tiny max_target_length=16 per_device_batch_size=1 gradient_accumulation_steps=2 "
                              "steps=3 warmup_steps_fraction=0 learning_rate=0.01 synthetic_min_valid_fraction=0.3 "
-                             "base_output_directory=" + kOut + " ";
+                             "learning_rate_schedule_steps=4 base_output_directory=" + kOut + " ";
   fs::remove_all(kOut + "/zero1");
   fs::remove_all(kOut + "/plain");
   const auto zero = mpirun(2, common + "shard_optimizer_over_data=true run_name=zero1");
@@ -246,9 +253,21 @@ TEST_CASE("ZeRO-1 gives the same weights and optimizer state as plain data paral
     CHECK(z[i]["learning/loss"].dump() == p[i]["learning/loss"].dump());
     CHECK(z[i]["perf/collectives_per_step"] == 3);  // gradient bucket + scalars + parameter gather
   }
-  // The sharded run's checkpoint resumes with one process (the full moments were gathered).
-  const auto one = run_trainer("model_name=moe-tiny max_target_length=16 per_device_batch_size=1 gradient_accumulation_steps=4 "
-                               "steps=4 warmup_steps_fraction=0 learning_rate=0.01 learning_rate_schedule_steps=4 "
-                               "base_output_directory=" + kOut + " run_name=zero1");
-  CHECK(one.exit_code == 0);
+  // The sharded run's checkpoint resumes with one process (the full moments were gathered), and
+  // continues as an uninterrupted one-process run of the same global batch: R=2 x K=2 equals
+  // R=1 x K=4 over the same samples (to float tolerance: the sums are taken in another order).
+  const std::string one_process = "model_name=moe-tiny max_target_length=16 per_device_batch_size=1 "
+                                  "gradient_accumulation_steps=4 steps=4 warmup_steps_fraction=0 learning_rate=0.01 "
+                                  "synthetic_min_valid_fraction=0.3 learning_rate_schedule_steps=4 base_output_directory=" + kOut;
+  fs::remove_all(kOut + "/one-straight");
+  const auto one = run_trainer(one_process + " run_name=zero1");
+  REQUIRE(one.exit_code == 0);
+  REQUIRE(run_trainer(one_process + " run_name=one-straight").exit_code == 0);
+  const auto resumed = metrics_of("zero1"), straight = metrics_of("one-straight");
+  REQUIRE(resumed.size() == 4);
+  REQUIRE(straight.size() == 4);
+  for (size_t i = 0; i < 4; ++i) {
+    INFO("step " << i);
+    CHECK(resumed[i]["learning/loss"].get<double>() == Approx(straight[i]["learning/loss"].get<double>()).epsilon(1e-5));
+  }
 }

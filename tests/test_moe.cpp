@@ -109,9 +109,14 @@ TEST_CASE("RFC test 5: reported aux losses at K=4 equal those at K=1, not K time
   for (const char* name : {"learning/moe_lb_loss", "learning/mtp_loss", "learning/mtp_loss_raw"}) {
     INFO(name << ": K=4 " << metric(k4, a, name) << ", K=1 " << metric(k1, b, name));
     CHECK(metric(k1, b, name) > 0);
-    // Same scale (the bug this guards against made K=4 report 4x); LB is a batch statistic, so
-    // one-sample micro-batches see a somewhat different balance than four-sample ones.
-    CHECK(metric(k4, a, name) == Approx(metric(k1, b, name)).epsilon(0.12));
+    // Same scale (the bug this guards against made K=4 report 4x). LB is a statistic of each
+    // micro-batch's routing (E sum f P over its tokens), so one-sample micro-batches legitimately
+    // see another balance than four-sample ones: measured 1.092 vs 1.017 (7%); 12% bounds that and
+    // is far from the 4x of the bug (the exact per-micro-batch values are checked in "reported aux
+    // terms are the terms of J"). The MTP terms are per-token means over the same tokens, apart
+    // from how uneven valid counts weigh them: measured 4e-5 relative.
+    const double tolerance = std::string(name) == "learning/moe_lb_loss" ? 0.12 : 1e-3;
+    CHECK(metric(k4, a, name) == Approx(metric(k1, b, name)).epsilon(tolerance));
   }
   CHECK(metric(k4, a, "learning/lm_loss") == Approx(metric(k1, b, "learning/lm_loss")).epsilon(1e-6));
   CHECK(metric(k4, a, "learning/loss") == Approx(metric(k4, a, "learning/lm_loss") + metric(k4, a, "learning/moe_lb_loss") +
@@ -338,11 +343,35 @@ TEST_CASE("end to end: moe-tiny and ling2-tiny train with falling loss and repor
     const auto lines = read_lines(test_root() + "/e2e-" + model + "/metrics.jsonl");
     REQUIRE(lines.size() == 40);
     CHECK(json_metric(lines.back(), "learning/lm_loss") < json_metric(lines.front(), "learning/lm_loss") - 0.5);
+    // A bound only (the value is checked against a constructed routing in its own test): between
+    // balanced (1) and every token on the same k experts (E / k = 4).
     CHECK(json_metric(lines.back(), "moe/expert_load_max_over_mean") >= 1.0);
+    CHECK(json_metric(lines.back(), "moe/expert_load_max_over_mean") <= 4.0);
     if (model == "ling2-tiny") {
       CHECK(json_metric(lines.back(), "learning/mtp_loss") > 0);
       CHECK(json_metric(lines.back(), "learning/mtp_loss_raw") ==
             Approx(10 * json_metric(lines.back(), "learning/mtp_loss")).epsilon(1e-6));
     }
   }
+}
+
+TEST_CASE("expert load imbalance of a constructed routing: every token on the same k experts gives E / k", "[moe]") {
+  // moe-tiny: E = 8, k = 2. A selection bias of +100 on experts 0 and 1 makes every token choose
+  // them (selection uses score + bias), so each gets all n tokens and the others none: max = n,
+  // mean = n k / E, max / mean = E / k = 4 exactly, in every MoE layer.
+  Trainer t(tiny_config(moe_opts({"routed_bias=true", "routed_bias_update_rate=0"})));
+  REQUIRE(t.config().num_experts == 8);
+  REQUIRE(t.config().num_experts_per_tok == 2);
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& layer : t.model()->moe_layers()) {
+      layer->gate->e_score_correction_bias.zero_();
+      layer->gate->e_score_correction_bias.narrow(0, 0, 2).fill_(100.0);
+    }
+  }
+  const auto out = t.forward_backward(0);
+  CHECK(metric(t, out, "moe/expert_load_max_over_mean") == Approx(4.0).epsilon(1e-12));
+  // Unbiased routing of the same model is far more balanced (the metric moves with the routing).
+  Trainer plain(tiny_config(moe_opts({"routed_bias=true", "routed_bias_update_rate=0"})));
+  CHECK(metric(plain, plain.forward_backward(0), "moe/expert_load_max_over_mean") < 3.0);
 }
