@@ -1,9 +1,11 @@
 // Config: layering, coercion, errors with exit code 2, derived values, parameter counts.
 #include <catch2/catch.hpp>
 
+#include <filesystem>
 #include <fstream>
 #include <regex>
 #include <set>
+#include <sstream>
 
 #include "test_support.h"
 #include "trainer/model/model_size.h"
@@ -67,6 +69,16 @@ TEST_CASE("resolved config round-trips through --print-config's YAML", "[config]
   CHECK(b.dtype == "bfloat16");
   CHECK(b.z_loss_multiplier == a.z_loss_multiplier);
   CHECK(b.base_emb_dim == a.base_emb_dim);
+  // Every key, not only those four: the two dumps agree line for line but for model_name.
+  std::istringstream dump_a(config_to_yaml(a)), dump_b(config_to_yaml(b));
+  size_t lines = 0, differing = 0;
+  for (std::string x, y; std::getline(dump_a, x) && std::getline(dump_b, y); ++lines) {
+    if (x == y) continue;
+    ++differing;
+    CHECK(x.rfind("model_name:", 0) == 0);
+  }
+  CHECK(differing == 1);
+  CHECK(lines >= 100);  // every key of base.yml was compared (100 today)
 }
 
 TEST_CASE("config errors name the key and exit with code 2", "[config]") {
@@ -108,6 +120,46 @@ TEST_CASE("config errors name the key and exit with code 2", "[config]") {
   SECTION("unknown model") {
     CHECK_THAT(load_error({"model_name=llama9"}).what(), Catch::Contains("llama9") && Catch::Contains("qwen3-0.6b"));
   }
+}
+
+TEST_CASE("base_config chains, YAML syntax and malformed overrides are errors naming the file or argument", "[config]") {
+  const std::string dir = test_root() + "/configs";
+  std::filesystem::create_directories(dir);
+  const auto write = [&](const std::string& name, const std::string& text) {
+    std::ofstream(dir + "/" + name) << text;
+    return dir + "/" + name;
+  };
+  const auto error_of = [&](const std::string& path, std::vector<std::string> overrides = {}) -> std::string {
+    try {
+      config_load(path, overrides, {});
+    } catch (const Error& e) {
+      CHECK(e.exit_code() == kExitUsage);
+      return e.what();
+    }
+    FAIL("config_load accepted " << path);
+    return "";
+  };
+  // A two-level chain: the nearer file wins over what it inherits, and both over base.yml.
+  write("middle.yml", "base_config: " + source_path("configs/base.yml") + "\nsteps: 7\nlearning_rate: 0.5\n");
+  const auto child = write("child.yml", "base_config: middle.yml\nsteps: 9\n");
+  // model_name="": these files have no models/ folder beside them.
+  const Config c = config_load(child, {"model_name=", "dataset_type=synthetic", "pad_id=0"}, {});
+  CHECK(c.steps == 9);
+  CHECK(c.learning_rate == 0.5);
+  // A cycle ends with the depth error, naming a file of it.
+  write("loop-a.yml", "base_config: loop-b.yml\n");
+  const auto loop = write("loop-b.yml", "base_config: loop-a.yml\n");
+  CHECK_THAT(error_of(loop), Catch::Contains("base_config chain deeper than 16 files") && Catch::Contains("loop-"));
+  CHECK_THAT(error_of(write("orphan.yml", "base_config: nowhere.yml\n")),
+             Catch::Contains("config file not found") && Catch::Contains("nowhere.yml"));
+  // YAML syntax: the parser's message with the file's name.
+  CHECK_THAT(error_of(write("broken.yml", "base_config: middle.yml\nsteps: [1, 2\n")),
+             Catch::Contains("cannot parse config file") && Catch::Contains("broken.yml"));
+  CHECK_THAT(error_of(write("list.yml", "- a\n- b\n")), Catch::Contains("is not a key: value map"));
+  // Command-line overrides that are not key=value, or whose value is not a YAML scalar.
+  CHECK_THAT(error_of(child, {"model_name=", "steps"}), Catch::Contains("override 'steps' is not of the form key=value"));
+  CHECK_THAT(error_of(child, {"model_name=", "steps=[1"}), Catch::Contains("'steps'") && Catch::Contains("not valid YAML"));
+  CHECK_THAT(error_of(child, {"model_name=", "=5"}), Catch::Contains("'=5' is not of the form key=value"));
 }
 
 TEST_CASE("the binary exits 2 on config errors and 0 on --print-config / --dry-run", "[config][cli]") {

@@ -302,6 +302,21 @@ TEST_CASE("a re-created loader continues exactly, and the index cache is reused 
   for (const auto& e : fs::directory_iterator(kDir + "/cache-cache")) count += e.path().extension() == ".gptidx";
   CHECK(count == 4);
   CHECK(seed.data_loader_next(0, 0).inputs != first.data_loader_next(0, 0).inputs);
+
+  // A corrupted cache file (same size, one byte changed) is not trusted: rebuilt and replaced.
+  const std::string original = read_file(files[0]);
+  std::string corrupted = original;
+  corrupted[corrupted.size() / 2] = static_cast<char>(corrupted[corrupted.size() / 2] ^ 0x5a);
+  std::ofstream(files[0], std::ios::binary) << corrupted;
+  const DataLoader rebuilt(c, 0);
+  for (int64_t step = 0; step < 30; ++step)
+    CHECK(rebuilt.data_loader_next(step, 0).inputs == first.data_loader_next(step, 0).inputs);
+  CHECK(read_file(files[0]) == original);
+  // A truncated one too.
+  std::ofstream(files[0], std::ios::binary) << original.substr(0, original.size() - 3);
+  const DataLoader after_truncation(c, 0);
+  CHECK(after_truncation.data_loader_next(29, 0).inputs == first.data_loader_next(29, 0).inputs);
+  CHECK(read_file(files[0]) == original);
 }
 
 TEST_CASE("Megatron masks: pad targets, eod_mask_loss, reset_position_ids, reset_attention_mask", "[data]") {

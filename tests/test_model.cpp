@@ -88,7 +88,9 @@ TEST_CASE("parameters carry Hugging Face names and match the config-only count",
   }
 }
 
-TEST_CASE("RoPE uses rotate_half pairs (i, i + d/2) and respects the position input", "[model]") {
+// The pairing itself (rotate_half's (i, i + rot/2), not interleaved) is checked against the
+// independent forward at the end of this file; this one checks relative-position invariance.
+TEST_CASE("RoPE scores depend only on relative positions, and the position input is used", "[model]") {
   // One attention head, identity-ish check: relative-position invariance. Shifting all positions of
   // a document by a constant leaves the logits unchanged (RoPE scores depend on differences only).
   torch::manual_seed(3);

@@ -375,3 +375,47 @@ TEST_CASE("expert load imbalance of a constructed routing: every token on the sa
   Trainer plain(tiny_config(moe_opts({"routed_bias=true", "routed_bias_update_rate=0"})));
   CHECK(metric(plain, plain.forward_backward(0), "moe/expert_load_max_over_mean") < 3.0);
 }
+
+TEST_CASE("top-k dispatch with norm_topk_prob and routed_scaling_factor equals a hand computation", "[moe]") {
+  // E = 3 experts, k = 2, router logits = x W^T with W rows (1,0), (0,1), (1,1); per token the two
+  // largest scores are chosen and the output is sum_e w_e * expert_e(x), with
+  //   w_e = s_e / (sum of the chosen s) * scale   (norm_topk_prob)    or   s_e * scale   (not).
+  for (const std::string func : {"sigmoid", "softmax"})
+    for (const bool normalize : {true, false}) {
+      INFO(func << ", norm_topk_prob " << normalize);
+      const double scale = 2.5;
+      const Config c = tiny_config({"override_model_config=true", "base_emb_dim=2", "num_experts=3",
+                                    "num_experts_per_tok=2", "base_moe_mlp_dim=4", "shared_experts=0",
+                                    "routed_bias=false", "routed_scaling_factor=2.5", "routed_score_func=" + func,
+                                    std::string("norm_topk_prob=") + (normalize ? "true" : "false")});
+      torch::manual_seed(5);
+      Moe moe(c);
+      torch::NoGradGuard no_grad;
+      moe->gate->weight.copy_(torch::tensor({1.0f, 0.0f, 0.0f, 1.0f, 1.0f, 1.0f}).view({3, 2}));
+      const auto x = torch::tensor({0.3f, -1.2f, 2.0f, 0.5f, -0.4f, -0.9f}).view({1, 3, 2});
+      BlockContext ctx;
+      ctx.valid = torch::ones({1, 3}, torch::kBool);
+      const auto y = moe->forward(x, ctx);  // (1, 3, 2)
+      for (int64_t t = 0; t < 3; ++t) {
+        const double a = x[0][t][0].item<double>(), b = x[0][t][1].item<double>();
+        const double logits[3] = {a, b, a + b};
+        double s[3];
+        for (int e = 0; e < 3; ++e)
+          s[e] = func == "sigmoid" ? 1 / (1 + std::exp(-logits[e]))
+                                   : std::exp(logits[e]) / (std::exp(a) + std::exp(b) + std::exp(a + b));
+        // The expert with the smallest score is the one left out.
+        const int out = static_cast<int>(std::min_element(s, s + 3) - s);
+        double chosen_sum = 0;
+        for (int e = 0; e < 3; ++e)
+          if (e != out) chosen_sum += s[e];
+        auto expected = torch::zeros({2}, torch::kFloat64);
+        for (int e = 0; e < 3; ++e) {
+          if (e == out) continue;
+          const double w = (normalize ? s[e] / chosen_sum : s[e]) * scale;
+          expected += w * moe->experts[e]->as<MlpImpl>()->forward(x[0][t].unsqueeze(0)).squeeze(0).to(torch::kFloat64);
+        }
+        INFO("token " << t << ": " << y[0][t] << " vs " << expected);
+        CHECK(torch::allclose(y[0][t].to(torch::kFloat64), expected, 1e-5, 1e-6));
+      }
+    }
+}

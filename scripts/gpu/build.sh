@@ -27,5 +27,6 @@ nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
 cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$torch_prefix;$deps/usr" \
   -DCMAKE_CUDA_COMPILER="$nvcc" -DCUDAToolkit_ROOT="$(dirname "$(dirname "$nvcc")")" \
-  -DCMAKE_CXX_FLAGS="$extra_flags" -DTRAINER_WITH_SENTENCEPIECE=OFF "${nccl_args[@]}" "$@"
+  -DCMAKE_CXX_FLAGS="$extra_flags" -DTRAINER_WITH_SENTENCEPIECE=OFF -DTRAINER_ALLOW_NO_GLOO=ON \
+  "${nccl_args[@]}" "$@"
 cmake --build build-gpu -j "$(nproc)" --target trainer trainer_tests preprocess_data -- -k

@@ -30,6 +30,14 @@ phase "the 2.11 resume crash (docs/checkpoints.md, known issue): the two tests, 
 grep -E "fatal signal|^/|libtorch|trainer\(|test cases|assertions" "$log/resume_crash.log" | head -80
 phase "benchmark"
 timeout "${BENCH_SECONDS:-240}" python3 scripts/gpu/bench.py "$@" 2>&1 | tee "$log/bench.log"
+phase "memory plan against the CUDA allocator's peak (docs/memory.md)"
+for K in 1 8; do
+  plan=$(timeout 30 build-gpu/trainer configs/base.yml hardware=gpu dtype=bfloat16 model_name=llama3.2-1b \
+         max_target_length=2048 per_device_batch_size=8 gradient_accumulation_steps=$K --dry-run | sed -n 's/.*total .*(\([0-9]*\) bytes).*/\1/p')
+  peak=$(python3 -c 'import json,sys; print(json.loads(open(sys.argv[1]).readlines()[-1]).get("memory/cuda_peak_allocated_bytes", 0))' \
+         "/tmp/trainer-gpu-bench/llama3.2-1b-k$K/metrics.jsonl" 2>/dev/null)
+  echo "llama3.2-1b bf16 K=$K: plan $plan bytes, CUDA peak allocated ${peak:-unknown} bytes" | tee -a "$log/memory_plan.log"
+done
 phase "profile (peer arm, kernel categories)"
 timeout 90 python3 scripts/gpu/profile_peer.py /tmp/trainer-gpu-bench/llama3.2-1b-k1 2>&1 | tee "$log/profile.log"
 phase "CPU test suite on this LibTorch (no mpirun, no Gloo here)"

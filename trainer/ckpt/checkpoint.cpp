@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <thread>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -78,7 +79,11 @@ CheckpointState state_from_json(const std::string& text, const std::string& path
   }
 }
 
-void write_checkpoint(const std::string& checkpoints_dir, const CheckpointContents& c, int64_t keep) {
+// `pause_at_step` (testing, debug_pause_checkpoint_save_step): the save of that step stops after
+// model.safetensors, with a PAUSED marker in the temporary directory, and waits to be killed, so a
+// test can kill a trainer inside a save deterministically.
+void write_checkpoint(const std::string& checkpoints_dir, const CheckpointContents& c, int64_t keep,
+                      int64_t pause_at_step) {
   const fs::path root(checkpoints_dir);
   fs::create_directories(root);
   const std::string name = std::to_string(c.state.step);
@@ -92,6 +97,10 @@ void write_checkpoint(const std::string& checkpoints_dir, const CheckpointConten
     manifest["files"][file] = {{"bytes", fs::file_size(tmp / file)}, {"crc32c", hex32(crc)}};
   };
   record("model.safetensors", checkpoint_write_tensors((tmp / "model.safetensors").string(), c.model));
+  if (c.state.step == pause_at_step) {
+    file_write_durable((tmp / "PAUSED").string(), "paused by debug_pause_checkpoint_save_step\n");
+    for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+  }
   record("optimizer.safetensors", checkpoint_write_tensors((tmp / "optimizer.safetensors").string(), c.optimizer));
   const std::string state = state_to_json(c.state);
   file_write_durable((tmp / "state.json").string(), state);
@@ -213,7 +222,9 @@ CheckpointContents checkpoint_load(const std::string& checkpoint_dir) {
 }
 
 Checkpointer::Checkpointer(const Config& config)
-    : checkpoints_dir_((fs::path(config.run_dir) / "checkpoints").string()), keep_(config.max_num_checkpoints_to_keep) {}
+    : checkpoints_dir_((fs::path(config.run_dir) / "checkpoints").string()),
+      keep_(config.max_num_checkpoints_to_keep),
+      pause_at_step_(config.debug_pause_checkpoint_save_step) {}
 
 Checkpointer::~Checkpointer() {
   const std::string error = wait();
@@ -240,7 +251,7 @@ void Checkpointer::save(CheckpointContents contents, bool async) {
   auto write = [this, step](const CheckpointContents& c) {
     const auto start = std::chrono::steady_clock::now();
     try {
-      write_checkpoint(checkpoints_dir_, c, keep_);
+      write_checkpoint(checkpoints_dir_, c, keep_, pause_at_step_);
     } catch (const std::exception& e) {
       throw Error(kExitFailure, "saving checkpoint " + std::to_string(step) + " under " + checkpoints_dir_ +
                                     " failed: " + e.what() + " (earlier checkpoints are intact)");

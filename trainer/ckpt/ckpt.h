@@ -53,6 +53,7 @@ class Checkpointer {
  private:
   std::string checkpoints_dir_;
   int64_t keep_;
+  int64_t pause_at_step_ = -1;  // debug_pause_checkpoint_save_step
   std::thread worker_;
   std::exception_ptr worker_error_;
 };

@@ -116,9 +116,13 @@ SafetensorsFile safetensors_read(const std::string& path) {
   } catch (const std::exception& e) {
     throw fail(std::string("header is not JSON: ") + e.what());
   }
+  if (!header.is_object()) throw fail("header is not a JSON object");
   for (const auto& [name, value] : header.items()) {
     if (name == "__metadata__") {
-      for (const auto& [k, v] : value.items()) file.metadata[k] = v.get<std::string>();
+      for (const auto& [k, v] : value.items()) {
+        if (!v.is_string()) throw fail("__metadata__ entry " + k + " is not a string");
+        file.metadata[k] = v.get<std::string>();
+      }
       continue;
     }
     SafetensorsTensor t;
@@ -134,8 +138,17 @@ SafetensorsFile safetensors_read(const std::string& path) {
       throw fail("tensor " + name + ": " + e.what());
     }
     uint64_t elements = 1;
-    for (auto d : t.shape) elements *= static_cast<uint64_t>(d);
-    if (elements * dtype_size(t.dtype) != t.nbytes) throw fail("tensor " + name + " size does not match its shape");
+    for (auto d : t.shape) {
+      if (d < 0) throw fail("tensor " + name + " has a negative dimension");
+      elements *= static_cast<uint64_t>(d);
+    }
+    size_t item = 0;
+    try {
+      item = dtype_size(t.dtype);
+    } catch (const std::exception& e) {
+      throw fail("tensor " + name + ": " + e.what());
+    }
+    if (elements * item != t.nbytes) throw fail("tensor " + name + " size does not match its shape");
     file.tensors[name] = t;
   }
   return file;

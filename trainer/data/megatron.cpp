@@ -43,17 +43,29 @@ std::vector<std::pair<double, std::string>> parse_dataset_path(const std::string
   return out;
 }
 
-// A cache file: magic, counts, then the three arrays. Written to a temp file and renamed.
-constexpr char kCacheMagic[8] = {'T', 'R', 'G', 'P', 'T', 'I', 'X', '1'};
+// A cache file: magic, counts, the CRC32C of the arrays, then the three arrays. Written to a temp
+// file and renamed. A file that is short, long, of another version or fails its checksum is not
+// trusted: the indices are rebuilt and the file replaced.
+constexpr char kCacheMagic[8] = {'T', 'R', 'G', 'P', 'T', 'I', 'X', '2'};
+
+uint32_t cache_checksum(const GptIndices& ix) {
+  uint32_t crc = crc32c_update(0, ix.document_index.data(), 4 * ix.document_index.size());
+  crc = crc32c_update(crc, ix.sample_index.data(), 8 * ix.sample_index.size());
+  return crc32c_update(crc, ix.shuffle_index.data(), 8 * ix.shuffle_index.size());
+}
 
 bool read_cache(const std::string& path, GptIndices& ix) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return false;
   char magic[8];
   uint64_t counts[5];
+  uint32_t checksum = 0;
   in.read(magic, 8);
   in.read(reinterpret_cast<char*>(counts), sizeof counts);
+  in.read(reinterpret_cast<char*>(&checksum), sizeof checksum);
   if (!in || std::memcmp(magic, kCacheMagic, 8) != 0) return false;
+  const auto file_size = fs::file_size(path);
+  if (file_size != 8 + sizeof counts + sizeof checksum + 4 * counts[0] + 8 * counts[1] + 8 * counts[2]) return false;
   ix.document_index.resize(counts[0]);
   ix.sample_index.resize(counts[1]);
   ix.shuffle_index.resize(counts[2]);
@@ -62,7 +74,12 @@ bool read_cache(const std::string& path, GptIndices& ix) {
   in.read(reinterpret_cast<char*>(ix.document_index.data()), static_cast<std::streamsize>(4 * counts[0]));
   in.read(reinterpret_cast<char*>(ix.sample_index.data()), static_cast<std::streamsize>(8 * counts[1]));
   in.read(reinterpret_cast<char*>(ix.shuffle_index.data()), static_cast<std::streamsize>(8 * counts[2]));
-  return static_cast<bool>(in) && in.peek() == EOF;
+  if (!in || in.peek() != EOF) return false;
+  if (cache_checksum(ix) != checksum) {
+    spdlog::warn("data index cache {} fails its checksum: not used, rebuilt", path);
+    return false;
+  }
+  return true;
 }
 
 void write_cache(const std::string& path, const GptIndices& ix) {
@@ -71,8 +88,10 @@ void write_cache(const std::string& path, const GptIndices& ix) {
     std::ofstream out(tmp, std::ios::binary);
     const uint64_t counts[5] = {ix.document_index.size(), ix.sample_index.size(), ix.shuffle_index.size(),
                                 static_cast<uint64_t>(ix.num_epochs), ix.separate_final_epoch ? 1u : 0u};
+    const uint32_t checksum = cache_checksum(ix);
     out.write(kCacheMagic, 8);
     out.write(reinterpret_cast<const char*>(counts), sizeof counts);
+    out.write(reinterpret_cast<const char*>(&checksum), sizeof checksum);
     out.write(reinterpret_cast<const char*>(ix.document_index.data()), static_cast<std::streamsize>(4 * counts[0]));
     out.write(reinterpret_cast<const char*>(ix.sample_index.data()), static_cast<std::streamsize>(8 * counts[1]));
     out.write(reinterpret_cast<const char*>(ix.shuffle_index.data()), static_cast<std::streamsize>(8 * counts[2]));
