@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -466,4 +467,41 @@ TEST_CASE("safetensors header errors name the file and the problem", "[checkpoin
   bytes[0] = static_cast<char>(0xff);
   std::ofstream(dir + "/long.safetensors", std::ios::binary) << bytes;
   CHECK_THAT(error_of(dir + "/long.safetensors"), Catch::Contains("exceeds the file"));
+}
+
+TEST_CASE("load_full_state_path continues another run's checkpoint exactly; load_parameters_path takes a directory",
+          "[checkpoint]") {
+  const std::string common = "model_name=test-tiny max_target_length=16 learning_rate_schedule_steps=4 steps=4 "
+                             "base_output_directory=" + kOut;
+  for (const std::string run : {"source", "full-state"}) fs::remove_all(kOut + "/" + run);
+  REQUIRE(run_trainer(common + " checkpoint_period=2 run_name=source").exit_code == 0);
+  const std::string checkpoint = kOut + "/source/checkpoints/2";
+  // Another run directory, started from the source's step-2 state: its steps 2 and 3 are the source's.
+  const auto full = run_trainer(common + " run_name=full-state load_full_state_path=" + checkpoint);
+  REQUIRE(full.exit_code == 0);
+  CHECK_THAT(full.output, Catch::Contains("loaded full state from " + checkpoint + " (step 2)"));
+  const auto source = read_lines(kOut + "/source/metrics.jsonl"), continued = read_lines(kOut + "/full-state/metrics.jsonl");
+  REQUIRE(source.size() == 4);
+  REQUIRE(continued.size() == 2);
+  for (size_t i = 0; i < 2; ++i) {
+    INFO("step " << i + 2);
+    CHECK(json_metric(continued[i], "step") == static_cast<double>(i + 2));
+    for (const char* name : {"learning/loss", "learning/param_norm", "learning/current_learning_rate"})
+      CHECK(json_metric(continued[i], name) == json_metric(source[i + 2], name));
+  }
+  // Weights only, from the checkpoint directory: the parameters are the file's, the optimizer fresh.
+  Trainer weights(tiny_config({"load_parameters_path=" + checkpoint}));
+  CHECK(weights.load_initial_state() == 0);
+  CHECK(weights.updates_applied() == 0);
+  const auto file = safetensors_read(checkpoint + "/model.safetensors");
+  const auto& stored = file.tensors.at("model.layers.1.mlp.down_proj.weight");
+  const auto parameter = weights.model()->named_parameters()["model.layers.1.mlp.down_proj.weight"].contiguous();
+  REQUIRE(static_cast<size_t>(parameter.numel()) * sizeof(float) == stored.nbytes);
+  CHECK(std::memcmp(parameter.data_ptr<float>(), file.data.data() + stored.offset, stored.nbytes) == 0);
+  Trainer fresh(tiny_config());
+  CHECK_FALSE(torch::equal(fresh.flat_params(), weights.flat_params()));
+  // A path with no weights is a config error naming it.
+  const auto missing = run_trainer(common + " run_name=missing-weights load_parameters_path=" + kOut + "/nothing");
+  CHECK(missing.exit_code == 2);
+  CHECK_THAT(missing.output, Catch::Contains("load_parameters_path: no file " + kOut + "/nothing"));
 }
