@@ -12,6 +12,7 @@
 
 #include "test_support.h"
 #include "trainer/ckpt/ckpt.h"
+#include "trainer/data/indexed_dataset.h"
 #include "trainer/dist/env.h"
 #include "trainer/util/error.h"
 
@@ -269,5 +270,46 @@ TEST_CASE("ZeRO-1 gives the same weights and optimizer state as plain data paral
   for (size_t i = 0; i < 4; ++i) {
     INFO("step " << i);
     CHECK(resumed[i]["learning/loss"].get<double>() == Approx(straight[i]["learning/loss"].get<double>()).epsilon(1e-5));
+  }
+}
+
+TEST_CASE("evaluation under data parallelism, with EOD masks, equals one process", "[dist][cli]") {
+  // Documents of uneven length ending in EOD (id 9), masked with eod_mask_loss and split into
+  // segments: the validation loss sums over uneven token counts on each rank.
+  std::vector<std::vector<int64_t>> docs;
+  for (int d = 0; d < 120; ++d) {
+    std::vector<int64_t> doc;
+    for (int t = 0; t < 3 + d % 7; ++t) doc.push_back(10 + (d * 3 + t) % 50);
+    doc.push_back(9);
+    docs.push_back(doc);
+  }
+  fs::create_directories(kOut);
+  indexed_dataset_write(kOut + "/eval-corpus", docs, 8);
+  const std::string common = std::string(TRAINER_BINARY) + " " + source_path("configs/base.yml") +
+                             " dataset_type=megatron dataset_path=" + kOut + "/eval-corpus split=70,30,0 "
+                             "model_name=test-tiny pad_id=-1 eod_id=9 eod_mask_loss=true reset_attention_mask=true "
+                             "reset_position_ids=true max_target_length=8 gradient_accumulation_steps=2 steps=4 "
+                             "eval_interval=2 eval_steps=2 base_output_directory=" + kOut;
+  for (const std::string run : {"eval-r2", "eval-r1"}) fs::remove_all(kOut + "/" + run);
+  const auto r2 = run_command("mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 " + common +
+                              " per_device_batch_size=1 run_name=eval-r2 data_cache_path=" + kOut + "/eval-cache-2");
+  INFO(r2.output);
+  REQUIRE(r2.exit_code == 0);
+  REQUIRE(run_command(common + " per_device_batch_size=2 run_name=eval-r1 data_cache_path=" + kOut + "/eval-cache-1")
+              .exit_code == 0);
+  const auto evals = [&](const std::string& run) {
+    std::vector<std::string> out;
+    for (const auto& line : read_lines(kOut + "/" + run + "/metrics.jsonl"))
+      if (line.find("eval/lm_loss") != std::string::npos) out.push_back(line);
+    return out;
+  };
+  const auto a = evals("eval-r2"), b = evals("eval-r1");
+  REQUIRE(a.size() == 2);
+  REQUIRE(b.size() == 2);
+  for (size_t i = 0; i < 2; ++i) {
+    INFO("evaluation " << i);
+    CHECK(json_metric(a[i], "eval/total_weights") == json_metric(b[i], "eval/total_weights"));
+    CHECK(json_metric(a[i], "eval/total_weights") < 2 * 4 * 8);  // eval_steps x global batch x L, less the masked EODs
+    CHECK(json_metric(a[i], "eval/lm_loss") == Approx(json_metric(b[i], "eval/lm_loss")).epsilon(1e-6));
   }
 }
