@@ -281,6 +281,45 @@ TEST_CASE("the loader serves reference samples in the global order for any (K, b
   }
 }
 
+TEST_CASE("a blended dataset_path serves each component's own GPT samples in Megatron's blend order", "[data]") {
+  // Two corpora with the fixture's shapes (B's tokens shifted so every sample says where it came
+  // from), blended 0.3 / 0.7. Sample i of the blend must be sample dataset_sample_index[i] of
+  // component dataset_index[i], each component built for its blend size (Megatron's BlendedDataset
+  // over GPTDatasets; the blend indices and the GPT samples are each checked against numpy above).
+  const auto& g = reference()["gpt"][0];
+  const Config a = corpus_config(g, "blend-a");
+  auto shifted = fixture_corpus(g);
+  for (auto& doc : shifted)
+    for (auto& t : doc) t += 1000;
+  indexed_dataset_write(kDir + "/blend-b", shifted, 8);
+  auto with_path = [&](const std::string& path, const std::string& cache) {
+    Config c = a;
+    c.dataset_path = path;
+    c.data_cache_path = kDir + "/" + cache;
+    c.vocab_size = 8192;  // B's shifted ids
+    return c;
+  };
+  const Config blend = with_path("0.3 " + kDir + "/blend-a 0.7 " + kDir + "/blend-b", "cache-blend");
+  const int64_t N = 40;
+  const std::vector<double> weights = {0.3, 0.7};
+  const auto sizes = gpt_blend_sizes(weights, N);
+  std::vector<int16_t> dataset;
+  std::vector<int64_t> sample;
+  gpt_blend_indices(weights, N, dataset, sample);
+  const DataLoader blended(blend, 0, megatron_source(blend, DataSplit::kTrain, N));
+  const Config only_a = with_path(kDir + "/blend-a", "cache-blend-a"), only_b = with_path(kDir + "/blend-b", "cache-blend-b");
+  const DataLoader component_a(only_a, 0, megatron_source(only_a, DataSplit::kTrain, sizes[0]));
+  const DataLoader component_b(only_b, 0, megatron_source(only_b, DataSplit::kTrain, sizes[1]));
+  int64_t from_b = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    const auto& component = dataset[static_cast<size_t>(i)] == 0 ? component_a : component_b;
+    from_b += dataset[static_cast<size_t>(i)];
+    INFO("blended sample " << i);
+    CHECK(blended.data_loader_sample(i).inputs == component.data_loader_sample(sample[static_cast<size_t>(i)]).inputs);
+  }
+  CHECK(from_b == Approx(0.7 * N).margin(1));  // the weights are honoured
+}
+
 TEST_CASE("a re-created loader continues exactly, and the index cache is reused and keyed", "[data]") {
   const auto& g = reference()["gpt"][0];
   fs::remove_all(kDir + "/cache-cache");
