@@ -6,6 +6,8 @@
 #include <chrono>
 #include <filesystem>
 #include <random>
+#include <regex>
+#include <sstream>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -312,4 +314,44 @@ TEST_CASE("evaluation under data parallelism, with EOD masks, equals one process
     CHECK(json_metric(a[i], "eval/total_weights") < 2 * 4 * 8);  // eval_steps x global batch x L, less the masked EODs
     CHECK(json_metric(a[i], "eval/lm_loss") == Approx(json_metric(b[i], "eval/lm_loss")).epsilon(1e-6));
   }
+}
+
+TEST_CASE("SIGTERM to one rank: all ranks finish the same step, save, exit 0, and the run resumes", "[dist][cli]") {
+  // The signal reaches rank 1 only (not mpirun, which would forward it to all): the stop vote in
+  // the step's all-reduce makes every rank stop after the same step.
+  const std::string run = "dp-sigterm";
+  fs::remove_all(kOut + "/" + run);
+  const std::string args = std::string(TRAINER_BINARY) + " " + source_path("configs/base.yml") + " " + kSyntheticData +
+                           " model_name=test-tiny max_target_length=16 steps=100000 checkpoint_period=100000 "
+                           "base_output_directory=" + kOut + " run_name=" + run;
+  const std::string log = kOut + "/" + run + ".log";
+  fs::create_directories(kOut);
+  ChildProcesses children;
+  const pid_t launcher = children.add(fork());
+  if (launcher == 0) {
+    const std::string command = "exec mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 " + args + " > " + log + " 2>&1";
+    execl("/bin/sh", "sh", "-c", command.c_str(), nullptr);
+    _exit(127);
+  }
+  REQUIRE(wait_until([&] { return read_lines(kOut + "/" + run + "/metrics.jsonl").size() >= 3; }, 120));
+  // The rank processes: command lines that start with the binary (mpirun's starts with "mpirun").
+  const auto ranks = run_command("pgrep -f '^" + std::string(TRAINER_BINARY) + " .*run_name=" + run + "( |$)'");
+  std::istringstream pids(ranks.output);
+  std::vector<pid_t> rank_pids;
+  for (pid_t pid; pids >> pid;) rank_pids.push_back(pid);
+  INFO("pgrep: " << ranks.output);
+  REQUIRE(rank_pids.size() == 2);
+  kill(rank_pids.back(), SIGTERM);
+  CHECK(children.wait(launcher) == 0);
+  const auto output = read_file(log);
+  INFO(output);
+  CHECK_THAT(output, Catch::Contains("received SIGTERM"));
+  const auto lines = read_lines(kOut + "/" + run + "/metrics.jsonl");
+  const auto latest = checkpoint_find_latest(kOut + "/" + run + "/checkpoints");
+  REQUIRE(latest.has_value());
+  CHECK(fs::path(*latest).filename().string() == std::to_string(lines.size()));  // saved after the last logged step
+  const auto resumed = run_command("mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 " +
+                                   std::regex_replace(args, std::regex("steps=100000"), "steps=" + std::to_string(lines.size() + 2)));
+  CHECK(resumed.exit_code == 0);
+  CHECK(read_lines(kOut + "/" + run + "/metrics.jsonl").size() == lines.size() + 2);
 }
