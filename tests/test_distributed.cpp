@@ -355,3 +355,16 @@ TEST_CASE("SIGTERM to one rank: all ranks finish the same step, save, exit 0, an
   CHECK(resumed.exit_code == 0);
   CHECK(read_lines(kOut + "/" + run + "/metrics.jsonl").size() == lines.size() + 2);
 }
+
+TEST_CASE("ranks launched with different configs stop with exit 2 naming the differing key", "[dist][cli]") {
+  // Open MPI's MPMD form gives each rank its own environment: rank 1 sees another learning rate.
+  const std::string args = std::string(TRAINER_BINARY) + " " + source_path("configs/base.yml") + " " + kSyntheticData +
+                           " model_name=test-tiny max_target_length=16 steps=3 base_output_directory=" + kOut +
+                           " run_name=mismatch";
+  const auto r = run_command("mpirun --allow-run-as-root --oversubscribe --bind-to none -np 1 env M_LEARNING_RATE=0.001 " +
+                             args + " : -np 1 env M_LEARNING_RATE=0.002 " + args);
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.output, Catch::Contains("rank 1 has a different config than rank 0: 'learning_rate: 0.002' here, "
+                                       "'learning_rate: 0.001' on rank 0"));
+  CHECK(read_lines(kOut + "/mismatch/metrics.jsonl").empty());  // no step ran
+}
