@@ -16,6 +16,7 @@
 #include "trainer/ckpt/ckpt.h"
 #include "trainer/data/indexed_dataset.h"
 #include "trainer/dist/env.h"
+#include "trainer/train/train.h"
 #include "trainer/util/error.h"
 
 using namespace trainer;
@@ -367,4 +368,20 @@ TEST_CASE("ranks launched with different configs stop with exit 2 naming the dif
   CHECK_THAT(r.output, Catch::Contains("rank 1 has a different config than rank 0: 'learning_rate: 0.002' here, "
                                        "'learning_rate: 0.001' on rank 0"));
   CHECK(read_lines(kOut + "/mismatch/metrics.jsonl").empty());  // no step ran
+}
+
+TEST_CASE("a config resolved for another world size is refused, also by a single process", "[dist]") {
+  // Resolved as if launched with WORLD_SIZE=2 (global batch = 2 x per-device batch), then run alone.
+  const Config for_two = config_load(source_path("configs/base.yml"),
+                                     {"model_name=test-tiny", "max_target_length=16", "dataset_type=synthetic", "pad_id=0",
+                                      "base_output_directory=" + test_root(), "run_name=two"},
+                                     {"WORLD_SIZE=2", "RANK=0", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=1"});
+  REQUIRE(for_two.data_parallel_size == 2);
+  try {
+    Trainer t(for_two);
+    FAIL("a 2-rank config ran in one process");
+  } catch (const Error& e) {
+    CHECK(e.exit_code() == kExitUsage);
+    CHECK_THAT(e.what(), Catch::Contains("the config was resolved for 2 ranks, but single process started 1"));
+  }
 }

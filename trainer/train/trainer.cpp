@@ -27,10 +27,12 @@ namespace {
 // Every rank must train the same config. Rank 0's run name (which may carry a timestamp) is
 // adopted; any other difference is an error naming the first differing key.
 const Config& agree_on_config(Config& c, const DistEnv& env, Communicator& comm) {
-  if (comm.world_size() == 1) return c;
+  // Checked before anything else, also for one process: a config resolved for R ranks has R in
+  // its global batch, and would silently skip samples when run by fewer.
   if (env.world_size != c.data_parallel_size)
     throw config_error("the config was resolved for " + std::to_string(c.data_parallel_size) + " ranks, but " +
                        env.launcher + " started " + std::to_string(env.world_size));
+  if (comm.world_size() == 1) return c;
   c.run_name = comm.broadcast_string("run_name", c.run_name);
   c.metrics_file = comm.broadcast_string("metrics_file", c.metrics_file);
   c.run_dir = comm.broadcast_string("run_dir", c.run_dir);
