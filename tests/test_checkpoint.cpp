@@ -469,7 +469,7 @@ TEST_CASE("safetensors header errors name the file and the problem", "[checkpoin
   CHECK_THAT(error_of(dir + "/long.safetensors"), Catch::Contains("exceeds the file"));
 }
 
-TEST_CASE("load_full_state_path continues another run's checkpoint exactly; load_parameters_path takes a directory",
+TEST_CASE("load_full_state_path continues another run's checkpoint exactly, and load_parameters_path takes a directory",
           "[checkpoint]") {
   const std::string common = "model_name=test-tiny max_target_length=16 learning_rate_schedule_steps=4 steps=4 "
                              "base_output_directory=" + kOut;

@@ -367,6 +367,7 @@ TEST_CASE("ranks launched with different configs stop with exit 2 naming the dif
   CHECK(r.exit_code == 2);
   CHECK_THAT(r.output, Catch::Contains("rank 1 has a different config than rank 0: 'learning_rate: 0.002' here, "
                                        "'learning_rate: 0.001' on rank 0"));
+  CHECK_THAT(r.output, Catch::Contains("rank 0: 1 rank(s) have a different config than rank 0"));  // both exit 2
   CHECK(read_lines(kOut + "/mismatch/metrics.jsonl").empty());  // no step ran
 }
 

@@ -37,6 +37,10 @@ const Config& agree_on_config(Config& c, const DistEnv& env, Communicator& comm)
   c.metrics_file = comm.broadcast_string("metrics_file", c.metrics_file);
   c.run_dir = comm.broadcast_string("run_dir", c.run_dir);
   const std::string mine = config_to_yaml(c), theirs = comm.broadcast_string("config", mine);
+  // Every rank learns whether any differs, so all exit 2 together (rank 0 would otherwise see a
+  // dead peer and exit 5, racing the differing rank's exit 2).
+  auto differing = torch::tensor({mine != theirs ? 1.0 : 0.0}, torch::kFloat64);
+  comm.all_reduce_sum(differing, "the config agreement");
   if (mine != theirs) {
     std::istringstream a(mine), b(theirs);
     for (std::string x, y; std::getline(a, x) && std::getline(b, y);)
@@ -44,6 +48,9 @@ const Config& agree_on_config(Config& c, const DistEnv& env, Communicator& comm)
         throw config_error("rank " + std::to_string(env.rank) + " has a different config than rank 0: '" + x +
                            "' here, '" + y + "' on rank 0");
   }
+  if (differing.item<double>() > 0)
+    throw config_error("rank " + std::to_string(env.rank) + ": " + std::to_string(static_cast<int64_t>(differing.item<double>())) +
+                       " rank(s) have a different config than rank 0 (their messages name the key)");
   if (env.rank > 0) {
     spdlog::set_level(spdlog::level::warn);  // only rank 0 reports progress
     spdlog::set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%l] [rank " + std::to_string(env.rank) + "] %v");
