@@ -358,12 +358,13 @@ TEST_CASE("SIGTERM to one rank: all ranks finish the same step, save, exit 0, an
 }
 
 TEST_CASE("ranks launched with different configs stop with exit 2 naming the differing key", "[dist][cli]") {
-  // Open MPI's MPMD form gives each rank its own environment: rank 1 sees another learning rate.
+  // Each rank sets its own learning rate from its rank (0.001 on rank 0, 0.002 on rank 1) through
+  // a shell; not Open MPI's MPMD form (`-np 1 a : -np 1 b`), whose mpirun crashes in the 2.6 chroot.
   const std::string args = std::string(TRAINER_BINARY) + " " + source_path("configs/base.yml") + " " + kSyntheticData +
                            " model_name=test-tiny max_target_length=16 steps=3 base_output_directory=" + kOut +
                            " run_name=mismatch";
-  const auto r = run_command("mpirun --allow-run-as-root --oversubscribe --bind-to none -np 1 env M_LEARNING_RATE=0.001 " +
-                             args + " : -np 1 env M_LEARNING_RATE=0.002 " + args);
+  const auto r = run_command("mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 sh -c "
+                             "'M_LEARNING_RATE=0.00$((OMPI_COMM_WORLD_RANK + 1)) exec " + args + "'");
   CHECK(r.exit_code == 2);
   CHECK_THAT(r.output, Catch::Contains("rank 1 has a different config than rank 0: 'learning_rate: 0.002' here, "
                                        "'learning_rate: 0.001' on rank 0"));
