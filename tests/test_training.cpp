@@ -403,6 +403,7 @@ TEST_CASE("memory plan: model state is exactly what the trainer allocates, shard
   CHECK(plan_item(plan, "weights") == 4 * P);
   CHECK(plan_item(plan, "gradients") == 4 * P);
   CHECK(plan_item(plan, "optimizer") == 12 * P);  // m, v and the CPU update's denominator
+  CHECK(plan.model_state_bytes == 20 * P);
   double sum = 0;
   for (const auto& item : plan.items) sum += item.bytes;
   CHECK(plan.total_bytes == sum);

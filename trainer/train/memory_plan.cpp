@@ -156,6 +156,7 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
       std::string(ctx.cuda ? "m, v" : "m, v, update workspace") + " x 4 B over " + count_text(shard) + " elements" +
           (zero1 ? " (ZeRO-1: 1/" + std::to_string(ctx.world_size) + " of P)" : ""));
   if (zero1) add(plan, "ZeRO-1 parameter gather buffer", 4 * P, params + " x 4 B");
+  plan.model_state_bytes = plan.total_bytes;
 
   // Weight copies kept for backward.
   const double qkv_weights = s.D * (s.q + 2 * s.kv), gate_up_weights = 2 * s.D * s.F;

@@ -28,7 +28,8 @@ struct MemoryPlanItem {
 struct MemoryPlan {
   std::vector<MemoryPlanItem> items;  // in print order; their sum is total_bytes
   double total_bytes = 0;
-  double activation_bytes = 0;  // activations saved for backward, one micro-batch (one of the items)
+  double activation_bytes = 0;   // activations saved for backward, one micro-batch (one of the items)
+  double model_state_bytes = 0;  // weights, gradients, optimizer state, ZeRO-1 buffer (items too)
 };
 
 MemoryPlan memory_plan(const Config& config, const MemoryPlanContext& context);

@@ -24,6 +24,15 @@
 namespace trainer {
 namespace {
 
+// How many ranks report `mine` (one all-reduce; 0/1 without a process group): lets every rank
+// stop together on a condition only some of them see.
+int64_t ranks_reporting(bool mine, Communicator& comm, const std::string& what) {
+  if (comm.is_local()) return mine ? 1 : 0;
+  auto count = torch::tensor({mine ? 1.0 : 0.0}, torch::kFloat64);
+  comm.all_reduce_sum(count, what);
+  return static_cast<int64_t>(count.item<double>());
+}
+
 // Every rank must train the same config. Rank 0's run name (which may carry a timestamp) is
 // adopted; any other difference is an error naming the first differing key.
 const Config& agree_on_config(Config& c, const DistEnv& env, Communicator& comm) {
@@ -39,8 +48,7 @@ const Config& agree_on_config(Config& c, const DistEnv& env, Communicator& comm)
   const std::string mine = config_to_yaml(c), theirs = comm.broadcast_string("config", mine);
   // Every rank learns whether any differs, so all exit 2 together (rank 0 would otherwise see a
   // dead peer and exit 5, racing the differing rank's exit 2).
-  auto differing = torch::tensor({mine != theirs ? 1.0 : 0.0}, torch::kFloat64);
-  comm.all_reduce_sum(differing, "the config agreement");
+  const int64_t differing = ranks_reporting(mine != theirs, comm, "the config agreement");
   if (mine != theirs) {
     std::istringstream a(mine), b(theirs);
     for (std::string x, y; std::getline(a, x) && std::getline(b, y);)
@@ -48,8 +56,8 @@ const Config& agree_on_config(Config& c, const DistEnv& env, Communicator& comm)
         throw config_error("rank " + std::to_string(env.rank) + " has a different config than rank 0: '" + x +
                            "' here, '" + y + "' on rank 0");
   }
-  if (differing.item<double>() > 0)
-    throw config_error("rank " + std::to_string(env.rank) + ": " + std::to_string(static_cast<int64_t>(differing.item<double>())) +
+  if (differing > 0)
+    throw config_error("rank " + std::to_string(env.rank) + ": " + std::to_string(differing) +
                        " rank(s) have a different config than rank 0 (their messages name the key)");
   if (env.rank > 0) {
     spdlog::set_level(spdlog::level::warn);  // only rank 0 reports progress
@@ -132,30 +140,19 @@ void Trainer::check_memory_plan() {
                memory_bytes_text(plan.total_bytes), memory_bytes_text(needed), memory_bytes_text(available), source,
                fits ? "" : c.allow_memory_overcommit ? "; does NOT fit, going on (allow_memory_overcommit)" : "");
   if (c.allow_memory_overcommit) return;
-  double ranks_failing = fits ? 0.0 : 1.0;
-  if (!comm_->is_local()) {
-    auto flag = torch::tensor({ranks_failing}, torch::kFloat64);
-    comm_->all_reduce_sum(flag, "the memory plan check");
-    ranks_failing = flag.item<double>();
-  }
+  const int64_t ranks_failing = ranks_reporting(!fits, *comm_, "the memory plan check");
   if (fits && ranks_failing > 0)
-    throw config_error("the memory plan does not fit on " + std::to_string(static_cast<int64_t>(ranks_failing)) +
+    throw config_error("the memory plan does not fit on " + std::to_string(ranks_failing) +
                        " other rank(s) (their message has the plan); allow_memory_overcommit=true skips this check");
   if (fits) return;
   std::string message = "the memory plan does not fit on rank " + std::to_string(dist_.rank) + ": it needs " +
                         memory_bytes_text(needed) + " more, and " + memory_bytes_text(available) + " is available (" +
                         source + ").\nmemory plan per rank:\n" + memory_plan_format(plan);
   const auto suggestions = memory_plan_suggestions(c, context, available, resident);
-  if (suggestions.empty()) {
-    double model_state = 0;  // weights, gradients, optimizer state (and the ZeRO-1 buffer)
-    for (size_t i = 0; i < plan.items.size() && i < 4; ++i)
-      if (plan.items[i].name.rfind("weights", 0) == 0 || plan.items[i].name.rfind("gradients", 0) == 0 ||
-          plan.items[i].name.rfind("optimizer", 0) == 0 || plan.items[i].name.rfind("ZeRO", 0) == 0)
-        model_state += plan.items[i].bytes;
+  if (suggestions.empty())
     message += "nothing the plan knows of fits (smaller per_device_batch_size, ZeRO-1, bf16, synchronous saves); the "
-               "weights, gradients and optimizer state alone need " + memory_bytes_text(model_state) +
+               "weights, gradients and optimizer state alone need " + memory_bytes_text(plan.model_state_bytes) +
                ": use a machine with more memory, more ranks, or a smaller model.\n";
-  }
   for (size_t i = 0; i < suggestions.size(); ++i) message += (i == 0 ? "would fit: " : "       or: ") + suggestions[i] + "\n";
   message += "allow_memory_overcommit=true skips this check.";
   throw config_error(message);
