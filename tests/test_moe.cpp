@@ -86,17 +86,45 @@ TEST_CASE("RFC test 4: aux losses compensated by w_i reach the gradient at the s
     return (with.flat_grads() - without.flat_grads()).clone();
   };
   const auto k1 = aux_gradient(1, 16, false), k4 = aux_gradient(4, 4, false), k4_bug = aux_gradient(4, 4, true);
+  // Exactness, from a second code path: J's aux part at K=4 is sum_i (w_i / W) (lb_i + mtp_i), so
+  // its gradient is the w_i / W-weighted sum of each micro-batch's own aux gradient, taken here with
+  // autograd::grad on micro_batch_losses, micro-batch by micro-batch (fp32 model: 1e-5 relative).
+  torch::Tensor expected = torch::zeros_like(k4);
+  {
+    Trainer ref(make(4, 4, true, false));
+    auto params = ref.model()->parameters();
+    double W = 0;
+    std::vector<std::pair<double, torch::Tensor>> parts;
+    for (int64_t m = 0; m < 4; ++m) {
+      const MicroBatch b = ref.data().data_loader_next(0, m);
+      const auto losses = micro_batch_losses(ref.model(), b, ref.config(), torch::kCPU);
+      const auto grads = torch::autograd::grad({losses.lb + losses.mtp}, params, {}, false, false, true);
+      std::vector<torch::Tensor> flat;
+      for (size_t j = 0; j < params.size(); ++j)
+        flat.push_back(grads[j].defined() ? grads[j].reshape(-1) : torch::zeros({params[j].numel()}));
+      parts.emplace_back(losses.weights, torch::cat(flat));
+      W += losses.weights;
+    }
+    for (const auto& [w, g] : parts) expected.add_(g, w / W);
+    INFO("K=4 aux gradient against the per-micro-batch composition: " << relative_difference(k4, expected));
+  }
+  CHECK(relative_difference(k4, expected) < 1e-5);
+  CHECK(relative_difference(k4_bug, expected) > 0.9);  // the composition check sees the bug
   const double scale = k4.norm().item<double>() / k1.norm().item<double>();
   const double scale_bug = k4_bug.norm().item<double>() / k1.norm().item<double>();
   const double cosine = (k4 * k1).sum().item<double>() / (k4.norm() * k1.norm()).item<double>();
   INFO("aux gradient norm ratio K=4/K=1: " << scale << " (cosine " << cosine << "); without * w_i: " << scale_bug);
-  // LB and the per-micro-batch MTP means are statistics of each micro-batch's tokens, so the two
-  // splits optimize slightly different aux objectives (exactness is checked by the finite-difference
-  // test); what compensation guarantees is the scale. Without it the aux gradient shrinks ~w_i-fold.
+  // K=4 against K=1: LB and the per-micro-batch MTP means are statistics of each micro-batch's own
+  // tokens (LB = E sum_e f_e P_e is a product of two batch means), so the two splits optimize
+  // different aux objectives and no identity ties their gradients; the exact statement is the
+  // composition above. What compensation guarantees across splits is the scale: each micro-batch's
+  // aux gradient is O(1) per token in both, so the ratio is 1 up to how batch statistics differ
+  // (measured 1.153, cosine 0.916, at this seed). The bounds below separate that from the bug,
+  // which divides the aux gradient by ~w_i (4 x 32 tokens, ~60% unmasked): measured 0.018.
   CHECK(scale > 0.8);
   CHECK(scale < 1.25);
   CHECK(cosine > 0.85);
-  CHECK(scale_bug < 0.1);
+  CHECK(scale_bug < 0.05);
 }
 
 TEST_CASE("RFC test 5: reported aux losses at K=4 equal those at K=1, not K times larger", "[moe]") {

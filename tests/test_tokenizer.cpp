@@ -95,3 +95,75 @@ TEST_CASE("preprocess_data with a SentencePiece model matches the library's enco
                                    "/nope.model 2>/dev/null").c_str());
   CHECK(WEXITSTATUS(missing) == 2);
 }
+
+// Appends the UTF-8 encoding of code point `cp` to `out`.
+static void append_utf8(std::string& out, uint32_t cp) {
+  if (cp < 0x80) {
+    out.push_back(static_cast<char>(cp));
+  } else if (cp < 0x800) {
+    out.push_back(static_cast<char>(0xC0 | (cp >> 6)));
+    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  } else if (cp < 0x10000) {
+    out.push_back(static_cast<char>(0xE0 | (cp >> 12)));
+    out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  } else {
+    out.push_back(static_cast<char>(0xF0 | (cp >> 18)));
+    out.push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
+    out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  }
+}
+
+TEST_CASE("preprocess_data with a vocabulary of 66000 writes int32 tokens, as Megatron", "[tokenizer]") {
+  // A character-level SentencePiece model over 70000 distinct CJK characters (basic block,
+  // extensions A and B): 66000 pieces, so ids above 65535 occur and Megatron's rule
+  // (vocab >= 65500 -> int32) must pick int32, with every id stored unclipped.
+  std::vector<uint32_t> code_points;
+  for (uint32_t cp = 0x4E00; cp <= 0x9FFF; ++cp) code_points.push_back(cp);
+  for (uint32_t cp = 0x3400; cp <= 0x4DBF; ++cp) code_points.push_back(cp);
+  for (uint32_t cp = 0x20000; code_points.size() < 70000; ++cp) code_points.push_back(cp);
+  std::vector<std::string> lines;  // 140 lines of 500 characters, every character once
+  for (size_t i = 0; i < code_points.size(); i += 500) {
+    std::string line;
+    for (size_t j = i; j < i + 500; ++j) append_utf8(line, code_points[j]);
+    lines.push_back(line);
+  }
+  const std::string dir = kDir + "/int32";
+  fs::create_directories(dir);
+  {
+    std::ofstream raw(dir + "/train.txt"), jsonl(dir + "/docs.jsonl");
+    for (const auto& line : lines) raw << line << "\n";
+    for (const auto& line : lines) jsonl << nlohmann::json({{"text", line}}).dump() << "\n";
+  }
+  const auto status = sentencepiece::SentencePieceTrainer::Train(
+      "--input=" + dir + "/train.txt --model_prefix=" + dir + "/spm --vocab_size=66000 --model_type=char "
+      "--character_coverage=1.0 --minloglevel=2");
+  REQUIRE(status.ok());
+  sentencepiece::SentencePieceProcessor sp;
+  REQUIRE(sp.Load(dir + "/spm.model").ok());
+  REQUIRE(sp.GetPieceSize() == 66000);
+  const std::string cmd = std::string(PREPROCESS_BINARY) + " --input " + dir + "/docs.jsonl --output-prefix " + dir +
+                          "/sp --tokenizer-type sentencepiece --tokenizer-model " + dir + "/spm.model --append-eod 2>&1";
+  REQUIRE(WEXITSTATUS(std::system(cmd.c_str())) == 0);
+  IndexedDataset data(dir + "/sp_text_document");
+  REQUIRE(data.num_documents() == static_cast<int64_t>(lines.size()));
+  CHECK(data.dtype_code() == 4);  // int32
+  int largest = 0;
+  for (int64_t d = 0; d < data.num_documents(); ++d) {
+    std::vector<int> ids;
+    sp.Encode(lines[static_cast<size_t>(d)], &ids);
+    std::vector<int64_t> expected(ids.begin(), ids.end());
+    expected.push_back(sp.eos_id());
+    for (int id : ids) largest = std::max(largest, id);
+    std::vector<int64_t> got;
+    data.read(d, 0, data.sequence_length(d), got);
+    INFO("document " << d);
+    REQUIRE(got == expected);
+  }
+  CHECK(largest > 65535);  // the ids a uint16 file would have wrapped
+  // The .bin is 4 bytes per token.
+  int64_t tokens = 0;
+  for (int64_t d = 0; d < data.num_documents(); ++d) tokens += data.sequence_length(d);
+  CHECK(static_cast<int64_t>(fs::file_size(dir + "/sp_text_document.bin")) == 4 * tokens);
+}
