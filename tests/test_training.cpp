@@ -407,12 +407,14 @@ TEST_CASE("memory plan: model state is exactly what the trainer allocates, shard
   double sum = 0;
   for (const auto& item : plan.items) sum += item.bytes;
   CHECK(plan.total_bytes == sum);
-  // ZeRO-1 over 4 ranks: a quarter of the state (rounded up), plus the gather buffer.
+  // ZeRO-1 over 4 ranks: a quarter of the optimizer state (rounded up); the weights arena is padded
+  // to 4 equal chunks and gathered in place, so there is no parameter-sized gather buffer.
   Config zero = c;
-  zero.shard_optimizer_over_data = true;
+  zero.data_parallel_sharding = "optim";
   const MemoryPlan sharded = memory_plan(zero, {4, 1, false, false});
   CHECK(plan_item(sharded, "optimizer") == 12 * std::ceil(P / 4));
-  CHECK(plan_item(sharded, "ZeRO-1") == 4 * P);
+  CHECK(plan_item(sharded, "weights") == 4 * 4 * std::ceil(P / 4));
+  CHECK(sharded.model_state_bytes == 4 * 4 * std::ceil(P / 4) + 4 * P + 12 * std::ceil(P / 4));
   // On a GPU the fused AdamW needs no workspace and there is no host runtime line.
   const MemoryPlan gpu = memory_plan(c, {1, 1, true, false});
   CHECK(plan_item(gpu, "optimizer") == 8 * P);

@@ -187,6 +187,12 @@ std::vector<std::string> validation_errors(const Config& c) {
   require(c.collective_timeout_seconds > 0, "collective_timeout_seconds must be > 0");
   require(c.dist_backend != "nccl" || c.hardware == "gpu", "dist_backend=nccl needs hardware=gpu (NCCL reduces CUDA tensors)");
   require(c.gradient_bucket_size_mb > 0, "gradient_bucket_size_mb must be > 0");
+  require(!c.shard_optimizer_over_data || c.data_parallel_sharding == "none" || c.data_parallel_sharding == "optim",
+          "shard_optimizer_over_data=true (the old name of data_parallel_sharding=optim) contradicts "
+          "data_parallel_sharding=" + c.data_parallel_sharding);
+  require(c.data_parallel_sharding != "optim_grads" && c.data_parallel_sharding != "optim_grads_params",
+          "data_parallel_sharding=" + c.data_parallel_sharding +
+              " is not implemented yet (none and optim are; see docs/distributed.md)");
   require(c.z_loss_multiplier >= 0, "z_loss_multiplier must be >= 0");
   require(c.learning_rate >= 0, "learning_rate must be >= 0");
   require(c.warmup_steps_fraction >= 0 && c.warmup_steps_fraction <= 1,
@@ -248,6 +254,10 @@ void config_derive_and_validate(Config& c) {
     for (const auto& e : errors) message += "\n  - " + e;
     throw config_error(message);
   }
+  // One source of truth for the sharding level; the old boolean is kept equal to it so that a
+  // printed config reloads to the same one.
+  if (c.shard_optimizer_over_data && c.data_parallel_sharding == "none") c.data_parallel_sharding = "optim";
+  c.shard_optimizer_over_data = c.data_parallel_sharding == "optim";
   if (c.steps == -1) c.steps = c.learning_rate_schedule_steps;
   if (c.learning_rate_schedule_steps == -1) c.learning_rate_schedule_steps = c.steps;
   if (c.data_parallel_size < 1) c.data_parallel_size = 1;  // set from the launcher by config_load

@@ -93,6 +93,8 @@ using StringList = std::vector<std::string>;
   X(std::string, dist_backend)                    \
   X(int64_t, gradient_bucket_size_mb)             \
   X(bool, shard_optimizer_over_data)              \
+  X(std::string, data_parallel_sharding)          \
+  X(std::string, remat_policy)                    \
   /* loss and normalization */                    \
   X(bool, calculate_per_token_loss)               \
   X(double, z_loss_multiplier)                    \

@@ -38,6 +38,7 @@ class LocalCommunicator : public Communicator {
   int64_t world_size() const override { return 1; }
   bool is_local() const override { return true; }
   void all_reduce_sum(torch::Tensor&, const std::string&) override {}
+  void all_gather(std::vector<torch::Tensor>&, const std::string&) override {}
   std::string broadcast_string(const std::string&, const std::string& value) override { return value; }
 };
 
@@ -93,6 +94,25 @@ class C10dCommunicator : public Communicator {
     }
     if (staged) tensor.copy_(tensors[0]);
     ++collectives_;
+    bytes_sent_ += 2.0 * static_cast<double>(world_ - 1) / static_cast<double>(world_) *
+                   static_cast<double>(tensor.numel() * tensor.element_size());
+  }
+  void all_gather(std::vector<torch::Tensor>& parts, const std::string& what) override {
+    TORCH_CHECK(static_cast<int64_t>(parts.size()) == world_, "all_gather: one part per rank");
+    // c10d gathers into its own flat buffer and copies the parts out after the exchange, so an
+    // input that is a view of the output buffer (parts[rank]) is read before it is overwritten.
+    std::vector<std::vector<at::Tensor>> outputs{parts};  // handles to the same views: filled in place
+    std::vector<at::Tensor> inputs{parts[static_cast<size_t>(rank_)]};
+    try {
+      auto work = group_->allgather(outputs, inputs);
+      work->wait(timeout_);
+    } catch (const std::exception& e) {
+      throw dist_error("rank " + std::to_string(rank_) + " of " + std::to_string(world_) + ": all_gather of " + what +
+                       " failed (a peer rank died or hung; timeout " + std::to_string(timeout_.count() / 1000) +
+                       " s): " + first_line(e.what()));
+    }
+    ++collectives_;
+    bytes_sent_ += static_cast<double>(world_ - 1) * static_cast<double>(parts[0].numel() * parts[0].element_size());
   }
   std::string broadcast_string(const std::string& key, const std::string& value) override {
     try {

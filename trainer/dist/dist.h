@@ -22,14 +22,22 @@ class Communicator {
   virtual int64_t world_size() const = 0;
   // In-place sum over ranks (a tensor on the host or on this rank's device).
   virtual void all_reduce_sum(torch::Tensor& tensor, const std::string& what) = 0;
+  // In-place all-gather: `parts` are world_size() equal-sized tensors on this rank's device;
+  // parts[rank()] holds this rank's data on entry, and every part holds its rank's data on return.
+  // The parts may be views of one buffer (the ZeRO-1 parameter arena), so nothing is copied twice.
+  virtual void all_gather(std::vector<torch::Tensor>& parts, const std::string& what) = 0;
   // Rank 0's string on every rank (through the rendezvous store).
   virtual std::string broadcast_string(const std::string& key, const std::string& value) = 0;
   // True for the one-process stand-in without a process group (collectives are skipped).
   virtual bool is_local() const { return false; }
-  int64_t collectives() const { return collectives_; }  // all-reduces so far
+  int64_t collectives() const { return collectives_; }  // collectives so far
+  // Bytes this rank sent in them, as ring algorithms move data: an all-reduce of n bytes sends
+  // 2 (R-1)/R n, an all-gather of R parts of n bytes sends n.
+  double bytes_sent() const { return bytes_sent_; }
 
  protected:
   int64_t collectives_ = 0;
+  double bytes_sent_ = 0;
 };
 
 struct DistOptions {

@@ -147,15 +147,16 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
 
   MemoryPlan plan;
   const std::string params = "P = " + count_text(P);
-  add(plan, "weights (fp32 flat buffer)", 4 * P, params + " x 4 B");
-  add(plan, "gradients (fp32 flat buffer)", 4 * P, params + " x 4 B, accumulated in place over K micro-batches");
-  const bool zero1 = c.shard_optimizer_over_data && ctx.world_size > 1;
+  const bool zero1 = c.data_parallel_sharding == "optim" && ctx.world_size > 1;
   const double shard = zero1 ? std::ceil(P / static_cast<double>(ctx.world_size)) : P;
+  const double padded = zero1 ? shard * static_cast<double>(ctx.world_size) : P;  // the arena, R equal chunks
+  add(plan, "weights (fp32 flat buffer)", 4 * padded,
+      params + " x 4 B" + (padded > P ? " (padded to " + count_text(padded) + ": R equal chunks)" : std::string()));
+  add(plan, "gradients (fp32 flat buffer)", 4 * P, params + " x 4 B, accumulated in place over K micro-batches");
   const double adam_per_element = ctx.cuda ? 8 : 12;  // m, v (+ the unfused update's denominator)
   add(plan, "optimizer state (AdamW)", adam_per_element * shard,
       std::string(ctx.cuda ? "m, v" : "m, v, update workspace") + " x 4 B over " + count_text(shard) + " elements" +
           (zero1 ? " (ZeRO-1: 1/" + std::to_string(ctx.world_size) + " of P)" : ""));
-  if (zero1) add(plan, "ZeRO-1 parameter gather buffer", 4 * P, params + " x 4 B");
   plan.model_state_bytes = plan.total_bytes;
 
   // Weight copies kept for backward.
@@ -303,10 +304,10 @@ std::vector<std::string> memory_plan_suggestions(const Config& config, const Mem
       break;
     }
   }
-  if (context.world_size > 1 && !config.shard_optimizer_over_data) {
+  if (context.world_size > 1 && config.data_parallel_sharding == "none") {
     Config c = config;
-    c.shard_optimizer_over_data = true;
-    try_config(c, "shard_optimizer_over_data=true (ZeRO-1 over " + std::to_string(context.world_size) + " ranks)");
+    c.data_parallel_sharding = "optim";
+    try_config(c, "data_parallel_sharding=optim (ZeRO-1 over " + std::to_string(context.world_size) + " ranks)");
   }
   if (config.dtype == "float32") {
     Config c = config;

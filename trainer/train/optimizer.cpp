@@ -32,9 +32,15 @@ void Trainer::build_flat_buffers() {
   auto params = model_->parameters();
   int64_t total = 0;
   for (const auto& p : params) total += p.numel();
+  // With ZeRO-1 the arenas are padded to R equal chunks (at most R - 1 extra elements, always 0),
+  // so each rank's chunk is a view the all-gather fills in place; the parameters view the first
+  // `total` elements. rank r owns [r*chunk, (r+1)*chunk) of the padded arena.
+  const int64_t ranks = config_.data_parallel_sharding == "optim" ? comm_->world_size() : 1;
+  shard_chunk_ = (total + ranks - 1) / ranks;
   const auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(device_);
-  flat_params_ = torch::empty({total}, opts);
+  flat_params_padded_ = torch::zeros({shard_chunk_ * ranks}, opts);
   flat_grads_ = torch::zeros({total}, opts);
+  flat_params_ = flat_params_padded_.narrow(0, 0, total);
   torch::NoGradGuard no_grad;
   int64_t offset = 0;
   for (auto& p : params) {
@@ -45,22 +51,20 @@ void Trainer::build_flat_buffers() {
     p.mutable_grad() = flat_grads_.narrow(0, offset, n).view(p.sizes());
     offset += n;
   }
+  shard_begin_ = std::min(total, (ranks > 1 ? comm_->rank() : 0) * shard_chunk_);
+  shard_end_ = std::min(total, shard_begin_ + shard_chunk_);
   // ZeRO-1: rank r keeps AdamW state for elements [r*chunk, (r+1)*chunk) only.
-  const int64_t ranks = config_.shard_optimizer_over_data ? comm_->world_size() : 1;
-  const int64_t chunk = (total + ranks - 1) / ranks;
-  shard_begin_ = std::min(total, (ranks > 1 ? comm_->rank() : 0) * chunk);
-  shard_end_ = std::min(total, shard_begin_ + chunk);
-  const int64_t shard = shard_end_ - shard_begin_;
-  adam_m_ = torch::zeros({shard}, opts);
-  adam_v_ = torch::zeros({shard}, opts);
+  adam_m_ = torch::zeros({shard_end_ - shard_begin_}, opts);
+  adam_v_ = torch::zeros({shard_end_ - shard_begin_}, opts);
   // The fused CUDA kernel needs neither the denominator workspace nor host-side bias terms.
   if (compat::fused_adamw_available(device_))
     adam_step_ = torch::zeros({1}, opts);
   else
-    adam_scratch_ = torch::empty({shard}, opts);
-  if (sharded()) gather_buffer_ = torch::empty({total}, opts);
-  spdlog::info("AdamW state: {:.1f} MiB on this rank{} ({:.1f} MiB without sharding)", 2.0 * 4 * shard / (1 << 20),
-               sharded() ? " (ZeRO-1 over " + std::to_string(ranks) + " ranks)" : "", 2.0 * 4 * total / (1 << 20));
+    adam_scratch_ = torch::empty({shard_end_ - shard_begin_}, opts);
+  spdlog::info("AdamW state: {:.1f} MiB on this rank{} ({:.1f} MiB without sharding)",
+               2.0 * 4 * static_cast<double>(shard_end_ - shard_begin_) / (1 << 20),
+               sharded() ? " (ZeRO-1 over " + std::to_string(comm_->world_size()) + " ranks)" : "",
+               2.0 * 4 * static_cast<double>(total) / (1 << 20));
 }
 
 bool Trainer::spike_guard_rejects(double loss, double grad_norm) {
@@ -125,7 +129,7 @@ void Trainer::optimizer_update(StepOutput& out) {
       params.mul_(1.0 - lr * c.adam_weight_decay);
       params.addcdiv_(adam_m_, adam_scratch_, -lr / bias1);
     }
-    if (sharded()) gather_shards(params, flat_params_, "the updated parameters");  // ZeRO-1 all-gather
+    if (sharded()) all_gather_chunks(flat_params_padded_, "the updated parameters");  // ZeRO-1, in place
     ++updates_applied_;
     update_expert_bias(out);
   }
@@ -148,15 +152,17 @@ void Trainer::update_expert_bias(const StepOutput& out) {
   }
 }
 
-void Trainer::gather_shards(const torch::Tensor& shard, torch::Tensor& full, const std::string& what) {
-  gather_buffer_.zero_();
-  gather_buffer_.narrow(0, shard_begin_, shard_end_ - shard_begin_).copy_(shard);
-  const int64_t bucket = config_.gradient_bucket_size_mb * (1 << 20) / 4;
-  for (int64_t offset = 0; offset < gather_buffer_.numel(); offset += bucket) {
-    auto view = gather_buffer_.narrow(0, offset, std::min(bucket, gather_buffer_.numel() - offset));
-    comm_->all_reduce_sum(view, what + " (ZeRO-1 gather) at element " + std::to_string(offset));
+void Trainer::all_gather_chunks(torch::Tensor& padded, const std::string& what) {
+  // Bucketed: each round gathers one bucket-sized slice of every rank's chunk, so the transient
+  // buffer c10d uses for the exchange is R x bucket, never parameter-sized.
+  const int64_t ranks = comm_->world_size();
+  const int64_t slice = std::max<int64_t>(1, config_.gradient_bucket_size_mb * (1 << 20) / 4 / ranks);
+  for (int64_t offset = 0; offset < shard_chunk_; offset += slice) {
+    const int64_t n = std::min(slice, shard_chunk_ - offset);
+    std::vector<torch::Tensor> parts;
+    for (int64_t r = 0; r < ranks; ++r) parts.push_back(padded.narrow(0, r * shard_chunk_ + offset, n));
+    comm_->all_gather(parts, what + " (ZeRO-1 all-gather) at chunk offset " + std::to_string(offset));
   }
-  full.copy_(gather_buffer_);
 }
 
 }  // namespace trainer

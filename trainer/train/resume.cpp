@@ -24,12 +24,13 @@ CheckpointContents Trainer::snapshot(int64_t completed_steps) {
   // One copy per flat buffer; the named tensors are views into those copies.
   const auto params = flat_params_.to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
   torch::Tensor m, v;  // (P) full moments; with ZeRO-1 assembled from every rank (a collective)
-  if (sharded()) {
-    auto full = torch::empty_like(flat_params_);
-    gather_shards(adam_m_, full, "the AdamW first moments");
-    m = full.to(torch::kCPU, false, true);
-    gather_shards(adam_v_, full, "the AdamW second moments");
-    v = full.to(torch::kCPU, false, true);
+  if (sharded()) {  // a transient padded buffer, as the parameter arena: this rank fills its chunk
+    auto full = torch::zeros_like(flat_params_padded_);
+    for (auto [moments, what] : {std::pair{&adam_m_, "the AdamW first moments"}, std::pair{&adam_v_, "the AdamW second moments"}}) {
+      full.narrow(0, shard_begin_, shard_end_ - shard_begin_).copy_(*moments);
+      all_gather_chunks(full, what);
+      (moments == &adam_m_ ? m : v) = full.narrow(0, 0, flat_params_.numel()).to(torch::kCPU, false, true);
+    }
   } else {
     m = adam_m_.to(torch::kCPU, false, true), v = adam_v_.to(torch::kCPU, false, true);
   }

@@ -127,10 +127,9 @@ class Trainer {
   NamedTensors model_tensors() const;  // parameters then buffers, HF names, views (not copies)
   void update_expert_bias(const StepOutput& out);
   bool sharded() const { return shard_end_ - shard_begin_ < flat_params_.numel(); }
-  // ZeRO-1: every rank's shard of `shard` (this rank's part of a P-sized flat buffer, given as
-  // the (shard)-sized tensor) assembled into `full` (P) on all ranks, exactly (one all-reduce
-  // of zero-padded buffers: x + 0 = x).
-  void gather_shards(const torch::Tensor& shard, torch::Tensor& full, const std::string& what);
+  // ZeRO-1: `padded` (R * shard_chunk_) holds this rank's chunk; afterwards every rank's chunk,
+  // on every rank (bucketed in-place all-gathers, exact).
+  void all_gather_chunks(torch::Tensor& padded, const std::string& what);
 
   // Initialized in this order: the device comes before the communicator (NCCL needs it).
   Config config_;
@@ -141,16 +140,17 @@ class Trainer {
   DataLoader data_;
   ModelSize size_;
   double peak_tflops_ = 0;      // for perf/mfu; 0 = unknown
-  torch::Tensor flat_params_;   // (P) fp32
+  torch::Tensor flat_params_padded_;  // (R * shard_chunk_) fp32: the parameter arena, zero-padded (ZeRO-1)
+  torch::Tensor flat_params_;   // (P) fp32: its first P elements, which every parameter views
   torch::Tensor flat_grads_;    // (P) fp32
   // AdamW state for this rank's shard [shard_begin_, shard_end_) of the flat buffer: all of it
-  // without ZeRO-1, a 1/R slice with shard_optimizer_over_data.
+  // without ZeRO-1, a 1/R slice with data_parallel_sharding=optim (the chunk clipped to P).
   int64_t shard_begin_ = 0, shard_end_ = 0;
+  int64_t shard_chunk_ = 0;     // ceil(P / R) with ZeRO-1, else P
   torch::Tensor adam_m_;        // (shard) fp32, first moment
   torch::Tensor adam_v_;        // (shard) fp32, second moment
   torch::Tensor adam_scratch_;  // (shard) fp32, denominator workspace (no per-step allocation); unfused path
   torch::Tensor adam_step_;     // (1) fp32 on the device: t, for the fused CUDA AdamW kernel
-  torch::Tensor gather_buffer_; // (P) fp32, ZeRO-1 only: assembles the shards of all ranks
   int64_t updates_applied_ = 0;
   bool stop_vote_ = false;  // this rank's SIGTERM/SIGINT, agreed on in the step's stats all-reduce
   std::deque<double> spike_losses_, spike_grad_norms_;  // last skip_step_interval accepted steps
