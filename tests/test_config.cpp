@@ -117,6 +117,20 @@ TEST_CASE("config errors name the key and exit with code 2", "[config]") {
     CHECK(e.exit_code() == kExitUsage);
     CHECK_THAT(e.what(), Catch::Contains("base_num_kv_heads") && Catch::Contains("base_num_query_heads"));
   }
+  SECTION("sharding levels: the old boolean is read as optim, contradictions and unbuilt levels are refused") {
+    CHECK(tiny_config({"shard_optimizer_over_data=true"}).data_parallel_sharding == "optim");
+    CHECK(tiny_config({"data_parallel_sharding=optim"}).shard_optimizer_over_data);
+    CHECK_FALSE(tiny_config({}).shard_optimizer_over_data);
+    const Error both = load_error({"shard_optimizer_over_data=true", "data_parallel_sharding=optim_grads_params"});
+    CHECK(both.exit_code() == kExitUsage);
+    CHECK_THAT(both.what(), Catch::Contains("shard_optimizer_over_data") && Catch::Contains("data_parallel_sharding"));
+    for (const std::string level : {"optim_grads", "optim_grads_params"}) {
+      const Error e = load_error({"data_parallel_sharding=" + level});
+      CHECK(e.exit_code() == kExitUsage);
+      CHECK_THAT(e.what(), Catch::Contains("data_parallel_sharding=" + level) && Catch::Contains("not implemented"));
+    }
+    CHECK_THAT(load_error({"remat_policy=some"}).what(), Catch::Contains("remat_policy") && Catch::Contains("none, full, minimal"));
+  }
   SECTION("unknown model") {
     CHECK_THAT(load_error({"model_name=llama9"}).what(), Catch::Contains("llama9") && Catch::Contains("qwen3-0.6b"));
   }
