@@ -3,6 +3,8 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <algorithm>
+
 #include "trainer/util/torch_compat.h"
 
 namespace trainer {
@@ -49,7 +51,68 @@ torch::Tensor linear_fused(const torch::Tensor& x, std::initializer_list<torch::
   return F::linear(x, torch::cat(weights));
 }
 
+// The function a Recompute node reruns, and the autocast state it first ran under.
+struct RecomputeClosure : torch::CustomClassHolder {
+  RecomputeFn fn;
+  bool autocast = false, cuda = false;
+};
+
+// The custom autograd node behind recompute(): forward keeps only the inputs (and the closure);
+// backward reruns the closure with recording on, then backpropagates the incoming gradients
+// through the rerun. That inner backward is reentrant: the engine runs it inside this node's
+// backward, and it accumulates parameter gradients into .grad like any other.
+class Recompute : public torch::autograd::Function<Recompute> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                c10::intrusive_ptr<RecomputeClosure> closure, at::TensorList inputs) {
+    ctx->save_for_backward(inputs.vec());
+    const auto outputs = closure->fn(inputs.vec());  // grad mode is off inside forward: nothing recorded
+    ctx->saved_data["closure"] = c10::IValue::make_capsule(std::move(closure));
+    return outputs;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    const auto closure = c10::static_intrusive_pointer_cast<RecomputeClosure>(ctx->saved_data["closure"].toCapsule());
+    std::vector<torch::Tensor> inputs;
+    for (const auto& saved : ctx->get_saved_variables())
+      inputs.push_back(saved.detach().requires_grad_(saved.requires_grad()));
+    std::vector<torch::Tensor> outputs;
+    {
+      torch::AutoGradMode record(true);
+      compat::AutocastGuard autocast(closure->autocast, closure->cuda);
+      outputs = closure->fn(inputs);
+    }
+    std::vector<torch::Tensor> roots, grads;
+    for (size_t i = 0; i < outputs.size(); ++i)
+      if (grad_outputs[i].defined() && outputs[i].requires_grad()) roots.push_back(outputs[i]), grads.push_back(grad_outputs[i]);
+    if (!roots.empty()) torch::autograd::backward(roots, grads);
+    torch::autograd::variable_list input_grads = {torch::Tensor()};  // the closure argument
+    for (const auto& input : inputs) input_grads.push_back(input.requires_grad() ? input.grad() : torch::Tensor());
+    return input_grads;
+  }
+};
+
+// RMSNorm, recomputed in backward under remat_policy=minimal: its fp32 intermediates (the
+// upcast input, squares, rsqrt, normalized value) are not kept.
+torch::Tensor norm_forward(RMSNorm& norm, const torch::Tensor& x, bool recompute_elementwise) {
+  if (!recompute_elementwise) return norm(x);
+  return recompute(
+      [norm](const std::vector<torch::Tensor>& in) mutable { return std::vector<torch::Tensor>{norm->forward(in[0])}; },
+      {x})[0];
+}
+
 }  // namespace
+
+std::vector<torch::Tensor> recompute(const RecomputeFn& fn, const std::vector<torch::Tensor>& inputs) {
+  const bool recording = torch::GradMode::is_enabled() &&
+                         std::any_of(inputs.begin(), inputs.end(), [](const torch::Tensor& t) { return t.requires_grad(); });
+  if (!recording) return fn(inputs);
+  auto closure = c10::make_intrusive<RecomputeClosure>();
+  closure->fn = fn;
+  closure->cuda = !inputs.empty() && inputs[0].is_cuda();
+  closure->autocast = compat::autocast_is_enabled(closure->cuda);
+  return Recompute::apply(std::move(closure), at::TensorList(inputs));
+}
 
 AttentionImpl::AttentionImpl(const Config& c)
     : num_heads_(c.base_num_query_heads), num_kv_heads_(c.base_num_kv_heads), head_dim_(c.head_dim) {
@@ -63,8 +126,8 @@ AttentionImpl::AttentionImpl(const Config& c)
   }
 }
 
-torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const RopeTables& rope,
-                                     const torch::Tensor& allowed) {
+torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const RopeTables& rope, const torch::Tensor& allowed,
+                                     bool recompute_norms) {
   const auto B = x.size(0), L = x.size(1);
   const auto q_dim = num_heads_ * head_dim_, kv_dim = num_kv_heads_ * head_dim_;
   const auto qkv = linear_fused(x, {q_proj->weight, k_proj->weight, v_proj->weight});  // (B, L, q_dim + 2 kv_dim)
@@ -72,8 +135,8 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const RopeTables& r
   auto k = qkv.narrow(-1, q_dim, kv_dim).view({B, L, num_kv_heads_, head_dim_});        // (B, L, Hkv, hd)
   auto v = qkv.narrow(-1, q_dim + kv_dim, kv_dim).view({B, L, num_kv_heads_, head_dim_});  // (B, L, Hkv, hd)
   if (q_norm) {
-    q = q_norm(q);
-    k = k_norm(k);
+    q = norm_forward(q_norm, q, recompute_norms);
+    k = norm_forward(k_norm, k, recompute_norms);
   }
   // Under bf16 autocast q and k are bf16: the fp32 tables are cast once per layer.
   const auto cos = rope.cos.to(q.scalar_type()), sin_signed = rope.sin_signed.to(q.scalar_type());
@@ -95,11 +158,17 @@ MlpImpl::MlpImpl(int64_t dim, int64_t hidden, bool one_gemm_for_gate_up) : one_g
   down_proj = register_module("down_proj", linear(hidden, dim));
 }
 
-torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
-  if (!one_gemm_for_gate_up_) return down_proj(F::silu(gate_proj(x)) * up_proj(x));
+torch::Tensor MlpImpl::forward(const torch::Tensor& x, bool recompute_activation) {
+  const auto swiglu = [](const std::vector<torch::Tensor>& in) {  // {gate (.., F), up (.., F)}
+    return std::vector<torch::Tensor>{F::silu(in[0]) * in[1]};
+  };
+  const auto activation = [&](const torch::Tensor& gate, const torch::Tensor& up) {
+    return recompute_activation ? recompute(swiglu, {gate, up})[0] : swiglu({gate, up})[0];
+  };
+  if (!one_gemm_for_gate_up_) return down_proj(activation(gate_proj(x), up_proj(x)));
   const auto hidden = gate_proj->weight.size(0);
   const auto gate_up = linear_fused(x, {gate_proj->weight, up_proj->weight});  // (B, L, 2F)
-  return down_proj(F::silu(gate_up.narrow(-1, 0, hidden)) * gate_up.narrow(-1, hidden, hidden));
+  return down_proj(activation(gate_up.narrow(-1, 0, hidden), gate_up.narrow(-1, hidden, hidden)));
 }
 
 DecoderLayerImpl::DecoderLayerImpl(const Config& c, bool use_moe) {
@@ -114,9 +183,10 @@ DecoderLayerImpl::DecoderLayerImpl(const Config& c, bool use_moe) {
 }
 
 torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const BlockContext& ctx) {
-  const auto h = x + self_attn(input_layernorm(x), ctx.rope, ctx.allowed);
-  const auto normed = post_attention_layernorm(h);
-  return h + (moe ? moe->forward(normed, ctx) : mlp(normed));
+  const bool minimal = ctx.recompute_elementwise;
+  const auto h = x + self_attn->forward(norm_forward(input_layernorm, x, minimal), ctx.rope, ctx.allowed, minimal);
+  const auto normed = norm_forward(post_attention_layernorm, h, minimal);
+  return h + (moe ? moe->forward(normed, ctx) : mlp->forward(normed, minimal));
 }
 
 SharedHeadImpl::SharedHeadImpl(int64_t dim, double eps) {
@@ -140,6 +210,7 @@ DecoderStackImpl::DecoderStackImpl(const Config& c)
     : num_decoder_layers(c.base_num_decoder_layers),
       rotary_dim_(static_cast<int64_t>(std::llround(c.partial_rotary_factor * static_cast<double>(c.head_dim)))),
       rope_theta_(c.rope_max_timescale) {
+  remat_policy = c.remat_policy;
   embed_tokens = register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.base_emb_dim));
   layers = register_module("layers", torch::nn::ModuleList());
   const bool moe_model = c.num_experts > 1;
@@ -160,6 +231,7 @@ BlockContext DecoderStackImpl::context(const torch::Tensor& positions, const tor
   const auto cos = angles.cos(), sin = angles.sin();
   BlockContext ctx;
   ctx.rope = {torch::cat({cos, cos}, -1), torch::cat({-sin, sin}, -1)};  // (B, 1, L, rot) each
+  ctx.recompute_elementwise = remat_policy == "minimal" && torch::GradMode::is_enabled();
   ctx.valid = segment_ids != 0;
   if (one_segment_per_row) {  // plain causal: no (B, L, L) segment mask
     ctx.allowed = compat::causal_mask(L, opts);
@@ -174,7 +246,28 @@ BlockContext DecoderStackImpl::context(const torch::Tensor& positions, const tor
 
 torch::Tensor DecoderStackImpl::forward(const torch::Tensor& embeddings, const BlockContext& ctx) {
   auto x = embeddings;
-  for (int64_t i = 0; i < num_decoder_layers; ++i) x = layers[i]->as<DecoderLayerImpl>()->forward(x, ctx);
+  for (int64_t i = 0; i < num_decoder_layers; ++i) {
+    auto layer = layers[i]->as<DecoderLayerImpl>();
+    if (remat_policy != "full") {
+      x = layer->forward(x, ctx);
+      continue;
+    }
+    // remat_policy=full: only the block's input is kept; a MoE block's statistics come back as
+    // outputs of the recomputed function (load balance, router z, counts), so the rerun in
+    // backward does not append them a second time.
+    BlockContext block_ctx = ctx;
+    const auto block = [layer, block_ctx](const std::vector<torch::Tensor>& in) {
+      std::vector<MoeLayerStats> stats;
+      BlockContext local = block_ctx;
+      local.moe_stats = &stats;
+      std::vector<torch::Tensor> out = {layer->forward(in[0], local)};
+      for (const auto& s : stats) out.insert(out.end(), {s.load_balance, s.router_z, s.counts});
+      return out;
+    };
+    const auto out = recompute(block, {x});
+    x = out[0];
+    if (out.size() > 1 && ctx.moe_stats) ctx.moe_stats->push_back({out[1], out[2], out[3].detach()});
+  }
   return x;
 }
 

@@ -2,6 +2,8 @@
 // under Hugging Face Llama/Qwen3 names, so named_parameters() are the checkpoint keys:
 // model.embed_tokens.weight, model.layers.N.self_attn.q_proj.weight, model.norm.weight, lm_head.weight.
 #pragma once
+#include <functional>
+
 #include <torch/torch.h>
 
 #include "trainer/config/config.h"
@@ -32,7 +34,9 @@ class AttentionImpl : public torch::nn::Module {
   explicit AttentionImpl(const Config& config);
   // x: (B, L, D); allowed: (B, 1, L, L) or (L, L) bool, true where query i may attend to key
   // j, or undefined for plain causal attention (LibTorch 2.x).
-  torch::Tensor forward(const torch::Tensor& x, const RopeTables& rope, const torch::Tensor& allowed);
+  // recompute_norms: q/k norms recomputed in backward (remat_policy=minimal).
+  torch::Tensor forward(const torch::Tensor& x, const RopeTables& rope, const torch::Tensor& allowed,
+                        bool recompute_norms = false);
   torch::nn::Linear q_proj{nullptr};  // (Hq*hd, D)
   torch::nn::Linear k_proj{nullptr};  // (Hkv*hd, D)
   torch::nn::Linear v_proj{nullptr};  // (Hkv*hd, D)
@@ -50,7 +54,8 @@ TORCH_MODULE(Attention);
 class MlpImpl : public torch::nn::Module {
  public:
   MlpImpl(int64_t dim, int64_t hidden, bool one_gemm_for_gate_up = true);
-  torch::Tensor forward(const torch::Tensor& x);
+  // recompute_activation: silu(gate) * up is recomputed in backward (remat_policy=minimal).
+  torch::Tensor forward(const torch::Tensor& x, bool recompute_activation = false);
   torch::nn::Linear gate_proj{nullptr};  // (F, D)
   torch::nn::Linear up_proj{nullptr};    // (F, D)
   torch::nn::Linear down_proj{nullptr};  // (D, F)
@@ -73,7 +78,18 @@ struct BlockContext {
                           // (one segment per row) (L, L) on LibTorch 1.13, undefined on 2.x
   torch::Tensor valid;    // (B, L) bool: real tokens (segment id != 0)
   std::vector<MoeLayerStats>* moe_stats = nullptr;  // MoE layers append here
+  bool recompute_elementwise = false;  // remat_policy=minimal while recording: see recompute()
 };
+
+// Activation recomputation (remat_policy, docs/memory.md). Returns fn(inputs); while autograd
+// records, fn's intermediate tensors are not kept: fn runs once without recording, and again in
+// backward from the saved inputs (under the autocast state of the forward), whose gradients then
+// flow through the rerun. Parameters fn reads get their gradients there, accumulated into .grad
+// as usual. fn must be deterministic (no randomness in this model) and must not append to
+// anything outside its result (MoE statistics are returned as outputs instead, so they are
+// counted once). Outputs that backward gives no gradient (counts) carry none.
+using RecomputeFn = std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)>;
+std::vector<torch::Tensor> recompute(const RecomputeFn& fn, const std::vector<torch::Tensor>& inputs);
 
 // Router of a MoE layer ("mlp.gate" in DeepSeek-V3 names).
 class MoeGateImpl : public torch::nn::Module {
@@ -149,6 +165,7 @@ class DecoderStackImpl : public torch::nn::Module {
   torch::nn::ModuleList layers{nullptr};       // N DecoderLayers, then mtp_num_layers MtpLayers
   RMSNorm norm{nullptr};                       // (D)
   int64_t num_decoder_layers = 0;
+  std::string remat_policy = "none";           // none | full | minimal
  private:
   int64_t rotary_dim_;
   double rope_theta_;

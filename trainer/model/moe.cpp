@@ -85,11 +85,11 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x, const BlockContext& ctx) 
     const int64_t n = sizes[e];
     if (n == 0) continue;
     const auto tokens = token_of.narrow(0, offset, n);
-    const auto y = experts[e]->as<MlpImpl>()->forward(xf.index_select(0, tokens));  // (n, D)
+    const auto y = experts[e]->as<MlpImpl>()->forward(xf.index_select(0, tokens), ctx.recompute_elementwise);  // (n, D)
     out.index_add_(0, tokens, (y * slot_weight.narrow(0, offset, n).unsqueeze(1).to(y.scalar_type())).to(out.scalar_type()));
     offset += n;
   }
-  if (shared_experts) out = out + shared_experts(xf).to(out.scalar_type());
+  if (shared_experts) out = out + shared_experts->forward(xf, ctx.recompute_elementwise).to(out.scalar_type());
   return out.view({B, L, D});
 }
 

@@ -64,6 +64,16 @@ struct AutocastGuard {
   at::ScalarType prev_dtype_ = at::kBFloat16;
 };
 
+// Whether autocast is on for this thread and device type (activation recomputation reruns a
+// forward under the state it first ran with).
+inline bool autocast_is_enabled(bool cuda) {
+#if TRAINER_TORCH_AT_LEAST(2, 4)
+  return at::autocast::is_autocast_enabled(cuda ? at::kCUDA : at::kCPU);
+#else
+  return cuda ? at::autocast::is_enabled() : at::autocast::is_cpu_enabled();
+#endif
+}
+
 }  // namespace trainer::compat
 
 namespace trainer::compat {
