@@ -438,6 +438,26 @@ TEST_CASE("memory plan: activations scale with the micro-batch, not with K", "[t
   CHECK(bf16 > 0.5 * base);
 }
 
+TEST_CASE("memory plan: remat_policy full keeps one (B, L, D) input per layer, minimal keeps less than none", "[training][memory][remat]") {
+  const auto activations = [](const std::string& policy, int layers) {
+    return memory_plan(tiny_config({"model_name=default", "override_model_config=true", "per_device_batch_size=2",
+                                    "max_target_length=64", "base_num_decoder_layers=" + std::to_string(layers),
+                                    "remat_policy=" + policy}),
+                       {})
+        .activation_bytes;
+  };
+  const Config c = tiny_config({"model_name=default"});
+  const double input_bytes = 4.0 * 2 * 64 * static_cast<double>(c.base_emb_dim);  // fp32 (B, L, D)
+  // One more layer costs its input under full, a whole layer's activations otherwise.
+  CHECK(activations("full", 5) - activations("full", 4) == Approx(input_bytes).epsilon(1e-12));
+  const double layer = activations("none", 5) - activations("none", 4);
+  const double layer_minimal = activations("minimal", 5) - activations("minimal", 4);
+  CHECK(layer > 10 * input_bytes);
+  CHECK(layer_minimal < layer);
+  CHECK(layer_minimal > 0.5 * layer);  // only the elementwise intermediates go
+  CHECK(activations("full", 4) < activations("minimal", 4));
+}
+
 TEST_CASE("a run whose memory plan exceeds the machine exits 2 with the plan and what would fit", "[training][memory][cli]") {
   // ulimit -v caps this process's address space (RLIMIT_AS): the check sees ~2 GB available.
   const std::string limit = "ulimit -v 3000000;";

@@ -76,12 +76,16 @@ struct Shapes {
 };
 
 // Activations saved for backward by one dense (`moe` false) or MoE decoder layer, in bytes.
+// minimal (remat_policy=minimal): norms keep only their output (the GEMM input; their input is
+// the residual stream, kept anyway) and SwiGLU keeps gate, up and the product, not silu(gate).
 double layer_saved_bytes(const Shapes& s, bool moe, double r, double m, bool bf16, bool fused_attention,
-                         bool qk_norm) {
+                         bool qk_norm, bool minimal) {
   const double cast = bf16 ? 2.0 : 0.0;  // bf16 copy of a fp32 GEMM input
-  double bytes = 2 * r * s.T * s.D + cast * s.T * s.D;  // input norm (+ its bf16 copy)
-  bytes += m * s.T * (s.q + 2 * s.kv);                  // q/k/v GEMM output
-  if (qk_norm) bytes += (bf16 ? 14.0 : 8.0) * s.T * (s.q + s.kv);  // fp32 widening, normed, scaled (+ bf16)
+  const double norm = minimal ? 1.0 : 2.0;  // fp32 (B, L, D) tensors an RMSNorm keeps
+  const double swiglu = minimal ? 3.0 : 4.0;  // (B, L, F) tensors SwiGLU keeps
+  double bytes = norm * r * s.T * s.D + cast * s.T * s.D;  // input norm (+ its bf16 copy)
+  bytes += m * s.T * (s.q + 2 * s.kv);                     // q/k/v GEMM output
+  if (qk_norm) bytes += (minimal ? 4.0 : 8.0) * s.T * (s.q + s.kv) + (bf16 ? 6.0 : 0.0) * s.T * (s.q + s.kv);
   bytes += m * s.T * (s.q + s.kv) * (2 * s.f + (s.f < 1 ? 1 : 0));  // RoPE
   if (s.q > s.kv) bytes += 2 * m * s.T * s.q;                         // repeated k and v
   if (fused_attention)
@@ -90,13 +94,13 @@ double layer_saved_bytes(const Shapes& s, bool moe, double r, double m, bool bf1
     bytes += (4 + cast) * s.B * s.H * s.L * s.L;  // probabilities (+ bf16 copy)
   bytes += m * s.T * s.q;                          // attention output for o_proj
   bytes += r * s.T * s.D;                          // residual
-  bytes += 2 * r * s.T * s.D + cast * s.T * s.D;   // post-attention norm
+  bytes += norm * r * s.T * s.D + cast * s.T * s.D;  // post-attention norm
   if (!moe) {
-    bytes += 4 * m * s.T * s.F;  // SwiGLU
+    bytes += swiglu * m * s.T * s.F;  // SwiGLU
   } else {
     bytes += 2 * 4 * s.T * s.E;                                                  // router logits, scores
-    bytes += s.T * s.k * ((4 + cast) * s.D + 4 * m * s.Fm + m * s.D);            // routed rows
-    if (s.Fs > 0) bytes += 4 * m * s.T * s.Fs + cast * s.T * s.D;                // shared experts
+    bytes += s.T * s.k * ((4 + cast) * s.D + swiglu * m * s.Fm + m * s.D);       // routed rows
+    if (s.Fs > 0) bytes += swiglu * m * s.T * s.Fs + cast * s.T * s.D;           // shared experts
     bytes += 2 * r * s.T * s.D;                                                  // expert sum, + shared
   }
   bytes += r * s.T * s.D;  // residual: the layer's output
@@ -174,19 +178,27 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   }
 
   // Activations of one micro-batch.
-  const double dense = layer_saved_bytes(s, false, r, m, bf16, fused_attention, c.use_qk_norm);
-  const double moe = moe_layers > 0 ? layer_saved_bytes(s, true, r, m, bf16, fused_attention, c.use_qk_norm) : 0.0;
+  // remat_policy=full keeps each decoder layer's input only; backward reruns one layer at a time,
+  // whose own saved activations then exist once (the largest layer kind counts).
+  const bool minimal = c.remat_policy == "minimal", full = c.remat_policy == "full";
+  const double dense = layer_saved_bytes(s, false, r, m, bf16, fused_attention, c.use_qk_norm, minimal);
+  const double moe =
+      moe_layers > 0 ? layer_saved_bytes(s, true, r, m, bf16, fused_attention, c.use_qk_norm, minimal) : 0.0;
   const double embedding = r * s.T * s.D;
   const double mask = fused_attention ? 0.0 : 2 * s.B * s.L * s.L + s.L * s.L;  // bool masks
   const double head = 2 * r * s.T * s.D + (bf16 ? 2 : 0) * s.T * s.D + 4 * s.T * s.V;
   const double mtp_depth = r * s.T * s.D + 4 * r * s.T * s.D + 2 * r * s.T * s.D + (bf16 ? 4 : 0) * s.T * s.D + dense +
                            2 * r * s.T * s.D + 4 * s.T * s.V;
-  const double activations = embedding + mask + static_cast<double>(dense_layers) * dense +
-                             static_cast<double>(moe_layers) * moe + head + mtp * mtp_depth;
+  const double decoder_layers = full ? static_cast<double>(layers) * r * s.T * s.D + std::max(dense_layers > 0 ? dense : 0.0, moe)
+                                     : static_cast<double>(dense_layers) * dense + static_cast<double>(moe_layers) * moe;
+  const double activations = embedding + mask + decoder_layers + head + mtp * mtp_depth;
   plan.activation_bytes = activations;
   std::string detail = "B " + count_text(s.B) + " x L " + count_text(s.L) + ": " + memory_bytes_text(dense) +
                        " per dense layer";
   if (moe_layers > 0) detail += ", " + memory_bytes_text(moe) + " per MoE layer";
+  if (full) detail += " (remat_policy=full: each layer keeps its input, " + memory_bytes_text(r * s.T * s.D) +
+                      ", and one layer at a time is rerun in backward)";
+  if (minimal) detail += " (remat_policy=minimal: norms and SwiGLU recomputed)";
   detail += fused_attention ? " (fused causal attention)"
                             : " (incl. attention probabilities B x H x L x L: " +
                                   memory_bytes_text((4 + (bf16 ? 2 : 0)) * s.B * s.H * s.L * s.L) + ")";
