@@ -254,9 +254,14 @@ TEST_CASE("ZeRO-1 gives the same weights and optimizer state as plain data paral
     CHECK(read_file(kOut + "/zero1/checkpoints/3/" + file) == read_file(kOut + "/plain/checkpoints/3/" + file));
   const auto z = metrics_of("zero1"), p = metrics_of("plain");
   REQUIRE(z.size() == 3);
+  // The in-place all-gather sends this rank's chunk once: (R-1) x 4 ceil(P/R) bytes more than plain
+  // data parallel (an all-reduce of the zero-padded full buffer would send 2 (R-1)/R x 4P).
+  const double P = static_cast<double>(model_size(tiny_config({"model_name=moe-tiny"})).total_params);
   for (size_t i = 0; i < 3; ++i) {
     CHECK(z[i]["learning/loss"].dump() == p[i]["learning/loss"].dump());
     CHECK(z[i]["perf/collectives_per_step"] == 3);  // gradient bucket + scalars + parameter gather
+    CHECK(z[i]["perf/collective_bytes_per_step"].get<double>() - p[i]["perf/collective_bytes_per_step"].get<double>() ==
+          4 * std::ceil(P / 2));
   }
   // The sharded run's checkpoint resumes with one process (the full moments were gathered), and
   // continues as an uninterrupted one-process run of the same global batch: R=2 x K=2 equals

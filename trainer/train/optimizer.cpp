@@ -90,6 +90,7 @@ void Trainer::optimizer_update(StepOutput& out) {
   torch::NoGradGuard no_grad;
   out.learning_rate = learning_rate_at(c, updates_applied_);
   const int64_t collectives_before = comm_->collectives();
+  const double bytes_before = comm_->bytes_sent();
   bool skip = out.total_weights == 0;
   if (out.total_weights == 0)
     spdlog::warn("step {}: no unmasked target token in the whole batch (W = 0); update skipped", out.step);
@@ -135,6 +136,7 @@ void Trainer::optimizer_update(StepOutput& out) {
   }
   out.step_skipped = skip;
   out.collectives += comm_->collectives() - collectives_before;  // the ZeRO-1 gather, if any
+  out.collective_bytes += comm_->bytes_sent() - bytes_before;
   out.param_norm = flat_buffer_norm(flat_params_);
 }
 

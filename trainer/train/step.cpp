@@ -222,6 +222,7 @@ StepOutput Trainer::forward_backward(int64_t step) {
   // Data parallel: one bucketed all-reduce of the flat gradient and one of the step's scalars
   // (W, the J accumulators, expert counts, the stop vote), once per step, not per micro-batch.
   const int64_t collectives_before = comm_->collectives();
+  const double bytes_before = comm_->bytes_sent();
   const auto sync_start = std::chrono::steady_clock::now();
   if (!comm_->is_local()) {
     const int64_t bucket = c.gradient_bucket_size_mb * (1 << 20) / 4;
@@ -255,6 +256,7 @@ StepOutput Trainer::forward_backward(int64_t step) {
     out.stop_requested = stop_vote_;
   }
   out.collectives = comm_->collectives() - collectives_before;
+  out.collective_bytes = comm_->bytes_sent() - bytes_before;
   out.grad_sync_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - sync_start).count();
 
   // The single normalization of the step. W = 0 (no target token anywhere) gives a zero

@@ -45,7 +45,8 @@ struct StepOutput {
   double step_time_seconds = 0;
   double data_wait_seconds = 0;       // time this step waited for its micro-batches
   std::vector<int64_t> sample_indices;  // global samples of the step (this rank's), for error messages
-  int64_t collectives = 0;            // all-reduces this step needed (0 with one process)
+  int64_t collectives = 0;            // collectives this step needed (0 with one process)
+  double collective_bytes = 0;        // bytes this rank sent in them (Communicator::bytes_sent)
   double grad_sync_seconds = 0;       // host time spent in those all-reduces
   bool stop_requested = false;        // some rank received SIGTERM/SIGINT before this step
   int64_t host_reads = 0;             // device values read by the host inside the step (syncs on a GPU)

@@ -218,6 +218,7 @@ MetricValues Trainer::read_metrics(const StepOutput& out) const {
       {"perf/step_time_seconds", seconds},
       {"perf/data_wait_seconds", out.data_wait_seconds},
       {"perf/collectives_per_step", static_cast<double>(out.collectives)},
+      {"perf/collective_bytes_per_step", out.collective_bytes},
       {"perf/host_reads_in_step", static_cast<double>(out.host_reads)},
       {"perf/grad_sync_seconds", out.grad_sync_seconds},
       {"perf/per_device_tokens_per_sec", seconds > 0 ? tokens / seconds : 0.0},
