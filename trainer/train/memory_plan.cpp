@@ -163,24 +163,36 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
           (zero1 ? " (ZeRO-1: 1/" + std::to_string(ctx.world_size) + " of P)" : ""));
   plan.model_state_bytes = plan.total_bytes;
 
-  // Weight copies kept for backward.
+  // Weight copies kept for backward. Under remat_policy=full a decoder layer's copies are made
+  // again when it is rerun, so only one layer's exist at a time.
+  const bool full = c.remat_policy == "full";
   const double qkv_weights = s.D * (s.q + 2 * s.kv), gate_up_weights = 2 * s.D * s.F;
   const double mtp = static_cast<double>(c.mtp_num_layers);
+  const std::string rerun_note = full ? " (remat_policy=full: one decoder layer's at a time)" : "";
   if (!bf16) {
-    const double fused = (static_cast<double>(layers) + mtp) * qkv_weights +
-                         (static_cast<double>(dense_layers) + mtp) * gate_up_weights +
-                         (moe_layers > 0 ? static_cast<double>(moe_layers) * 2 * s.D * s.Fs : 0.0);
-    add(plan, "fused q/k/v and gate/up weight copies", 4 * fused, "concatenated per forward, fp32, kept for backward");
+    const double dense_copies = qkv_weights + gate_up_weights, moe_copies = qkv_weights + 2 * s.D * s.Fs;
+    const double layer_copies = full ? std::max(dense_layers > 0 ? dense_copies : 0.0, moe_layers > 0 ? moe_copies : 0.0)
+                                     : static_cast<double>(dense_layers) * dense_copies +
+                                           static_cast<double>(moe_layers) * moe_copies;
+    const double fused = layer_copies + mtp * dense_copies;
+    add(plan, "fused q/k/v and gate/up weight copies", 4 * fused,
+        "concatenated per forward, fp32, kept for backward" + rerun_note);
   } else {
     const double norms_and_router = static_cast<double>(moe_layers) * s.E * s.D;
     const double matmul_weights = P - s.V * s.D * (c.logits_via_embedding ? 0 : 1) - norms_and_router;
-    add(plan, "bf16 weight copies", 2 * matmul_weights, "autocast's bf16 cast of every matmul weight, kept for backward");
+    const double attention = qkv_weights + s.q * s.D;
+    const double dense_layer = attention + 3 * s.D * s.F, moe_layer = attention + 3 * s.D * (s.E * s.Fm + s.Fs);
+    const double all_layers = static_cast<double>(dense_layers) * dense_layer + static_cast<double>(moe_layers) * moe_layer;
+    const double kept_layers =
+        full ? std::max(dense_layers > 0 ? dense_layer : 0.0, moe_layers > 0 ? moe_layer : 0.0) : all_layers;
+    add(plan, "bf16 weight copies", 2 * (matmul_weights - all_layers + kept_layers),
+        "autocast's bf16 cast of every matmul weight, kept for backward" + rerun_note);
   }
 
   // Activations of one micro-batch.
   // remat_policy=full keeps each decoder layer's input only; backward reruns one layer at a time,
   // whose own saved activations then exist once (the largest layer kind counts).
-  const bool minimal = c.remat_policy == "minimal", full = c.remat_policy == "full";
+  const bool minimal = c.remat_policy == "minimal";
   const double dense = layer_saved_bytes(s, false, r, m, bf16, fused_attention, c.use_qk_norm, minimal);
   const double moe =
       moe_layers > 0 ? layer_saved_bytes(s, true, r, m, bf16, fused_attention, c.use_qk_norm, minimal) : 0.0;
