@@ -464,11 +464,74 @@ TEST_CASE("top-k dispatch with norm_topk_prob and routed_scaling_factor equals a
     }
 }
 
+TEST_CASE("group-limited routing picks the top-k among the best groups' experts, as Ling 2.0's gate", "[moe]") {
+  // E = 8 experts in G = 4 groups of 2, keep g = 2 groups, k = 2, sigmoid scores with a selection
+  // bias. The gate weight is the identity, so router logits are x itself. Per token, by hand: a
+  // group's score is the sum of its two biased scores; the two best groups' experts are candidates;
+  // the two largest biased scores among them are chosen; their unbiased scores, renormalized and
+  // scaled, weigh the experts' outputs.
+  const Config c = tiny_config({"override_model_config=true", "base_emb_dim=8", "num_experts=8", "num_experts_per_tok=2",
+                                "base_moe_mlp_dim=4", "shared_experts=0", "routed_bias=true", "routed_score_func=sigmoid",
+                                "norm_topk_prob=true", "routed_scaling_factor=2.5", "n_routing_groups=4",
+                                "topk_routing_group=2"});
+  torch::manual_seed(11);
+  Moe moe(c);
+  torch::NoGradGuard no_grad;
+  moe->gate->weight.copy_(torch::eye(8));
+  const std::vector<double> bias = {0.0, 0.05, -0.1, 0.0, 0.02, 0.0, 0.0, -0.03};
+  moe->gate->e_score_correction_bias.copy_(torch::tensor(bias, torch::kFloat32));
+  // Token 0 is crafted so that group limiting changes the choice: biased scores 0.9, 0.1 | 0.8, 0.75
+  // | 0.85, 0.05 | 0.7, 0.7 (before the bias): the global top-2 are experts 0 and 4, the group-limited
+  // ones come from groups 1 and 3. The other tokens are random.
+  auto logit = [](double p) { return std::log(p / (1 - p)); };
+  std::vector<float> crafted;
+  for (double p : {0.9, 0.1, 0.8, 0.75, 0.85, 0.05, 0.7, 0.7}) crafted.push_back(static_cast<float>(logit(p)));
+  const auto x = torch::cat({torch::tensor(crafted).view({1, 8}), torch::randn({5, 8}) * 1.5}).view({1, 6, 8});
+  BlockContext ctx;
+  ctx.valid = torch::ones({1, 6}, torch::kBool);
+  std::vector<MoeLayerStats> stats;
+  ctx.moe_stats = &stats;
+  const auto y = moe->forward(x, ctx);  // (1, 6, 8)
+  bool limiting_changed_a_choice = false;
+  for (int64_t t = 0; t < 6; ++t) {
+    double s[8], biased[8];
+    for (int e = 0; e < 8; ++e) {
+      s[e] = 1 / (1 + std::exp(-x[0][t][e].item<double>()));
+      biased[e] = s[e] + bias[e];
+    }
+    std::vector<int> groups = {0, 1, 2, 3};
+    std::sort(groups.begin(), groups.end(), [&](int a, int b) {
+      return biased[2 * a] + biased[2 * a + 1] > biased[2 * b] + biased[2 * b + 1];
+    });
+    std::vector<int> candidates = {2 * groups[0], 2 * groups[0] + 1, 2 * groups[1], 2 * groups[1] + 1};
+    std::sort(candidates.begin(), candidates.end(), [&](int a, int b) { return biased[a] > biased[b]; });
+    const int chosen[2] = {candidates[0], candidates[1]};
+    std::vector<int> all = {0, 1, 2, 3, 4, 5, 6, 7};
+    std::sort(all.begin(), all.end(), [&](int a, int b) { return biased[a] > biased[b]; });
+    limiting_changed_a_choice |= std::set<int>{all[0], all[1]} != std::set<int>{chosen[0], chosen[1]};
+    auto expected = torch::zeros({8}, torch::kFloat64);
+    for (int e : chosen) {
+      const double w = s[e] / (s[chosen[0]] + s[chosen[1]]) * 2.5;
+      expected += w * moe->experts[e]->as<MlpImpl>()->forward(x[0][t].unsqueeze(0)).squeeze(0).to(torch::kFloat64);
+    }
+    INFO("token " << t << ": chosen " << chosen[0] << ", " << chosen[1]);
+    CHECK(torch::allclose(y[0][t].to(torch::kFloat64), expected, 1e-5, 1e-6));
+  }
+  CHECK(limiting_changed_a_choice);  // token 0 at least: the test sees the groups, not a plain top-k
+  // Bad group settings are config errors naming the keys.
+  for (const auto& bad : std::vector<std::vector<std::string>>{{"n_routing_groups=3", "topk_routing_group=1"},
+                                                             {"n_routing_groups=4", "topk_routing_group=5"},
+                                                             {"n_routing_groups=8", "topk_routing_group=1"}}) {
+    auto o = std::vector<std::string>{"model_name=moe-tiny", "override_model_config=true", "num_experts=8"};
+    o.insert(o.end(), bad.begin(), bad.end());
+    CHECK_THROWS_WITH(tiny_config(o), Catch::Contains("n_routing_groups") || Catch::Contains("topk_routing_group"));
+  }
+}
+
 TEST_CASE("remat_policy full and minimal: the gradients, losses and MoE statistics of none", "[moe][training][remat]") {
   // Recomputation reruns the same operations in backward, so gradients agree to rounding (1e-6
-  // relative, as the issue asks); the MoE statistics must be counted once (twice would double
-  // the expert load); under bf16 autocast the rerun must be in bf16 too (an fp32 rerun differs by
-  // bf16 rounding, ~1e-3).
+  // relative, as the issue asks; bf16 below); the MoE statistics must be counted once (twice would
+  // double the expert load); under bf16 autocast the rerun must be in bf16 too.
   struct Variant {
     std::string name;
     std::vector<std::string> options;
@@ -493,7 +556,10 @@ TEST_CASE("remat_policy full and minimal: the gradients, losses and MoE statisti
       const auto out = t.forward_backward(0);
       const double difference = relative_difference(t.flat_grads(), reference.flat_grads());
       INFO("relative gradient difference " << difference);
-      CHECK(difference < 1e-6);
+      // fp32: the same operations, 1e-6. bf16: the rerun's backward may pick kernels that sum bf16
+      // products in another order (LibTorch 2.6: 9.7e-5; 1.13: 4e-8), while a rerun in fp32 (the
+      // autocast state lost) differs by 4e-3, the bf16 resolution; 5e-4 separates the two.
+      CHECK(difference < (variant.name == "moe bf16" ? 5e-4 : 1e-6));
       CHECK(reference.flat_grads().norm().item<double>() > 0);
       std::vector<std::string> names = {"learning/loss", "learning/lm_loss"};
       if (variant.name != "dense") names.insert(names.end(), {"learning/moe_lb_loss", "megatron/z_loss"});

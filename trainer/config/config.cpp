@@ -228,6 +228,17 @@ std::vector<std::string> validation_errors(const Config& c) {
   }
   require(c.shared_experts >= 0, "shared_experts must be >= 0");
   require(c.routed_scaling_factor > 0, "routed_scaling_factor must be > 0");
+  if (c.n_routing_groups != -1 || c.topk_routing_group != -1) {
+    const int64_t groups = c.n_routing_groups;
+    require(c.num_experts > 1 && groups > 0 && c.num_experts % groups == 0 && c.num_experts / groups >= 2,
+            "n_routing_groups (" + std::to_string(groups) + ") must divide num_experts (" + std::to_string(c.num_experts) +
+                ") into groups of at least 2 experts (a group's score is its top-2 sum); -1 = off");
+    require(groups > 0 && c.topk_routing_group >= 1 && c.topk_routing_group <= groups &&
+                c.topk_routing_group * (c.num_experts / groups) >= c.num_experts_per_tok,
+            "topk_routing_group (" + std::to_string(c.topk_routing_group) + ") must be in [1, n_routing_groups (" +
+                std::to_string(groups) + ")] and keep at least num_experts_per_tok (" +
+                std::to_string(c.num_experts_per_tok) + ") experts; -1 = off");
+  }
   require(c.load_balance_loss_weight >= 0, "load_balance_loss_weight must be >= 0");
   require(c.router_z_loss_weight >= 0, "router_z_loss_weight must be >= 0");
   require(c.routed_bias_update_rate >= 0, "routed_bias_update_rate must be >= 0");

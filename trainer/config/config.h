@@ -63,6 +63,8 @@ using StringList = std::vector<std::string>;
   X(std::string, routed_score_func)               \
   X(bool, norm_topk_prob)                         \
   X(double, routed_scaling_factor)                \
+  X(int64_t, n_routing_groups)                    \
+  X(int64_t, topk_routing_group)                  \
   X(double, load_balance_loss_weight)             \
   X(double, router_z_loss_weight)                 \
   X(bool, routed_bias)                            \

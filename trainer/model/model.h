@@ -114,6 +114,7 @@ class MoeImpl : public torch::nn::Module {
   int64_t num_experts_, top_k_;
   bool sigmoid_, norm_topk_prob_, use_bias_;
   double scaling_;
+  int64_t routing_groups_, topk_routing_group_;  // group-limited routing; -1 = off
 };
 TORCH_MODULE(Moe);
 

@@ -2,7 +2,10 @@
 //
 // For the N valid tokens of a forward (padding excluded), E experts, top-k routing:
 //   s_t      = softmax(router_logits_t) or sigmoid(router_logits_t)         (E scores per token)
-//   chosen_t = top-k of s_t + bias    (the bias only affects selection: aux-loss-free balancing)
+//   chosen_t = top-k of s_t + bias    (the bias only affects selection: aux-loss-free balancing);
+//              with group-limited routing (n_routing_groups G, topk_routing_group g; DeepSeek-V3,
+//              Ling 2.0) the E experts form G groups of E/G, a group scores the sum of its two
+//              largest s + bias, and the top-k is taken only among the experts of the g best groups
 //   weights  = s_t[chosen_t], renormalized to sum 1 if norm_topk_prob, times routed_scaling_factor
 //   y_t      = sum_{e in chosen_t} weight_{t,e} * Expert_e(x_t) + SharedExperts(x_t)
 // Load balancing (Switch/GShard form, normalized so a balanced router gives 1):
@@ -11,6 +14,8 @@
 //   LB  = E * sum_e f_e P_e
 // The loss that enters J is load_balance_loss_weight * mean over MoE layers of LB, plus
 // router_z_loss_weight * mean over layers of mean_t logsumexp(router_logits_t)^2 (see step.cpp).
+#include <limits>
+
 #include "trainer/metrics/perf_counters.h"
 #include "trainer/model/model.h"
 
@@ -29,7 +34,9 @@ MoeImpl::MoeImpl(const Config& c)
       sigmoid_(c.routed_score_func == "sigmoid"),
       norm_topk_prob_(c.norm_topk_prob),
       use_bias_(c.routed_bias),
-      scaling_(c.routed_scaling_factor) {
+      scaling_(c.routed_scaling_factor),
+      routing_groups_(c.n_routing_groups),
+      topk_routing_group_(c.topk_routing_group) {
   gate = register_module("gate", MoeGate(c.base_emb_dim, c.num_experts));
   experts = register_module("experts", torch::nn::ModuleList());
   for (int64_t e = 0; e < num_experts_; ++e) experts->push_back(Mlp(c.base_emb_dim, c.base_moe_mlp_dim, /*one_gemm_for_gate_up=*/false));
@@ -50,7 +57,15 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x, const BlockContext& ctx) 
     router_logits = F::linear(xf.to(wide), gate->weight.to(wide));
   }
   const auto scores = sigmoid_ ? torch::sigmoid(router_logits) : torch::softmax(router_logits, -1);  // (N, E)
-  const auto selection = use_bias_ ? scores + gate->e_score_correction_bias.to(wide) : scores;
+  auto selection = use_bias_ ? scores + gate->e_score_correction_bias.to(wide) : scores;  // (N, E)
+  if (routing_groups_ > 0) {
+    const int64_t G = routing_groups_;
+    const auto group_scores = std::get<0>(selection.view({N, G, E / G}).topk(2, -1)).sum(-1);  // (N, G)
+    const auto best_groups = std::get<1>(group_scores.topk(topk_routing_group_, -1));         // (N, g)
+    const auto kept = torch::zeros({N, G}, selection.options().dtype(torch::kBool)).scatter_(1, best_groups, true);
+    selection = selection.masked_fill(~kept.unsqueeze(-1).expand({N, G, E / G}).reshape({N, E}),
+                                      -std::numeric_limits<double>::infinity());
+  }
   const auto chosen = std::get<1>(selection.topk(k, -1));  // (N, k) expert ids
   auto weights = scores.gather(1, chosen);                  // (N, k)
   if (norm_topk_prob_) weights = weights / (weights.sum(-1, true) + 1e-20);
