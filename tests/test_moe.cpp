@@ -337,6 +337,55 @@ TEST_CASE("MoE and MTP parameter counts: config formula, built model, hand count
   CHECK(model_size(c).active_params == 32768 + 3 * (12288 + 128) + 24576 + 2 * (512 + 2 * 6144 + 6144) + 64);
 }
 
+TEST_CASE("Ling 2.0 MTP: a MoE block in the balancing statistics and bias updates, fed the normed hidden state", "[moe][mtp]") {
+  // mtp_input_after_final_norm: depth 1 reads norm(h) instead of h, where h is the decoder stack's
+  // output. Recomputed here from the modules: h, norm, the MTP block, the head; for both settings
+  // on the same weights, and the two must differ (the flag is read).
+  torch::Tensor with_flag[2];
+  for (const bool after : {false, true}) {
+    INFO("mtp_input_after_final_norm=" << after);
+    const Config c = tiny_config({"model_name=ling2-tiny", "override_model_config=true", "max_target_length=8",
+                                  std::string("mtp_input_after_final_norm=") + (after ? "true" : "false")});
+    auto model = model_build(c);
+    torch::NoGradGuard no_grad;
+    torch::manual_seed(3);
+    // Trained final-norm weights (at init they are 1, and hnorm(norm(h)) = hnorm(h): RMSNorm
+    // ignores the scale of its input, so only the weights make the two inputs differ).
+    model->model->norm->weight.uniform_(0.5, 1.5);
+    const auto tokens = torch::randint(0, 256, {1, 8}), positions = torch::arange(8).view({1, 8});
+    const auto segments = torch::ones({1, 8}, torch::kInt64);
+    const auto out = model->forward(tokens, positions, segments);
+    BlockContext ctx = model->model->context(positions, segments, false);
+    std::vector<MoeLayerStats> stats;
+    ctx.moe_stats = &stats;
+    const auto h = model->model->forward(model->model->embed_tokens(tokens), ctx);
+    auto mtp = model->model->layers[3]->as<MtpLayerImpl>();
+    REQUIRE(mtp->moe);  // mtp_moe_mlp: the block's MLP is a MoE block
+    const auto shifted = model->model->embed_tokens(mtp_shift_tokens(tokens, segments, 1, c.pad_id));
+    const auto depth = mtp->forward_depth(after ? model->model->norm(h) : h, shifted, ctx);
+    const auto expected = model->lm_head(mtp->shared_head->norm(depth));
+    CHECK(torch::allclose(out.mtp_logits[0], expected, 1e-5, 1e-6));
+    CHECK(out.moe_stats.size() == 3);  // two decoder MoE layers and the MTP block's
+    with_flag[after ? 1 : 0] = out.mtp_logits[0];
+  }
+  CHECK_FALSE(torch::allclose(with_flag[0], with_flag[1], 1e-3, 1e-4));
+
+  // The MTP block's router is balanced like the others: its expert load is the last row, and its
+  // bias moves by rate * sign(mean load - load) after an applied update.
+  Trainer t(tiny_config({"model_name=ling2-tiny", "override_model_config=true", "routed_bias_update_rate=0.01",
+                         "per_device_batch_size=2", "warmup_steps_fraction=0"}));
+  auto out = t.forward_backward(0);
+  REQUIRE(out.expert_load.size(0) == 3);
+  const auto load = out.expert_load[2].clone();
+  const auto bias_before = t.model()->moe_layers().at(2)->gate->e_score_correction_bias.clone();
+  t.optimizer_update(out);
+  REQUIRE_FALSE(out.step_skipped);
+  const auto moved = t.model()->moe_layers().at(2)->gate->e_score_correction_bias - bias_before;
+  CHECK(torch::allclose(moved, torch::sign(load.mean() - load) * 0.01, 0, 1e-7));
+  CHECK(moved.abs().sum().item<double>() > 0);
+  CHECK(t.model()->moe_layers().at(2).ptr() == t.model()->model->layers[3]->as<MtpLayerImpl>()->moe.ptr());
+}
+
 TEST_CASE("gradient check with MoE, MTP and compensated aux losses (per-token and Megatron)", "[moe][training]") {
   for (const std::string mode : {"true", "false"}) {
     Trainer t(tiny_config(moe_opts({"load_balance_loss_weight=1.0", "mtp_num_layers=1", "mtp_loss_scaling_factor=0.5",

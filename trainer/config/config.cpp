@@ -228,6 +228,8 @@ std::vector<std::string> validation_errors(const Config& c) {
   }
   require(c.shared_experts >= 0, "shared_experts must be >= 0");
   require(c.routed_scaling_factor > 0, "routed_scaling_factor must be > 0");
+  require(!c.mtp_moe_mlp || (c.num_experts > 1 && c.mtp_num_layers > 0),
+          "mtp_moe_mlp=true needs num_experts > 1 and mtp_num_layers > 0");
   if (c.n_routing_groups != -1 || c.topk_routing_group != -1) {
     const int64_t groups = c.n_routing_groups;
     require(c.num_experts > 1 && groups > 0 && c.num_experts % groups == 0 && c.num_experts / groups >= 2,

@@ -72,6 +72,8 @@ using StringList = std::vector<std::string>;
   /* multi-token prediction */                    \
   X(int64_t, mtp_num_layers)                      \
   X(double, mtp_loss_scaling_factor)              \
+  X(bool, mtp_moe_mlp)                            \
+  X(bool, mtp_input_after_final_norm)             \
   /* data */                                      \
   X(std::string, dataset_type)                    \
   X(std::string, grain_file_type)                 \

@@ -193,7 +193,7 @@ SharedHeadImpl::SharedHeadImpl(int64_t dim, double eps) {
   norm = register_module("norm", RMSNorm(dim, eps));
 }
 
-MtpLayerImpl::MtpLayerImpl(const Config& c) : DecoderLayerImpl(c, /*use_moe=*/false) {
+MtpLayerImpl::MtpLayerImpl(const Config& c) : DecoderLayerImpl(c, /*use_moe=*/c.mtp_moe_mlp) {
   enorm = register_module("enorm", RMSNorm(c.base_emb_dim, c.normalization_layer_epsilon));
   hnorm = register_module("hnorm", RMSNorm(c.base_emb_dim, c.normalization_layer_epsilon));
   eh_proj = register_module("eh_proj", linear(2 * c.base_emb_dim, c.base_emb_dim));
@@ -271,7 +271,8 @@ torch::Tensor DecoderStackImpl::forward(const torch::Tensor& embeddings, const B
   return x;
 }
 
-TransformerImpl::TransformerImpl(const Config& c) : mtp_num_layers_(c.mtp_num_layers), pad_id_(c.pad_id) {
+TransformerImpl::TransformerImpl(const Config& c)
+    : mtp_num_layers_(c.mtp_num_layers), mtp_input_after_final_norm_(c.mtp_input_after_final_norm), pad_id_(c.pad_id) {
   model = register_module("model", DecoderStack(c));
   if (!c.logits_via_embedding) lm_head = register_module("lm_head", linear(c.base_emb_dim, c.vocab_size));
 }
@@ -295,19 +296,23 @@ ModelOutput TransformerImpl::forward(const torch::Tensor& tokens, const torch::T
   BlockContext ctx = model->context(positions, segment_ids, one_segment_per_row);
   ctx.moe_stats = &out.moe_stats;
   auto hidden = model->forward(model->embed_tokens(tokens), ctx);  // (B, L, D) before the final norm
-  out.logits = head(model->norm(hidden));
+  auto normed = model->norm(hidden);                                 // (B, L, D)
+  out.logits = head(normed);
+  // Depth k reads depth k-1's hidden state before its final norm (DeepSeek-V3 style), or after it
+  // (mtp_input_after_final_norm: Ling 2.0's HF code and Megatron; it is then also the head's input).
   for (int64_t k = 1; k <= mtp_num_layers_; ++k) {
     auto mtp = model->layers[model->num_decoder_layers + k - 1]->as<MtpLayerImpl>();
     const auto shifted = model->embed_tokens(mtp_shift_tokens(tokens, segment_ids, k, pad_id_));
-    hidden = mtp->forward_depth(hidden, shifted, ctx);
-    out.mtp_logits.push_back(head(mtp->shared_head->norm(hidden)));
+    hidden = mtp->forward_depth(mtp_input_after_final_norm_ ? normed : hidden, shifted, ctx);
+    normed = mtp->shared_head->norm(hidden);
+    out.mtp_logits.push_back(head(normed));
   }
   return out;
 }
 
 std::vector<Moe> TransformerImpl::moe_layers() {
   std::vector<Moe> out;
-  for (int64_t i = 0; i < model->num_decoder_layers; ++i) {
+  for (size_t i = 0; i < model->layers->size(); ++i) {  // decoder layers, then MTP blocks (mtp_moe_mlp)
     const auto layer = model->layers[i]->as<DecoderLayerImpl>();
     if (layer->moe) out.push_back(layer->moe);
   }

@@ -133,7 +133,8 @@ TORCH_MODULE(DecoderLayer);
 // One DeepSeek-V3 multi-token-prediction depth, stored after the decoder layers as
 // model.layers.{N + k - 1}: h_k = Block(eh_proj([enorm(embed(t_{i+k})); hnorm(h_{k-1})])),
 // logits_k = head(shared_head.norm(h_k)). The embedding and the output head are shared with the
-// main model. The block uses the dense MLP (DeepSeek-V3 and Ling use MoE there).
+// main model. The block's MLP is dense, or a MoE block like the decoder's with mtp_moe_mlp (Ling
+// 2.0); h_{k-1} is taken before or after its final norm (mtp_input_after_final_norm).
 class SharedHeadImpl : public torch::nn::Module {
  public:
   SharedHeadImpl(int64_t dim, double eps);
@@ -189,13 +190,15 @@ class TransformerImpl : public torch::nn::Module {
   // which takes no arbitrary mask). The result is the same either way.
   ModelOutput forward(const torch::Tensor& tokens, const torch::Tensor& positions,
                       const torch::Tensor& segment_ids, bool one_segment_per_row = false);
-  // The MoE layers in order (empty for dense models); their gate buffers hold the expert bias.
+  // The MoE layers in order, decoder layers then MTP blocks with mtp_moe_mlp (empty for dense
+  // models): the order of ModelOutput::moe_stats. Their gate buffers hold the expert bias.
   std::vector<Moe> moe_layers();
   DecoderStack model{nullptr};
   torch::nn::Linear lm_head{nullptr};  // (V, D); null with logits_via_embedding (tied)
  private:
   torch::Tensor head(const torch::Tensor& normed_hidden);
   int64_t mtp_num_layers_;
+  bool mtp_input_after_final_norm_;
   int64_t pad_id_;
 };
 TORCH_MODULE(Transformer);

@@ -19,14 +19,16 @@ ModelSize model_size(const Config& c) {
   const int64_t shared = 3 * D * Fm * c.shared_experts;
   const int64_t moe_mlp_total = E * D + E * 3 * D * Fm + shared;           // router + experts + shared
   const int64_t moe_mlp_active = E * D + k * 3 * D * Fm + shared;
-  const int64_t mtp_depth = 2 * D + 2 * D * D + attention + norms + dense_mlp + D;  // e/hnorm, eh_proj, block, head norm
+  // e/hnorm, eh_proj, the block (its MLP dense, or MoE with mtp_moe_mlp), head norm
+  const int64_t mtp_block = 2 * D + 2 * D * D + attention + norms + D;
+  const int64_t mtp_depth = mtp_block + (c.mtp_moe_mlp ? moe_mlp_total : dense_mlp);
+  const int64_t mtp_depth_active = mtp_block + (c.mtp_moe_mlp ? moe_mlp_active : dense_mlp);
 
   s.per_layer_params = attention + norms + dense_mlp;
   s.embedding_params = V * D * (c.logits_via_embedding ? 1 : 2);
-  const int64_t common = s.embedding_params + N * (attention + norms) + dense_layers * dense_mlp + D +
-                         c.mtp_num_layers * mtp_depth;
-  s.total_params = common + moe_layers * moe_mlp_total;
-  s.active_params = common + moe_layers * moe_mlp_active;
+  const int64_t common = s.embedding_params + N * (attention + norms) + dense_layers * dense_mlp + D;
+  s.total_params = common + moe_layers * moe_mlp_total + c.mtp_num_layers * mtp_depth;
+  s.active_params = common + moe_layers * moe_mlp_active + c.mtp_num_layers * mtp_depth_active;
   s.mtp_params = c.mtp_num_layers * mtp_depth;
 
   // FLOPs: 2 per multiply-add, x3 for forward + backward (MaxText's calculate_tflops_training_per_device).
@@ -40,7 +42,7 @@ ModelSize model_size(const Config& c) {
   const double head = 2.0 * T * D * static_cast<double>(V);
   const double causal_attention = 4.0 * T * L * static_cast<double>(Hq * hd) / 2.0;
   const double mtp = static_cast<double>(c.mtp_num_layers) *
-                     (2.0 * T * 2 * D * D + attention_weights + dense_ffn + head);
+                     (2.0 * T * 2 * D * D + attention_weights + (c.mtp_moe_mlp ? moe_ffn : dense_ffn) + head);
   s.learnable_weight_flops = 3.0 * (static_cast<double>(N) * attention_weights + dense_layers * dense_ffn +
                                     moe_layers * moe_ffn + head + mtp);
   s.attention_flops = 3.0 * causal_attention * static_cast<double>(N + c.mtp_num_layers);

@@ -174,7 +174,7 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
     const double layer_copies = full ? std::max(dense_layers > 0 ? dense_copies : 0.0, moe_layers > 0 ? moe_copies : 0.0)
                                      : static_cast<double>(dense_layers) * dense_copies +
                                            static_cast<double>(moe_layers) * moe_copies;
-    const double fused = layer_copies + mtp * dense_copies;
+    const double fused = layer_copies + mtp * (c.mtp_moe_mlp ? moe_copies : dense_copies);
     add(plan, "fused q/k/v and gate/up weight copies", 4 * fused,
         "concatenated per forward, fp32, kept for backward" + rerun_note);
   } else {
@@ -199,7 +199,7 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   const double embedding = r * s.T * s.D;
   const double mask = fused_attention ? 0.0 : 2 * s.B * s.L * s.L + s.L * s.L;  // bool masks
   const double head = 2 * r * s.T * s.D + (bf16 ? 2 : 0) * s.T * s.D + 4 * s.T * s.V;
-  const double mtp_depth = r * s.T * s.D + 4 * r * s.T * s.D + 2 * r * s.T * s.D + (bf16 ? 4 : 0) * s.T * s.D + dense +
+  const double mtp_depth = r * s.T * s.D + 4 * r * s.T * s.D + 2 * r * s.T * s.D + (bf16 ? 4 : 0) * s.T * s.D + (c.mtp_moe_mlp ? moe : dense) +
                            2 * r * s.T * s.D + 4 * s.T * s.V;
   const double decoder_layers = full ? static_cast<double>(layers) * r * s.T * s.D + std::max(dense_layers > 0 ? dense : 0.0, moe)
                                      : static_cast<double>(dense_layers) * dense + static_cast<double>(moe_layers) * moe;
