@@ -32,7 +32,7 @@ void Trainer::build_flat_buffers() {
   auto params = model_->parameters();
   int64_t total = 0;
   for (const auto& p : params) total += p.numel();
-  // With ZeRO-1 the arenas are padded to R equal chunks (at most R - 1 extra elements, always 0),
+  // With ZeRO-1 the parameter arena is padded to R equal chunks (at most R - 1 extra zeros),
   // so each rank's chunk is a view the all-gather fills in place; the parameters view the first
   // `total` elements. rank r owns [r*chunk, (r+1)*chunk) of the padded arena.
   const int64_t ranks = config_.data_parallel_sharding == "optim" ? comm_->world_size() : 1;
