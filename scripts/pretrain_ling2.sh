@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Ling2 pretraining (the RFC's scripts/pretrain_ling2.sh, change 8, for this trainer).
-# Architecture: configs/models/ling2.yml (Ling 2.0 dimensions; MoE + MTP; see docs/moe.md).
+# Architecture: configs/models/ling2.yml, for now an alias of ling-mini-2.0.yml (Ling 2.0; MoE + MTP;
+# see docs/moe.md).
 # Every setting below can be overridden from the environment (${VAR:-default}); anything after
 # the script name is passed through to the trainer as key=value overrides. TRAINER names the
 # binary (default build/trainer, built by scripts/setup.sh when missing; a TRAINER that does not
