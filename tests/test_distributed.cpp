@@ -152,45 +152,75 @@ TEST_CASE("a named backend builds a real process group even for one process, and
   CHECK(nccl.output.find("dist_backend=nccl needs hardware=gpu") != std::string::npos);
 }
 
-TEST_CASE("a rank that dies makes the other exit 5 naming the operation", "[dist][cli]") {
-  // A torchrun-style launch (mpirun would take the other rank down itself). The port is drawn at
-  // random and the launch retried when rank 0's store finds it taken.
+// Two ranks launched torchrun-style (mpirun would take the other rank down itself) with `args`;
+// rank r logs to <kOut>-<run>-r.log. With `kill_rank1_when_training`, rank 1 is SIGKILLed once
+// rank 0 has logged 3 steps (else the args make a rank end itself). Returns rank 0's exit code.
+// The port is drawn at random and the launch retried when rank 0's store finds it taken.
+int launch_two_ranks_and_lose_one(const std::string& run, const std::vector<std::string>& args,
+                                  bool kill_rank1_when_training) {
   std::random_device entropy;
   int port = 0;
+  const auto log_of = [&](int rank) { return kOut + "-" + run + "-" + std::to_string(rank) + ".log"; };
   auto spawn_rank = [&](int rank) {
+    std::vector<std::string> argv = {TRAINER_BINARY, source_path("configs/base.yml"), "dataset_type=synthetic", "pad_id=0",
+                                     "collective_timeout_seconds=20", "base_output_directory=" + kOut, "run_name=" + run};
+    argv.insert(argv.end(), args.begin(), args.end());
     const pid_t pid = fork();
     if (pid == 0) {
       setenv("RANK", std::to_string(rank).c_str(), 1);
       setenv("WORLD_SIZE", "2", 1);
       setenv("MASTER_ADDR", "127.0.0.1", 1);
       setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-      const std::string log = kOut + "-dead-" + std::to_string(rank) + ".log";
-      const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      const int fd = open(log_of(rank).c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       dup2(fd, 1);
       dup2(fd, 2);
-      execl(TRAINER_BINARY, TRAINER_BINARY, source_path("configs/base.yml").c_str(), "dataset_type=synthetic", "pad_id=0",
-            "model_name=test-tiny", "max_target_length=16", "steps=100000", "collective_timeout_seconds=20",
-            "checkpoint_period=100000", ("base_output_directory=" + kOut).c_str(), "run_name=dead", nullptr);
+      std::vector<char*> raw;
+      for (auto& a : argv) raw.push_back(a.data());
+      raw.push_back(nullptr);
+      execv(TRAINER_BINARY, raw.data());
       _exit(127);
     }
     return pid;
   };
   for (int attempt = 0;; ++attempt) {
-    fs::remove_all(kOut + "/dead");
+    fs::remove_all(kOut + "/" + run);
     port = 20000 + static_cast<int>(entropy() % 40000);
     ChildProcesses children;
     const pid_t rank0 = children.add(spawn_rank(0)), rank1 = children.add(spawn_rank(1));
-    const bool training = wait_until([&] { return read_lines(kOut + "/dead/metrics.jsonl").size() >= 3; }, 60);
-    if (!training && attempt < 3 && read_file(kOut + "-dead-0.log").find("in use") != std::string::npos) continue;
-    INFO("rank 0 log:\n" << read_file(kOut + "-dead-0.log"));
-    REQUIRE(training);
-    kill(rank1, SIGKILL);
+    const auto port_taken = [&] { return attempt < 3 && read_file(log_of(0)).find("in use") != std::string::npos; };
+    if (kill_rank1_when_training) {
+      const bool training = wait_until([&] { return read_lines(kOut + "/" + run + "/metrics.jsonl").size() >= 3; }, 60);
+      if (!training && port_taken()) continue;
+      INFO("rank 0 log:\n" << read_file(log_of(0)));
+      REQUIRE(training);
+      kill(rank1, SIGKILL);
+    }
     // rank 0 must notice within collective_timeout_seconds; the ctest TIMEOUT bounds a hang.
-    CHECK(children.wait(rank0) == 5);
+    const int code = children.wait(rank0);
     children.wait(rank1);
-    CHECK_THAT(read_file(kOut + "-dead-0.log"), Catch::Contains("rank 0 of 2: all_reduce of"));
-    break;
+    if (code != 0 && !kill_rank1_when_training && port_taken()) continue;
+    return code;
   }
+}
+
+TEST_CASE("a rank that dies makes the other exit 5 naming the operation", "[dist][cli]") {
+  const int code = launch_two_ranks_and_lose_one(
+      "dead", {"model_name=test-tiny", "max_target_length=16", "steps=100000", "checkpoint_period=100000"}, true);
+  CHECK(code == 5);
+  CHECK_THAT(read_file(kOut + "-dead-0.log"), Catch::Contains("rank 0 of 2: all_reduce of"));
+}
+
+TEST_CASE("a rank killed before the ZeRO-1 parameter all-gather makes the other exit 5 naming it", "[dist][cli]") {
+  // Rank 1 SIGKILLs itself after step 1's gradient all-reduce and update, right before the
+  // parameter all-gather, so rank 0 is inside that all-gather when its peer is gone.
+  const int code = launch_two_ranks_and_lose_one(
+      "dead-gather",
+      {"model_name=test-tiny", "max_target_length=16", "steps=100000", "checkpoint_period=100000",
+       "data_parallel_sharding=optim", "debug_kill_rank_before_parameter_gather=1"},
+      false);
+  CHECK(code == 5);
+  CHECK_THAT(read_file(kOut + "-dead-gather-0.log"),
+             Catch::Contains("rank 0 of 2: all_gather of the updated parameters (ZeRO-1 all-gather)"));
 }
 
 TEST_CASE("checkpoints of R=2 resume bit-exactly with R=2, and load with R=1", "[dist][cli][checkpoint]") {

@@ -123,7 +123,8 @@ using StringList = std::vector<std::string>;
   X(double, skip_step_scaling_factor)             \
   X(int64_t, debug_inject_nonfinite_step)         \
   X(std::string, debug_inject_nonfinite_kind)     \
-  X(bool, debug_drop_aux_token_weighting)
+  X(bool, debug_drop_aux_token_weighting)         \
+  X(int64_t, debug_kill_rank_before_parameter_gather)
 
 struct Config {
 #define TRAINER_DECLARE_FIELD(type, name) type name{};

@@ -1,6 +1,7 @@
 // The optimizer phase on the flat buffers: arenas, spike guard, clipping, AdamW (optionally
 // ZeRO-1 sharded), and the aux-loss-free expert-bias update.
 #include <cmath>
+#include <csignal>
 #include <deque>
 #include <numeric>
 
@@ -130,6 +131,7 @@ void Trainer::optimizer_update(StepOutput& out) {
       params.mul_(1.0 - lr * c.adam_weight_decay);
       params.addcdiv_(adam_m_, adam_scratch_, -lr / bias1);
     }
+    if (c.debug_kill_rank_before_parameter_gather == comm_->rank() && out.step == 1) std::raise(SIGKILL);
     if (sharded()) all_gather_chunks(flat_params_padded_, "the updated parameters");  // ZeRO-1, in place
     ++updates_applied_;
     update_expert_bias(out);
