@@ -23,17 +23,17 @@ CheckpointContents Trainer::snapshot(int64_t completed_steps) {
   CheckpointContents c;
   // One copy per flat buffer; the named tensors are views into those copies.
   const auto params = flat_params_.to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
-  torch::Tensor m, v;  // (P) full moments; with ZeRO-1 assembled from every rank (a collective)
-  if (sharded()) {  // a transient padded buffer, as the parameter arena: this rank fills its chunk
-    auto full = torch::zeros_like(flat_params_padded_);
-    for (auto [moments, what] : {std::pair{&adam_m_, "the AdamW first moments"}, std::pair{&adam_v_, "the AdamW second moments"}}) {
-      full.narrow(0, shard_begin_, shard_end_ - shard_begin_).copy_(*moments);
-      all_gather_chunks(full, what);
-      (moments == &adam_m_ ? m : v) = full.narrow(0, 0, flat_params_.numel()).to(torch::kCPU, false, true);
-    }
-  } else {
-    m = adam_m_.to(torch::kCPU, false, true), v = adam_v_.to(torch::kCPU, false, true);
-  }
+  // (P) full moments on the host; with ZeRO-1 assembled from every rank (a collective) through a
+  // transient padded buffer laid out as the parameter arena, in which this rank fills its chunk.
+  torch::Tensor full = sharded() ? torch::zeros_like(flat_params_padded_) : torch::Tensor();
+  const auto host_moments = [&](const torch::Tensor& shard, const std::string& what) {
+    if (!sharded()) return shard.to(torch::kCPU, false, true);
+    full.narrow(0, shard_begin_, shard_end_ - shard_begin_).copy_(shard);
+    all_gather_chunks(full, what);
+    return full.narrow(0, 0, flat_params_.numel()).to(torch::kCPU, false, true);
+  };
+  const auto m = host_moments(adam_m_, "the AdamW first moments");
+  const auto v = host_moments(adam_v_, "the AdamW second moments");
   int64_t offset = 0;
   NamedTensors exp_avg, exp_avg_sq;
   for (const auto& item : model_->named_parameters()) {
