@@ -14,6 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "test_numerics.h"
 #include "test_support.h"
 #include "trainer/ckpt/safetensors.h"
 #include "trainer/data/indexed_dataset.h"
@@ -315,18 +316,25 @@ TEST_CASE("model.safetensors follows the format spec and HF names (read by hand)
   REQUIRE(t.load_initial_state() == 2);
   size_t expected_end = 0;
   std::set<std::string> names;
-  for (const auto& item : t.model()->named_parameters()) {
-    INFO(item.key());
-    REQUIRE(header.contains(item.key()));
-    const auto& entry = header[item.key()];
+  // Every parameter, the stacked experts one tensor per expert (HF names).
+  for (const auto& [name, tensor] : checkpoint_tensors(t.model())) {
+    INFO(name);
+    REQUIRE(header.contains(name));
+    const auto& entry = header[name];
     CHECK(entry["dtype"] == "F32");
-    CHECK(entry["shape"].get<std::vector<int64_t>>() == item.value().sizes().vec());
+    CHECK(entry["shape"].get<std::vector<int64_t>>() == tensor.sizes().vec());
     const auto begin = entry["data_offsets"][0].get<size_t>(), end = entry["data_offsets"][1].get<size_t>();
-    REQUIRE(end - begin == static_cast<size_t>(item.value().numel()) * 4);
-    CHECK(std::memcmp(bytes.data() + 8 + n + begin, item.value().contiguous().data_ptr<float>(), end - begin) == 0);
+    REQUIRE(end - begin == static_cast<size_t>(tensor.numel()) * 4);
+    CHECK(std::memcmp(bytes.data() + 8 + n + begin, tensor.contiguous().data_ptr<float>(), end - begin) == 0);
     expected_end = std::max(expected_end, end);
-    names.insert(item.key());
+    names.insert(name);
   }
+  // Expert 3's up projection is rows [F, 2F) of its stacked gate_up_proj (moe-tiny: F = 32).
+  const auto stacked = t.model()->moe_layers().at(0)->experts->gate_up_proj[3].narrow(0, 32, 32).contiguous();
+  const auto& up = header["model.layers.1.mlp.experts.3.up_proj.weight"];
+  CHECK(up["shape"].get<std::vector<int64_t>>() == std::vector<int64_t>{32, 64});
+  CHECK(std::memcmp(bytes.data() + 8 + n + up["data_offsets"][0].get<size_t>(), stacked.data_ptr<float>(),
+                    stacked.numel() * 4) == 0);
   CHECK(names.count("model.embed_tokens.weight") == 1);
   CHECK(names.count("model.layers.2.mlp.experts.0.gate_proj.weight") == 1);
   CHECK(header.contains("model.layers.1.mlp.gate.e_score_correction_bias"));

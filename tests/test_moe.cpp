@@ -2,6 +2,7 @@
 // and independent recomputation in this file.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <set>
@@ -9,6 +10,7 @@
 #include "test_numerics.h"
 #include "test_support.h"
 #include "trainer/train/train.h"
+#include "trainer/util/torch_compat.h"
 
 using namespace trainer;
 using namespace trainer::testing;
@@ -49,6 +51,14 @@ double reference_mtp_raw(const std::vector<torch::Tensor>& depth_logits, const M
     total += sum / std::max(count, 1.0);
   }
   return total / static_cast<double>(depth_logits.size());
+}
+
+// Expert e of a MoE layer on rows x (n, D), computed here from its stacked weights.
+torch::Tensor expert_forward(const Moe& moe, int64_t e, const torch::Tensor& x) {
+  const auto& w = moe->experts->gate_up_proj[e];  // (2F, D): gate rows, then up rows
+  const auto F = w.size(0) / 2;
+  const auto gate = torch::matmul(x, w.narrow(0, 0, F).t()), up = torch::matmul(x, w.narrow(0, F, F).t());
+  return torch::matmul(torch::silu(gate) * up, moe->experts->down_proj[e].t());
 }
 
 // {nodes, Recompute nodes} of the autograd graph that produced `root`.
@@ -229,7 +239,7 @@ TEST_CASE("load-balancing loss of a crafted router equals the hand-computed valu
     CHECK(stats[0].counts[1].item<double>() == 1);
     CHECK(stats[0].load_balance.item<double>() > 1.0);
     // Dispatch: token 0 went to expert 0 with weight s_0 (no renormalization with k = 1... unless asked).
-    const auto expected0 = score(2, 0, 0) * moe->experts[0]->as<MlpImpl>()->forward(x[0][0].unsqueeze(0));
+    const auto expected0 = score(2, 0, 0) * expert_forward(moe, 0, x[0][0].unsqueeze(0));
     CHECK(torch::allclose(y[0][0], expected0.squeeze(0), 1e-5, 1e-6));
 
     // A perfectly balanced router: f = P = (1/2, 1/2) gives the minimum, exactly 1.
@@ -307,7 +317,7 @@ TEST_CASE("dropless: every valid token reaches k experts, and routed experts get
   int routed = 0;
   for (size_t l = 0; l < layers.size(); ++l)
     for (int64_t e = 0; e < load.size(1); ++e) {
-      const auto grad = layers[l]->experts[e]->as<MlpImpl>()->gate_proj->weight.grad();
+      const auto grad = layers[l]->experts->gate_up_proj.grad()[e];
       const bool has_grad = grad.abs().sum().item<double>() > 0;
       CHECK(has_grad == (load[static_cast<int64_t>(l)][e].item<double>() > 0));
       routed += has_grad;
@@ -323,7 +333,10 @@ TEST_CASE("MoE and MTP parameter counts: config formula, built model, hand count
     for (const auto& p : built->parameters()) numel += p.numel();
     INFO(model);
     CHECK(numel == model_size(c).total_params);
-    CHECK(built->named_parameters().contains("model.layers.1.mlp.experts.7.down_proj.weight"));
+    const auto checkpoint = checkpoint_tensors(built);
+    CHECK(checkpoint.count("model.layers.1.mlp.experts.7.down_proj.weight") == 1);
+    CHECK(checkpoint.count("model.layers.1.mlp.experts.7.gate_proj.weight") == 1);
+    CHECK(checkpoint.count("model.layers.1.mlp.experts.8.gate_proj.weight") == 0);
     CHECK(built->named_parameters().contains("model.layers.1.mlp.gate.weight"));
     CHECK(built->named_parameters().contains("model.layers.1.mlp.shared_experts.up_proj.weight"));
     CHECK(built->named_parameters().contains("model.layers.3.eh_proj.weight"));  // MTP depth 1 after 3 layers
@@ -411,13 +424,14 @@ TEST_CASE("gradient check with MoE, MTP and compensated aux losses (per-token an
       }
       return mode == "true" ? sum / W : sum / 2;
     };
-    auto params64 = model64->named_parameters();
-    auto params32 = t.model()->named_parameters();
+    auto params64 = checkpoint_tensors(model64);
+    auto grads32 = checkpoint_tensors(t.model(), /*gradients=*/true);
     for (const std::string name : {"model.layers.1.mlp.gate.weight", "model.layers.2.mlp.experts.3.up_proj.weight",
+                                   "model.layers.2.mlp.experts.5.down_proj.weight", "model.layers.1.mlp.experts.0.gate_proj.weight",
                                    "model.layers.3.eh_proj.weight", "model.layers.0.self_attn.v_proj.weight"}) {
       for (int64_t index : {1, 5}) {
-        const double numeric = central_difference(params64[name], index, objective);
-        const double analytic = params32[name].grad().view(-1)[index].item<double>();
+        const double numeric = central_difference(params64.at(name), index, objective);
+        const double analytic = grads32.at(name).reshape(-1)[index].item<double>();
         INFO(name << "[" << index << "] per_token=" << mode << " numeric " << numeric << " analytic " << analytic);
         CHECK(analytic == Approx(numeric).epsilon(5e-3).margin(2e-7));
       }
@@ -505,7 +519,7 @@ TEST_CASE("top-k dispatch with norm_topk_prob and routed_scaling_factor equals a
         for (int e = 0; e < 3; ++e) {
           if (e == out) continue;
           const double w = (normalize ? s[e] / chosen_sum : s[e]) * scale;
-          expected += w * moe->experts[e]->as<MlpImpl>()->forward(x[0][t].unsqueeze(0)).squeeze(0).to(torch::kFloat64);
+          expected += w * expert_forward(moe, e, x[0][t].unsqueeze(0)).squeeze(0).to(torch::kFloat64);
         }
         INFO("token " << t << ": " << y[0][t] << " vs " << expected);
         CHECK(torch::allclose(y[0][t].to(torch::kFloat64), expected, 1e-5, 1e-6));
@@ -561,7 +575,7 @@ TEST_CASE("group-limited routing picks the top-k among the best groups' experts,
     auto expected = torch::zeros({8}, torch::kFloat64);
     for (int e : chosen) {
       const double w = s[e] / (s[chosen[0]] + s[chosen[1]]) * 2.5;
-      expected += w * moe->experts[e]->as<MlpImpl>()->forward(x[0][t].unsqueeze(0)).squeeze(0).to(torch::kFloat64);
+      expected += w * expert_forward(moe, e, x[0][t].unsqueeze(0)).squeeze(0).to(torch::kFloat64);
     }
     INFO("token " << t << ": chosen " << chosen[0] << ", " << chosen[1]);
     CHECK(torch::allclose(y[0][t].to(torch::kFloat64), expected, 1e-5, 1e-6));
@@ -633,4 +647,146 @@ TEST_CASE("remat_policy full and minimal: the gradients, losses and MoE statisti
       if (policy == "full") CHECK(nodes < reference_nodes / 2);
     }
   }
+}
+
+TEST_CASE("grouped expert dispatch equals the per-expert loop: outputs and gradients", "[moe][dispatch]") {
+  // The grouped path has a hand-written backward (moe.cpp, GroupedSwiGLU); the loop path is plain
+  // autograd per expert. Same weights, same input, same upstream gradient: the outputs and every
+  // gradient must agree to rounding, including where most experts get no row.
+  struct Case {
+    std::string name;
+    std::vector<std::string> options;
+    std::vector<int64_t> favoured;  // experts given a selection bias of 100: they take every token
+  };
+  const std::vector<Case> cases = {
+      {"top-2, shared experts", {"num_experts_per_tok=2", "shared_experts=1"}, {}},
+      {"top-2, no shared experts", {"num_experts_per_tok=2", "shared_experts=0"}, {}},
+      {"top-k = E", {"num_experts=4", "num_experts_per_tok=4", "shared_experts=1"}, {}},
+      {"one expert takes every token", {"num_experts_per_tok=1", "shared_experts=0", "routed_bias=true"}, {3}},
+      {"two experts take every token", {"num_experts_per_tok=2", "shared_experts=1", "routed_bias=true"}, {3, 5}},
+  };
+  for (const auto& test : cases)
+    for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
+      INFO(test.name << ", " << dtype);
+      auto options = std::vector<std::string>{"override_model_config=true", "base_emb_dim=16", "num_experts=8",
+                                              "base_moe_mlp_dim=12", "routed_score_func=sigmoid"};
+      options.insert(options.end(), test.options.begin(), test.options.end());
+      auto with_dispatch = [&](const std::string& dispatch) {
+        auto o = options;
+        o.push_back("moe_dispatch=" + dispatch);
+        return tiny_config(o);
+      };
+      torch::manual_seed(21);
+      Moe grouped(with_dispatch("grouped")), loop(with_dispatch("loop"));
+      grouped->to(dtype);
+      loop->to(dtype);
+      {
+        torch::NoGradGuard no_grad;
+        grouped->gate->weight.normal_(0.0, 0.5);  // the module's own is left to model_build
+        auto source = grouped->named_parameters();
+        for (auto& item : loop->named_parameters()) item.value().copy_(source[item.key()]);
+        for (const int64_t e : test.favoured)
+          for (Moe* moe : {&grouped, &loop}) (*moe)->gate->e_score_correction_bias[e].fill_(100.0);
+      }
+      const auto x = torch::randn({2, 9, 16}, dtype);
+      const auto upstream = torch::randn({2, 9, 16}, dtype);
+      BlockContext ctx;
+      ctx.valid = torch::ones({2, 9}, torch::kBool);
+      ctx.valid[1].narrow(0, 7, 2).fill_(false);  // two padding tokens: routed like any other
+      auto run = [&](Moe& moe) {
+        const auto input = x.clone().requires_grad_(true);
+        const auto y = moe->forward(input, ctx);
+        (y * upstream).sum().backward();
+        return std::pair{y.detach(), input.grad()};
+      };
+      const auto [y_grouped, dx_grouped] = run(grouped);
+      const auto [y_loop, dx_loop] = run(loop);
+      const double tolerance = dtype == torch::kFloat32 ? 1e-6 : 1e-12;
+      CHECK(relative_difference(y_grouped, y_loop) < tolerance);
+      CHECK(relative_difference(dx_grouped, dx_loop) < tolerance);
+      auto loop_params = loop->named_parameters();
+      for (const auto& item : grouped->named_parameters()) {
+        INFO(item.key());
+        const auto& expected = loop_params[item.key()].grad();
+        REQUIRE(expected.defined());
+        CHECK(relative_difference(item.value().grad(), expected) < tolerance);
+      }
+      // Where every token went to the favoured experts, the others have zero gradient.
+      if (!test.favoured.empty()) {
+        const auto per_expert = grouped->experts->gate_up_proj.grad().abs().sum({1, 2});  // (E)
+        for (int64_t e = 0; e < 8; ++e) {
+          const bool favoured = std::count(test.favoured.begin(), test.favoured.end(), e) > 0;
+          CHECK((per_expert[e].item<double>() > 0) == favoured);
+        }
+      }
+    }
+}
+
+TEST_CASE("grouped experts with no rows, and under bf16 autocast", "[moe][dispatch]") {
+  torch::manual_seed(3);
+  MoeExperts experts(4, 16, 12);
+  // A rank of an expert-parallel group may receive no rows at all.
+  const auto none = torch::zeros({0, 16}).requires_grad_(true);
+  const auto y = experts->forward(none, {0, 0, 0, 0}, /*grouped=*/true);
+  CHECK(y.sizes() == torch::IntArrayRef({0, 16}));
+  y.sum().backward();
+  CHECK(experts->gate_up_proj.grad().abs().sum().item<double>() == 0);
+  CHECK(experts->down_proj.grad().abs().sum().item<double>() == 0);
+  CHECK(experts->forward(none.detach(), {0, 0, 0, 0}, /*grouped=*/false).sizes() == torch::IntArrayRef({0, 16}));
+
+  // bf16 autocast: both paths compute in bf16 and return bf16; the weight gradients come back fp32.
+  // They differ only by the order of bf16 roundings, far below what an fp32 computation would differ.
+  const auto x = torch::randn({20, 16});
+  const std::vector<int64_t> sizes = {7, 0, 5, 8};
+  const auto upstream = torch::randn({20, 16});
+  auto run = [&](bool grouped) {
+    for (auto& p : experts->parameters()) p.mutable_grad() = torch::Tensor();
+    const auto input = x.clone().requires_grad_(true);
+    torch::Tensor out;
+    {
+      compat::AutocastGuard autocast(true, false);
+      out = experts->forward(input, sizes, grouped);
+    }
+    (out.to(torch::kFloat32) * upstream).sum().backward();
+    return std::tuple{out, input.grad(), experts->gate_up_proj.grad().clone(), experts->down_proj.grad().clone()};
+  };
+  const auto [y_grouped, dx_grouped, dw_grouped, dd_grouped] = run(true);
+  const auto [y_loop, dx_loop, dw_loop, dd_loop] = run(false);
+  CHECK(y_grouped.scalar_type() == torch::kBFloat16);
+  CHECK(y_loop.scalar_type() == torch::kBFloat16);
+  CHECK(dw_grouped.scalar_type() == torch::kFloat32);
+  CHECK(dx_grouped.scalar_type() == torch::kFloat32);
+  const double y_diff = relative_difference(y_grouped.to(torch::kFloat32), y_loop.to(torch::kFloat32));
+  const double dx_diff = relative_difference(dx_grouped, dx_loop);
+  const double dw_diff = relative_difference(dw_grouped, dw_loop), dd_diff = relative_difference(dd_grouped, dd_loop);
+  INFO("bf16 relative differences: y " << y_diff << ", dx " << dx_diff << ", d gate_up " << dw_diff << ", d down " << dd_diff);
+  CHECK(y_diff < 1e-2);
+  CHECK(dx_diff < 1e-2);
+  CHECK(dw_diff < 1e-2);
+  CHECK(dd_diff < 1e-2);
+  // Really computed in bf16: the fp32 result is a bf16 rounding away.
+  const auto y_fp32 = experts->forward(x, sizes, /*grouped=*/true);
+  CHECK(y_fp32.scalar_type() == torch::kFloat32);
+  const double rounding = relative_difference(y_grouped.to(torch::kFloat32), y_fp32.detach());
+  INFO("bf16 against fp32: " << rounding);
+  CHECK(rounding > 1e-4);
+  CHECK(rounding < 2e-2);
+}
+
+TEST_CASE("a model with grouped dispatch trains as with the loop: gradients of a step", "[moe][dispatch][training]") {
+  for (const std::string model : {"moe-tiny", "ling2-tiny"})
+    for (const std::string per_token : {"true", "false"}) {
+      INFO(model << ", calculate_per_token_loss=" << per_token);
+      auto with = [&](const std::string& dispatch) {
+        return tiny_config(moe_opts({"model_name=" + model, "load_balance_loss_weight=0.5", "gradient_accumulation_steps=2",
+                                     "per_device_batch_size=2", "calculate_per_token_loss=" + per_token,
+                                     "moe_dispatch=" + dispatch}));
+      };
+      Trainer grouped(with("grouped")), loop(with("loop"));
+      const auto a = grouped.forward_backward(0);
+      const auto b = loop.forward_backward(0);
+      CHECK(relative_difference(grouped.flat_grads(), loop.flat_grads()) < 1e-6);
+      CHECK(metric(grouped, a, "learning/loss") == Approx(metric(loop, b, "learning/loss")).epsilon(1e-6));
+      CHECK(torch::equal(a.expert_load, b.expert_load));
+    }
 }

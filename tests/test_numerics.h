@@ -1,5 +1,7 @@
 // Helpers for the numerical tests: a float64 copy of a trainer's model and central differences.
 #pragma once
+#include <map>
+
 #include <torch/torch.h>
 
 #include "trainer/train/train.h"
@@ -14,6 +16,16 @@ inline Transformer float64_copy(Trainer& t) {
   auto src = t.model()->named_parameters();
   for (auto& item : copy->named_parameters()) item.value().copy_(src[item.key()]);
   return copy;
+}
+
+// A model's checkpoint tensors by Hugging Face name (one view per routed expert), or the views
+// of their gradients (gradients = true).
+inline std::map<std::string, torch::Tensor> checkpoint_tensors(Transformer& model, bool gradients = false) {
+  NamedTensors by_parameter;
+  for (const auto& item : model->named_parameters())
+    by_parameter.emplace_back(item.key(), gradients ? item.value().grad() : item.value());
+  const auto views = model_checkpoint_views(by_parameter);
+  return {views.begin(), views.end()};
 }
 
 // (f(p + h) - f(p - h)) / 2h for element `index` of a float64 parameter; restores the element.

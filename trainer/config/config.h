@@ -69,6 +69,7 @@ using StringList = std::vector<std::string>;
   X(double, router_z_loss_weight)                 \
   X(bool, routed_bias)                            \
   X(double, routed_bias_update_rate)              \
+  X(std::string, moe_dispatch)                    \
   /* multi-token prediction */                    \
   X(int64_t, mtp_num_layers)                      \
   X(double, mtp_loss_scaling_factor)              \

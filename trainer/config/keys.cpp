@@ -29,6 +29,7 @@ const std::map<std::string, std::vector<std::string>>& allowed_values() {
       {"debug_inject_nonfinite_kind", {"loss_nan", "loss_inf", "grad_nan", "grad_inf"}},
       {"mlp_activations", {"silu", "linear"}},
       {"routed_score_func", {"softmax", "sigmoid"}},
+      {"moe_dispatch", {"grouped", "loop"}},
   };
   return table;
 }

@@ -4,6 +4,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>
+#include <map>
 
 #include "trainer/util/torch_compat.h"
 
@@ -319,15 +320,47 @@ std::vector<Moe> TransformerImpl::moe_layers() {
   return out;
 }
 
+namespace {
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+}  // namespace
+
+NamedTensors model_checkpoint_views(const NamedTensors& by_parameter) {
+  static const std::string kGateUp = "experts.gate_up_proj", kDown = "experts.down_proj";
+  std::map<std::string, torch::Tensor> down_of;  // layer prefix "model.layers.N.mlp." -> (E, D, F)
+  for (const auto& [name, tensor] : by_parameter)
+    if (ends_with(name, kDown)) down_of[name.substr(0, name.size() - kDown.size())] = tensor;
+  NamedTensors out;
+  for (const auto& [name, tensor] : by_parameter) {
+    if (ends_with(name, kDown)) continue;  // emitted with its gate_up_proj
+    if (!ends_with(name, kGateUp)) {
+      out.emplace_back(name, tensor);
+      continue;
+    }
+    const auto prefix = name.substr(0, name.size() - kGateUp.size());
+    const auto down = down_of.at(prefix);  // (E, D, F)
+    const auto hidden = down.size(2);
+    for (int64_t e = 0; e < tensor.size(0); ++e) {
+      const auto expert = prefix + "experts." + std::to_string(e) + ".";
+      out.emplace_back(expert + "gate_proj.weight", tensor[e].narrow(0, 0, hidden));
+      out.emplace_back(expert + "up_proj.weight", tensor[e].narrow(0, hidden, hidden));
+      out.emplace_back(expert + "down_proj.weight", down[e]);
+    }
+  }
+  return out;
+}
+
 Transformer model_build(const Config& config) {
   Transformer model(config);
   auto generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.init_weights_seed));
   torch::NoGradGuard no_grad;
-  for (auto& item : model->named_parameters()) {
-    const auto& name = item.key();
-    auto& p = item.value();
-    const bool is_norm = name.size() > 11 && name.compare(name.size() - 11, 11, "norm.weight") == 0;
-    if (is_norm)
+  NamedTensors parameters;
+  for (const auto& item : model->named_parameters()) parameters.emplace_back(item.key(), item.value());
+  for (auto& [name, p] : model_checkpoint_views(parameters)) {
+    if (ends_with(name, "norm.weight"))
       p.fill_(1.0);
     else
       p.normal_(0.0, 0.02, generator);

@@ -100,6 +100,27 @@ class MoeGateImpl : public torch::nn::Module {
 };
 TORCH_MODULE(MoeGate);
 
+// The routed experts of one MoE layer, stacked so that all of them run as one grouped computation
+// (and, with expert parallelism, so that a rank's share is one slice). Expert e is the SwiGLU
+//   Expert_e(x) = down_proj[e] (silu(x W_gate^T) * (x W_up^T)),  [W_gate; W_up] = gate_up_proj[e].
+// Checkpoints keep one tensor per expert under Hugging Face names (model_checkpoint_views).
+class MoeExpertsImpl : public torch::nn::Module {
+ public:
+  MoeExpertsImpl(int64_t num_experts, int64_t dim, int64_t hidden);
+  // x_sorted: (M, D) rows grouped by expert, group_sizes[e] rows for expert e in order (host
+  // values summing to M). Returns (M, D) in the compute dtype (bf16 under autocast).
+  // grouped: one autograd node over all experts with a hand-written backward (moe.cpp);
+  // otherwise one autograd subgraph per non-empty expert (the reference the grouped path is tested against).
+  torch::Tensor forward(const torch::Tensor& x_sorted, const std::vector<int64_t>& group_sizes, bool grouped);
+  // The grouped path with the group sizes left on the device (group_sizes: (E) int64 there):
+  // at::_grouped_mm, CUDA and bf16 autocast only; usable_on_device says when.
+  bool usable_on_device(const torch::Tensor& x_sorted) const;
+  torch::Tensor forward_on_device(const torch::Tensor& x_sorted, const torch::Tensor& group_sizes);
+  torch::Tensor gate_up_proj;  // (E, 2F, D): rows [0, F) gate, [F, 2F) up
+  torch::Tensor down_proj;     // (E, D, F)
+};
+TORCH_MODULE(MoeExperts);
+
 // DeepSeek/Ling-style dropless MoE: router -> softmax|sigmoid scores -> top-k (on scores + bias)
 // -> optional renormalization -> routed_scaling_factor; routed SwiGLU experts plus shared experts.
 class MoeImpl : public torch::nn::Module {
@@ -108,13 +129,14 @@ class MoeImpl : public torch::nn::Module {
   // x: (B, L, D) -> (B, L, D); appends this layer's stats to ctx.moe_stats.
   torch::Tensor forward(const torch::Tensor& x, const BlockContext& ctx);
   MoeGate gate{nullptr};
-  torch::nn::ModuleList experts{nullptr};  // E x Mlp(D, base_moe_mlp_dim)
+  MoeExperts experts{nullptr};             // E routed SwiGLU experts of width base_moe_mlp_dim
   Mlp shared_experts{nullptr};             // Mlp(D, shared_experts * base_moe_mlp_dim), optional
  private:
   int64_t num_experts_, top_k_;
   bool sigmoid_, norm_topk_prob_, use_bias_;
   double scaling_;
   int64_t routing_groups_, topk_routing_group_;  // group-limited routing; -1 = off
+  bool grouped_dispatch_;                        // moe_dispatch == grouped
 };
 TORCH_MODULE(Moe);
 
@@ -208,10 +230,20 @@ TORCH_MODULE(Transformer);
 torch::Tensor mtp_shift_tokens(const torch::Tensor& tokens, const torch::Tensor& segment_ids, int64_t k,
                                int64_t pad_id);
 
+// Checkpoint tensors under Hugging Face names (docs/checkpoints.md) from tensors named as
+// named_parameters() (the parameters themselves, or same-shaped views of a copy of the arena):
+// every stacked expert parameter becomes one view per expert,
+//   experts.gate_up_proj (E, 2F, D) -> experts.{e}.gate_proj.weight, experts.{e}.up_proj.weight
+//   experts.down_proj    (E, D, F)  -> experts.{e}.down_proj.weight
+// in the order e = 0..E-1 (gate, up, down), the order a per-expert model had; everything else
+// passes through. Views share storage: copying into them writes the parameters.
+using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;  // also declared by ckpt.h
+NamedTensors model_checkpoint_views(const NamedTensors& by_parameter);
+
 // Builds the model on the CPU with deterministic weights from init_weights_seed:
-// every Linear and the embedding ~ N(0, 0.02^2), norms = 1. Parameters are drawn in
-// named_parameters() order from one generator, so the same seed gives the same weights
-// on any device.
+// every Linear and the embedding ~ N(0, 0.02^2), norms = 1. Tensors are drawn in checkpoint
+// order (model_checkpoint_views) from one generator, so the same seed gives the same weights on
+// any device, and stacking the experts changed no weight.
 Transformer model_build(const Config& config);
 
 }  // namespace trainer

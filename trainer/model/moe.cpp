@@ -14,10 +14,18 @@
 //   LB  = E * sum_e f_e P_e
 // The loss that enters J is load_balance_loss_weight * mean over MoE layers of LB, plus
 // router_z_loss_weight * mean over layers of mean_t logsumexp(router_logits_t)^2 (see step.cpp).
+//
+// Dispatch (moe_dispatch): the N k (token, slot) pairs are sorted by expert once, every expert
+// runs on its contiguous rows, and the weighted rows are added back to their tokens with one
+// index_add. "grouped" runs all experts as one autograd node (GroupedSwiGLU below: a GEMM per
+// expert into one buffer on the CPU, at::_grouped_mm on CUDA with LibTorch >= 2.8);
+// "loop" records one small autograd graph per expert and is the reference it is tested against.
+#include <cmath>
 #include <limits>
 
 #include "trainer/metrics/perf_counters.h"
 #include "trainer/model/model.h"
+#include "trainer/util/torch_compat.h"
 
 namespace trainer {
 
@@ -28,6 +36,133 @@ MoeGateImpl::MoeGateImpl(int64_t dim, int64_t num_experts) {
   e_score_correction_bias = register_buffer("e_score_correction_bias", torch::zeros({num_experts}));
 }
 
+namespace {
+
+// The dtype the experts compute in: bf16 under autocast (what F::linear would pick), else x's.
+at::ScalarType expert_compute_dtype(const torch::Tensor& x) {
+  return compat::autocast_is_enabled(x.is_cuda()) ? at::kBFloat16 : x.scalar_type();
+}
+
+// Calls fn(e, first_row, rows) for every expert with rows.
+template <class Fn>
+void for_each_expert_rows(const std::vector<int64_t>& group_sizes, Fn&& fn) {
+  int64_t offset = 0;
+  for (size_t e = 0; e < group_sizes.size(); ++e) {
+    if (group_sizes[e] > 0) fn(static_cast<int64_t>(e), offset, group_sizes[e]);
+    offset += group_sizes[e];
+  }
+}
+
+// out = a b, written into `out` (a view into a larger buffer).
+void mm_into(torch::Tensor out, const torch::Tensor& a, const torch::Tensor& b) { at::mm_out(out, a, b); }
+
+// All experts of a layer as one autograd node. With x_e the rows of expert e, W = gate_up[e]
+// (2F, D) and W_d = down[e] (D, F):
+//   [g | u] = x_e W^T,  h = silu(g) * u,  y_e = h W_d^T
+// and backward, from dy_e (silu'(g) = s (1 + g (1 - s)), s = sigmoid(g)):
+//   dW_d[e] = dy_e^T h,   dh = dy_e W_d,   dg = dh * u * silu'(g),   du = dh * silu(g)
+//   dW[e] = [dg | du]^T x_e,   dx_e = [dg | du] W
+// Forward keeps x (in the compute dtype) and [g | u]; h is recomputed in backward. Experts
+// without rows get zero weight gradients. Weight gradients leave in the weights' dtype.
+class GroupedSwiGLU : public torch::autograd::Function<GroupedSwiGLU> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& gate_up, const torch::Tensor& down,
+                               const std::vector<int64_t>& group_sizes) {
+    const auto dtype = expert_compute_dtype(x);
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const auto xc = x.to(dtype).contiguous(), w = gate_up.to(dtype), w_down = down.to(dtype);
+    const int64_t M = x.size(0), D = x.size(1), F = down.size(2);
+    auto gu = torch::empty({M, 2 * F}, xc.options());  // (M, 2F)
+    auto y = torch::empty({M, D}, xc.options());       // (M, D)
+    for_each_expert_rows(group_sizes, [&](int64_t e, int64_t first, int64_t rows) {
+      mm_into(gu.narrow(0, first, rows), xc.narrow(0, first, rows), w[e].t());
+    });
+    const auto h = torch::silu(gu.narrow(1, 0, F)) * gu.narrow(1, F, F);  // (M, F)
+    for_each_expert_rows(group_sizes, [&](int64_t e, int64_t first, int64_t rows) {
+      mm_into(y.narrow(0, first, rows), h.narrow(0, first, rows), w_down[e].t());
+    });
+    ctx->save_for_backward({xc, gu, w, w_down});
+    ctx->saved_data["group_sizes"] = group_sizes;
+    ctx->saved_data["x_dtype"] = x.scalar_type();
+    ctx->saved_data["weight_dtype"] = gate_up.scalar_type();
+    return y;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &xc = saved[0], &gu = saved[1], &w = saved[2], &w_down = saved[3];
+    const auto group_sizes = ctx->saved_data["group_sizes"].toIntVector();
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const int64_t M = xc.size(0), D = xc.size(1), F = w_down.size(2);
+    const auto dy = grad_outputs[0].to(xc.scalar_type()).contiguous();  // (M, D)
+    const auto g = gu.narrow(1, 0, F), u = gu.narrow(1, F, F);        // (M, F) each
+    const auto s = torch::sigmoid(g);
+    const auto silu = g * s;
+    const auto h = silu * u;
+    auto dh = torch::empty({M, F}, xc.options());
+    auto d_down = torch::zeros_like(w_down);  // (E, D, F)
+    for_each_expert_rows(group_sizes, [&](int64_t e, int64_t first, int64_t rows) {
+      const auto dy_e = dy.narrow(0, first, rows);
+      mm_into(dh.narrow(0, first, rows), dy_e, w_down[e]);
+      mm_into(d_down[e], dy_e.t(), h.narrow(0, first, rows));
+    });
+    auto dgu = torch::empty({M, 2 * F}, xc.options());  // (M, 2F): [dg | du]
+    dgu.narrow(1, 0, F).copy_(dh * u * (s * (1 + g * (1 - s))));
+    dgu.narrow(1, F, F).copy_(dh * silu);
+    auto dx = torch::empty({M, D}, xc.options());
+    auto d_gate_up = torch::zeros_like(w);  // (E, 2F, D)
+    for_each_expert_rows(group_sizes, [&](int64_t e, int64_t first, int64_t rows) {
+      const auto dgu_e = dgu.narrow(0, first, rows);
+      mm_into(dx.narrow(0, first, rows), dgu_e, w[e]);
+      mm_into(d_gate_up[e], dgu_e.t(), xc.narrow(0, first, rows));
+    });
+    const auto weight_dtype = ctx->saved_data["weight_dtype"].toScalarType();
+    return {dx.to(ctx->saved_data["x_dtype"].toScalarType()), d_gate_up.to(weight_dtype), d_down.to(weight_dtype),
+            torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+MoeExpertsImpl::MoeExpertsImpl(int64_t num_experts, int64_t dim, int64_t hidden) {
+  // torch::nn::Linear's default, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), for a layer built on its
+  // own; model_build draws every weight again.
+  const auto fan_in_bound = [](int64_t fan_in) { return 1.0 / std::sqrt(static_cast<double>(fan_in)); };
+  gate_up_proj = register_parameter(
+      "gate_up_proj", torch::empty({num_experts, 2 * hidden, dim}).uniform_(-fan_in_bound(dim), fan_in_bound(dim)));
+  down_proj = register_parameter(
+      "down_proj", torch::empty({num_experts, dim, hidden}).uniform_(-fan_in_bound(hidden), fan_in_bound(hidden)));
+}
+
+torch::Tensor MoeExpertsImpl::forward(const torch::Tensor& x_sorted, const std::vector<int64_t>& group_sizes,
+                                      bool grouped) {
+  if (grouped) return GroupedSwiGLU::apply(x_sorted, gate_up_proj, down_proj, group_sizes);
+  const auto hidden = down_proj.size(2);
+  std::vector<torch::Tensor> outputs;  // one (rows, D) per expert with rows
+  for_each_expert_rows(group_sizes, [&](int64_t e, int64_t first, int64_t rows) {
+    const auto gu = F::linear(x_sorted.narrow(0, first, rows), gate_up_proj[e]);  // (rows, 2F)
+    outputs.push_back(F::linear(F::silu(gu.narrow(1, 0, hidden)) * gu.narrow(1, hidden, hidden), down_proj[e]));
+  });
+  if (outputs.empty()) return torch::zeros({0, x_sorted.size(1)}, x_sorted.options().dtype(expert_compute_dtype(x_sorted)));
+  return torch::cat(outputs);
+}
+
+bool MoeExpertsImpl::usable_on_device(const torch::Tensor& x_sorted) const {
+  return compat::grouped_mm_usable(x_sorted.device(), expert_compute_dtype(x_sorted), down_proj.size(1),
+                                   down_proj.size(2));
+}
+
+torch::Tensor MoeExpertsImpl::forward_on_device(const torch::Tensor& x_sorted, const torch::Tensor& group_sizes) {
+  const auto hidden = down_proj.size(2);
+  const auto offsets = group_sizes.cumsum(0).to(torch::kInt32);  // (E) end row of each expert
+  const auto gu = compat::grouped_mm(x_sorted.to(at::kBFloat16), gate_up_proj.to(at::kBFloat16).transpose(1, 2),
+                                     offsets);  // (M, 2F)
+  const auto h = F::silu(gu.narrow(1, 0, hidden)) * gu.narrow(1, hidden, hidden);  // (M, F)
+  return compat::grouped_mm(h, down_proj.to(at::kBFloat16).transpose(1, 2), offsets);  // (M, D)
+}
+
 MoeImpl::MoeImpl(const Config& c)
     : num_experts_(c.num_experts),
       top_k_(c.num_experts_per_tok),
@@ -36,10 +171,10 @@ MoeImpl::MoeImpl(const Config& c)
       use_bias_(c.routed_bias),
       scaling_(c.routed_scaling_factor),
       routing_groups_(c.n_routing_groups),
-      topk_routing_group_(c.topk_routing_group) {
+      topk_routing_group_(c.topk_routing_group),
+      grouped_dispatch_(c.moe_dispatch == "grouped") {
   gate = register_module("gate", MoeGate(c.base_emb_dim, c.num_experts));
-  experts = register_module("experts", torch::nn::ModuleList());
-  for (int64_t e = 0; e < num_experts_; ++e) experts->push_back(Mlp(c.base_emb_dim, c.base_moe_mlp_dim, /*one_gemm_for_gate_up=*/false));
+  experts = register_module("experts", MoeExperts(c.num_experts, c.base_emb_dim, c.base_moe_mlp_dim));
   if (c.shared_experts > 0)
     shared_experts = register_module("shared_experts", Mlp(c.base_emb_dim, c.shared_experts * c.base_moe_mlp_dim));
 }
@@ -85,25 +220,26 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x, const BlockContext& ctx) 
                               (lse.square() * valid).sum() / n_valid, counts.to(torch::kFloat32)});
   }
 
-  // Dispatch: sort the N*k (token, slot) pairs by expert, run each expert on its rows, scatter back.
+  // Dispatch: sort the N*k (token, slot) pairs by expert, run the experts on their rows, add back.
   const auto flat_expert = chosen.reshape({N * k});                             // (N*k)
   const auto order = std::get<1>(flat_expert.sort(/*stable=*/true, 0, false));  // (N*k)
   const auto token_of = order.div(k, "floor");                                  // (N*k)
   const auto slot_weight = weights.reshape({N * k}).index_select(0, order);     // (N*k)
-  // Group sizes on the host: the one device->host sync of a MoE layer (dynamic shapes).
-  const auto group_sizes = torch::bincount(flat_expert, {}, E).cpu();
-  perf_note_host_read();
-  const auto* sizes = group_sizes.data_ptr<int64_t>();
-  auto out = torch::zeros({N, D}, x.options());
-  int64_t offset = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = sizes[e];
-    if (n == 0) continue;
-    const auto tokens = token_of.narrow(0, offset, n);
-    const auto y = experts[e]->as<MlpImpl>()->forward(xf.index_select(0, tokens), ctx.recompute_elementwise);  // (n, D)
-    out.index_add_(0, tokens, (y * slot_weight.narrow(0, offset, n).unsqueeze(1).to(y.scalar_type())).to(out.scalar_type()));
-    offset += n;
+  const auto group_sizes =
+      torch::zeros({E}, flat_expert.options()).scatter_add_(0, flat_expert, torch::ones_like(flat_expert));  // (E)
+  const auto x_sorted = xf.index_select(0, token_of);  // (N*k, D)
+  torch::Tensor y;                                     // (N*k, D)
+  if (grouped_dispatch_ && experts->usable_on_device(x_sorted)) {
+    y = experts->forward_on_device(x_sorted, group_sizes);
+  } else {
+    // Group sizes on the host: the one device->host sync of a MoE layer (dynamic shapes).
+    const auto host_sizes = group_sizes.cpu();
+    perf_note_host_read();
+    const auto* sizes = host_sizes.data_ptr<int64_t>();
+    y = experts->forward(x_sorted, std::vector<int64_t>(sizes, sizes + E), grouped_dispatch_);
   }
+  auto out = torch::zeros({N, D}, x.options())
+                 .index_add_(0, token_of, (y * slot_weight.unsqueeze(1).to(y.scalar_type())).to(x.scalar_type()));
   if (shared_experts) out = out + shared_experts->forward(xf, ctx.recompute_elementwise).to(out.scalar_type());
   return out.view({B, L, D});
 }

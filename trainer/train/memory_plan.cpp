@@ -28,8 +28,9 @@
 //   residual after the MLP (the next layer's input)          r T D
 //   bf16 autocast: the bf16 copies of the two normed GEMM inputs   2 * 2 T D
 // MoE layers replace the SwiGLU by: router logits and scores (fp32, T E each), and per routed row
-// (T k of them) the gathered input (fp32 + its bf16 copy), the expert's four SwiGLU tensors and its
-// output, plus the shared experts' SwiGLU and three T D sums.
+// (T k of them), with moe_dispatch=grouped: the sorted input in the compute dtype, [gate | up] and
+// the expert output (2 m D + 2 m F); with loop: the gathered input (fp32 + its bf16 copy), the
+// expert's four SwiGLU tensors and its output. Plus the shared experts' SwiGLU and three T D sums.
 // The head: the final norm, and the log-probabilities (fp32, T V) for the loss; each MTP depth
 // adds the shifted embedding, two norms, their concatenation, one dense layer, a norm and its
 // fp32 logits (T V, kept by logsumexp).
@@ -79,7 +80,7 @@ struct Shapes {
 // minimal (remat_policy=minimal): norms keep only their output (the GEMM input; their input is
 // the residual stream, kept anyway) and SwiGLU keeps gate, up and the product, not silu(gate).
 double layer_saved_bytes(const Shapes& s, bool moe, double r, double m, bool bf16, bool fused_attention,
-                         bool qk_norm, bool minimal) {
+                         bool qk_norm, bool minimal, bool grouped_experts) {
   const double cast = bf16 ? 2.0 : 0.0;  // bf16 copy of a fp32 GEMM input
   const double norm = minimal ? 1.0 : 2.0;  // fp32 (B, L, D) tensors an RMSNorm keeps
   const double swiglu = minimal ? 3.0 : 4.0;  // (B, L, F) tensors SwiGLU keeps
@@ -99,7 +100,8 @@ double layer_saved_bytes(const Shapes& s, bool moe, double r, double m, bool bf1
     bytes += swiglu * m * s.T * s.F;  // SwiGLU
   } else {
     bytes += 2 * 4 * s.T * s.E;                                                  // router logits, scores
-    bytes += s.T * s.k * ((4 + cast) * s.D + swiglu * m * s.Fm + m * s.D);       // routed rows
+    bytes += s.T * s.k * (grouped_experts ? 2 * m * s.D + 2 * m * s.Fm                  // routed rows
+                                          : (4 + cast) * s.D + swiglu * m * s.Fm + m * s.D);
     if (s.Fs > 0) bytes += swiglu * m * s.T * s.Fs + cast * s.T * s.D;           // shared experts
     bytes += 2 * r * s.T * s.D;                                                  // expert sum, + shared
   }
@@ -193,9 +195,10 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   // remat_policy=full keeps each decoder layer's input only; backward reruns one layer at a time,
   // whose own saved activations then exist once (the largest layer kind counts).
   const bool minimal = c.remat_policy == "minimal";
-  const double dense = layer_saved_bytes(s, false, r, m, bf16, fused_attention, c.use_qk_norm, minimal);
+  const bool grouped = c.moe_dispatch == "grouped";
+  const double dense = layer_saved_bytes(s, false, r, m, bf16, fused_attention, c.use_qk_norm, minimal, grouped);
   const double moe =
-      moe_layers > 0 ? layer_saved_bytes(s, true, r, m, bf16, fused_attention, c.use_qk_norm, minimal) : 0.0;
+      moe_layers > 0 ? layer_saved_bytes(s, true, r, m, bf16, fused_attention, c.use_qk_norm, minimal, grouped) : 0.0;
   const double embedding = r * s.T * s.D;
   const double mask = fused_attention ? 0.0 : 2 * s.B * s.L * s.L + s.L * s.L;  // bool masks
   const double head = 2 * r * s.T * s.D + (bf16 ? 2 : 0) * s.T * s.D + 4 * s.T * s.V;

@@ -12,9 +12,21 @@
 namespace trainer {
 
 NamedTensors Trainer::model_tensors() const {
-  NamedTensors out;
-  for (const auto& item : model_->named_parameters()) out.emplace_back(item.key(), item.value());
+  NamedTensors out = model_checkpoint_views(arena_views(flat_params_));
   for (const auto& item : model_->named_buffers()) out.emplace_back(item.key(), item.value());
+  return out;
+}
+
+// flat: (P) laid out as the parameter arena (the arena itself, a copy, or a moment buffer).
+// Returns one view per parameter, named and shaped as named_parameters().
+NamedTensors Trainer::arena_views(const torch::Tensor& flat) const {
+  NamedTensors out;
+  int64_t offset = 0;
+  for (const auto& item : model_->named_parameters()) {
+    const auto n = item.value().numel();
+    out.emplace_back(item.key(), flat.narrow(0, offset, n).view(item.value().sizes()));
+    offset += n;
+  }
   return out;
 }
 
@@ -34,20 +46,11 @@ CheckpointContents Trainer::snapshot(int64_t completed_steps) {
   };
   const auto m = host_moments(adam_m_, "the AdamW first moments");
   const auto v = host_moments(adam_v_, "the AdamW second moments");
-  int64_t offset = 0;
-  NamedTensors exp_avg, exp_avg_sq;
-  for (const auto& item : model_->named_parameters()) {
-    const auto n = item.value().numel();
-    const auto shape = item.value().sizes();
-    c.model.emplace_back(item.key(), params.narrow(0, offset, n).view(shape));
-    exp_avg.emplace_back("exp_avg." + item.key(), m.narrow(0, offset, n).view(shape));
-    exp_avg_sq.emplace_back("exp_avg_sq." + item.key(), v.narrow(0, offset, n).view(shape));
-    offset += n;
-  }
+  c.model = model_checkpoint_views(arena_views(params));
   for (const auto& item : model_->named_buffers())
     c.model.emplace_back(item.key(), item.value().to(torch::kCPU, torch::kFloat32, false, true).contiguous());
-  c.optimizer = std::move(exp_avg);
-  c.optimizer.insert(c.optimizer.end(), exp_avg_sq.begin(), exp_avg_sq.end());
+  for (const auto& [prefix, moments] : {std::pair{"exp_avg.", m}, std::pair{"exp_avg_sq.", v}})
+    for (const auto& [name, view] : model_checkpoint_views(arena_views(moments))) c.optimizer.emplace_back(prefix + name, view);
   c.state.step = completed_steps;
   c.state.updates_applied = updates_applied_;
   c.state.consumed_samples = completed_steps * config_.global_batch_size;
@@ -74,7 +77,7 @@ void Trainer::restore(const CheckpointContents& c, bool full_state, const std::s
   std::vector<std::string> problems;
   for (auto& [name, tensor] : model_tensors()) {
     auto it = saved.find(name);
-    const bool is_buffer = !model_->named_parameters().contains(name);
+    const bool is_buffer = model_->named_buffers().contains(name);
     if (it == saved.end()) {
       if (!is_buffer || full_state) problems.push_back("missing " + name);
       continue;
@@ -98,17 +101,13 @@ void Trainer::restore(const CheckpointContents& c, bool full_state, const std::s
   if (!full_state) return;
   std::map<std::string, torch::Tensor> moments(c.optimizer.begin(), c.optimizer.end());
   auto full_m = torch::empty_like(flat_params_), full_v = torch::empty_like(flat_params_);  // (P)
-  int64_t offset = 0;
-  for (const auto& item : model_->named_parameters()) {
-    const auto n = item.value().numel();
-    for (auto [prefix, flat] : {std::pair{"exp_avg.", full_m}, std::pair{"exp_avg_sq.", full_v}}) {
-      auto it = moments.find(prefix + item.key());
-      if (it == moments.end() || it->second.numel() != n)
-        throw config_error(source + ": optimizer state lacks " + prefix + item.key() + " or its shape differs");
-      flat.narrow(0, offset, n).copy_(it->second.reshape({n}));
+  for (auto [prefix, flat] : {std::pair{"exp_avg.", full_m}, std::pair{"exp_avg_sq.", full_v}})
+    for (auto& [name, view] : model_checkpoint_views(arena_views(flat))) {
+      auto it = moments.find(prefix + name);
+      if (it == moments.end() || it->second.numel() != view.numel())
+        throw config_error(source + ": optimizer state lacks " + prefix + name + " or its shape differs");
+      view.copy_(it->second.reshape(view.sizes()));
     }
-    offset += n;
-  }
   // Checkpoints hold the full moments, so any world size and sharding can load them.
   adam_m_.copy_(full_m.narrow(0, shard_begin_, shard_end_ - shard_begin_));
   adam_v_.copy_(full_v.narrow(0, shard_begin_, shard_end_ - shard_begin_));

@@ -125,7 +125,8 @@ class Trainer {
   void build_flat_buffers();
   bool spike_guard_rejects(double loss, double grad_norm);
   void restore(const CheckpointContents& contents, bool full_state, const std::string& source);
-  NamedTensors model_tensors() const;  // parameters then buffers, HF names, views (not copies)
+  NamedTensors model_tensors() const;  // checkpoint tensors then buffers, HF names, views (not copies)
+  NamedTensors arena_views(const torch::Tensor& flat) const;
   void update_expert_bias(const StepOutput& out);
   bool sharded() const { return shard_end_ - shard_begin_ < flat_params_.numel(); }
   // ZeRO-1: `padded` (R * shard_chunk_) holds this rank's chunk; afterwards every rank's chunk,

@@ -185,3 +185,25 @@ class ForwardingAllocator : public c10::Allocator {
 };
 
 }  // namespace trainer::compat
+
+namespace trainer::compat {
+
+// Grouped GEMM with the group boundaries on the device (no host read; MoE experts): rows
+// [offsets[g-1], offsets[g]) of x (M, K) times w[g] (K, N) -> (M, N). bf16 on CUDA (sm90),
+// LibTorch >= 2.8 (at::_grouped_mm, differentiable); K and N multiples of 8 (16-byte rows).
+constexpr bool kGroupedMm = TRAINER_TORCH_AT_LEAST(2, 8);
+
+inline bool grouped_mm_usable(const torch::Device& device, at::ScalarType dtype, int64_t k, int64_t n) {
+  return kGroupedMm && device.is_cuda() && dtype == at::kBFloat16 && k % 8 == 0 && n % 8 == 0;
+}
+
+inline torch::Tensor grouped_mm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& offsets) {
+#if TRAINER_TORCH_AT_LEAST(2, 8)
+  return at::_grouped_mm(x, w, offsets);
+#else
+  (void)x, (void)w, (void)offsets;
+  TORCH_CHECK(false, "grouped_mm needs LibTorch >= 2.8 on CUDA");
+#endif
+}
+
+}  // namespace trainer::compat
