@@ -3,12 +3,16 @@
 // makes the other exit 5, resume across world sizes, and scripts/pretrain_ling2.sh.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
+#include <map>
 #include <random>
 #include <regex>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
@@ -468,4 +472,166 @@ TEST_CASE("a config resolved for another world size is refused, also by a single
     CHECK(e.exit_code() == kExitUsage);
     CHECK_THAT(e.what(), Catch::Contains("the config was resolved for 2 ranks, but single process started 1"));
   }
+}
+
+namespace {
+
+// Largest absolute difference between two safetensors files' tensors of the same names; the
+// names must be the same set.
+double largest_weight_difference(const std::string& a_path, const std::string& b_path) {
+  const auto a = safetensors_read(a_path), b = safetensors_read(b_path);
+  REQUIRE(a.tensors.size() == b.tensors.size());
+  double worst = 0;
+  for (const auto& [name, ta] : a.tensors) {
+    INFO(name);
+    REQUIRE(b.tensors.count(name) == 1);
+    const auto& tb = b.tensors.at(name);
+    REQUIRE(ta.nbytes == tb.nbytes);
+    const auto* x = reinterpret_cast<const float*>(a.data.data() + ta.offset);
+    const auto* y = reinterpret_cast<const float*>(b.data.data() + tb.offset);
+    for (size_t j = 0; j < ta.nbytes / 4; ++j) worst = std::max(worst, static_cast<double>(std::abs(x[j] - y[j])));
+  }
+  return worst;
+}
+
+// The expert-selection bias buffers of a model file, by name, as raw bytes.
+std::map<std::string, std::string> expert_bias_bytes(const std::string& path) {
+  const auto file = safetensors_read(path);
+  std::map<std::string, std::string> out;
+  for (const auto& [name, t] : file.tensors)
+    if (name.find("e_score_correction_bias") != std::string::npos)
+      out[name] = std::string(file.data.data() + t.offset, t.nbytes);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("expert parallelism: R=2 with EP=2 equals R=2 with EP=1 and R=1, both normalization modes", "[dist][cli][moe]") {
+  // Same samples per step in all three runs (R=1 takes K=2). EP only moves where each expert runs
+  // and how its gradient is summed, so losses, aux terms, norms, expert load, the selection bias
+  // and the weights after 3 updates agree to float rounding (sums in another order). adam_eps is
+  // large so the update is linear in small gradient elements: with 1e-8, AdamW's per-element
+  // normalization turns the rounding of a near-zero (cancelling) gradient element into an O(lr)
+  // weight difference (measured 3e-4 after 3 steps), which would hide a real error of that size.
+  for (const std::string model : {"moe-tiny", "ling2-tiny"})
+    for (const std::string per_token : {"true", "false"}) {
+      INFO(model << ", calculate_per_token_loss=" << per_token);
+      const std::string common = "model_name=" + model + " override_model_config=true max_target_length=16 per_device_batch_size=1 steps=3 "
+                                 "warmup_steps_fraction=0 learning_rate=0.01 synthetic_min_valid_fraction=0.3 "
+                                 "learning_rate_schedule_steps=4 load_balance_loss_weight=0.1 routed_bias_update_rate=0.01 "
+                                 "adam_eps=0.01 calculate_per_token_loss=" + per_token + " base_output_directory=" + kOut + " ";
+      const std::string ep2 = "ep2-" + model + "-" + per_token, ep1 = "ep1-" + model + "-" + per_token,
+                        one = "ep-r1-" + model + "-" + per_token;
+      for (const auto& run : {ep2, ep1, one}) fs::remove_all(kOut + "/" + run);
+      const auto parallel = mpirun(2, common + "expert_parallelism=2 run_name=" + ep2);
+      INFO(parallel.output);
+      REQUIRE(parallel.exit_code == 0);
+      CHECK_THAT(parallel.output, Catch::Contains("expert parallelism: 2 ranks per group"));
+      REQUIRE(mpirun(2, common + "run_name=" + ep1).exit_code == 0);
+      REQUIRE(run_trainer(common + "gradient_accumulation_steps=2 run_name=" + one).exit_code == 0);
+      const auto a = metrics_of(ep2), b = metrics_of(ep1), c = metrics_of(one);
+      REQUIRE(a.size() == 3);
+      REQUIRE(b.size() == 3);
+      REQUIRE(c.size() == 3);
+      for (size_t i = 0; i < 3; ++i) {
+        INFO("step " << i);
+        std::vector<std::string> names = {"learning/loss", "learning/lm_loss", "learning/moe_lb_loss", "moe/router_z_loss",
+                                          "learning/raw_grad_norm", "learning/param_norm",
+                                          "megatron/load_balancing_loss", "moe/expert_load_max_over_mean"};
+        if (model == "ling2-tiny") names.push_back("learning/mtp_loss");
+        for (const auto& name : names) {
+          INFO(name);
+          CHECK(a[i][name].get<double>() == Approx(b[i][name].get<double>()).epsilon(1e-6));
+          CHECK(a[i][name].get<double>() == Approx(c[i][name].get<double>()).epsilon(1e-5));
+        }
+        // An element that cancels exactly in one summation order may be 1e-12 in another.
+        CHECK(std::abs(a[i]["learning/num_zeros"].get<double>() - b[i]["learning/num_zeros"].get<double>()) <= 2);
+        CHECK(a[i]["learning/num_zeros"].get<double>() > 1000);
+      }
+      // Checkpoints hold every expert under its HF name whatever the EP size: the same names.
+      const auto final_model = [&](const std::string& run) { return kOut + "/" + run + "/checkpoints/3/model.safetensors"; };
+      const double worst = largest_weight_difference(final_model(ep2), final_model(ep1));
+      INFO("largest weight difference EP=2 vs EP=1: " << worst);
+      CHECK(worst < 1e-6);
+      CHECK(largest_weight_difference(final_model(ep2), final_model(one)) < 1e-6);
+      // The selection bias moves by +-rate from the global load: the same decisions, bit for bit.
+      const auto bias = expert_bias_bytes(final_model(ep2));
+      CHECK(bias == expert_bias_bytes(final_model(ep1)));
+      if (model == "ling2-tiny") CHECK_FALSE(bias.empty());
+    }
+}
+
+TEST_CASE("expert parallelism at R=4 (two groups of 2) equals one process with the same global batch", "[dist][cli][moe]") {
+  const std::string common = "model_name=moe-tiny override_model_config=true max_target_length=16 per_device_batch_size=1 steps=3 "
+                             "warmup_steps_fraction=0 learning_rate=0.01 synthetic_min_valid_fraction=0.3 "
+                             "learning_rate_schedule_steps=4 load_balance_loss_weight=0.1 adam_eps=0.01 "
+                             "base_output_directory=" + kOut + " ";  // adam_eps: see the R=2 test
+  for (const auto& run : {"ep2-r4", "ep2-r4-one"}) fs::remove_all(kOut + "/" + run);
+  const auto four = mpirun(4, common + "expert_parallelism=2 run_name=ep2-r4");
+  INFO(four.output);
+  REQUIRE(four.exit_code == 0);
+  REQUIRE(run_trainer(common + "gradient_accumulation_steps=4 run_name=ep2-r4-one").exit_code == 0);
+  const auto a = metrics_of("ep2-r4"), b = metrics_of("ep2-r4-one");
+  REQUIRE(a.size() == 3);
+  REQUIRE(b.size() == 3);
+  for (size_t i = 0; i < 3; ++i)
+    for (const char* name : {"learning/loss", "learning/moe_lb_loss", "learning/raw_grad_norm", "learning/param_norm"}) {
+      INFO("step " << i << " " << name);
+      CHECK(a[i][name].get<double>() == Approx(b[i][name].get<double>()).epsilon(1e-5));
+    }
+  CHECK(largest_weight_difference(kOut + "/ep2-r4/checkpoints/3/model.safetensors",
+                                  kOut + "/ep2-r4-one/checkpoints/3/model.safetensors") < 1e-6);
+  // Per step and rank: 2 MoE layers x (counts + rows out + rows back) forward, 2 x 2 backward.
+  for (const auto& m : a) CHECK(m["perf/collectives_per_step"].get<int64_t>() >= 10);
+}
+
+TEST_CASE("a checkpoint written with EP=2 resumes with EP=1, and one written with EP=1 with EP=2", "[dist][cli][moe][checkpoint]") {
+  const std::string common = "model_name=moe-tiny max_target_length=16 per_device_batch_size=1 warmup_steps_fraction=0 "
+                             "learning_rate=0.01 synthetic_min_valid_fraction=0.3 learning_rate_schedule_steps=4 "
+                             "checkpoint_period=2 adam_eps=0.01 base_output_directory=" + kOut + " ";  // adam_eps: see above
+  for (const auto& run : {"ep-straight", "ep-2to1", "ep-1to2"}) fs::remove_all(kOut + "/" + run);
+  REQUIRE(mpirun(2, common + "steps=4 run_name=ep-straight").exit_code == 0);
+  for (const auto& [run, first, second] : {std::tuple{"ep-2to1", 2, 1}, std::tuple{"ep-1to2", 1, 2}}) {
+    INFO(run);
+    REQUIRE(mpirun(2, common + "steps=2 expert_parallelism=" + std::to_string(first) + " run_name=" + run).exit_code == 0);
+    const auto resumed = mpirun(2, common + "steps=4 expert_parallelism=" + std::to_string(second) + " run_name=" + run);
+    INFO(resumed.output);
+    REQUIRE(resumed.exit_code == 0);
+    CHECK_THAT(resumed.output, Catch::Contains("resumed from checkpoint"));
+    const auto a = metrics_of(run), b = metrics_of("ep-straight");
+    REQUIRE(a.size() == 4);
+    for (size_t i = 0; i < 4; ++i)
+      for (const char* name : {"learning/loss", "learning/raw_grad_norm", "learning/param_norm"}) {
+        INFO("step " << i << " " << name);
+        CHECK(a[i][name].get<double>() == Approx(b[i][name].get<double>()).epsilon(1e-6));
+      }
+    CHECK(largest_weight_difference(kOut + "/" + std::string(run) + "/checkpoints/4/optimizer.safetensors",
+                                    kOut + "/ep-straight/checkpoints/4/optimizer.safetensors") < 1e-6);
+    CHECK(largest_weight_difference(kOut + "/" + std::string(run) + "/checkpoints/4/model.safetensors",
+                                    kOut + "/ep-straight/checkpoints/4/model.safetensors") < 1e-6);
+  }
+}
+
+TEST_CASE("a rank killed in the expert dispatch makes its group peer exit 5 naming the layer", "[dist][cli][moe]") {
+  const int code = launch_two_ranks_and_lose_one(
+      "dead-dispatch",
+      {"model_name=moe-tiny", "max_target_length=16", "steps=100000", "checkpoint_period=100000", "expert_parallelism=2",
+       "debug_kill_rank_in_expert_dispatch=1"},
+      false);
+  CHECK(code == 5);
+  const auto log = read_file(kOut + "-dead-dispatch-0.log");
+  CHECK_THAT(log, Catch::Contains("rank 0 (0 of 2 in expert-parallel group {0, 1}): all_to_all of the row counts of "
+                                  "MoE layer 0 (model.layers.1.mlp) failed"));
+}
+
+TEST_CASE("expert parallelism settings that cannot work are refused naming the key", "[dist][moe]") {
+  CHECK_THROWS_WITH(tiny_config({"model_name=moe-tiny", "expert_parallelism=3"}),
+                    Catch::Contains("expert_parallelism=3 must divide num_experts (8)"));
+  CHECK_THROWS_WITH(tiny_config({"model_name=test-tiny", "expert_parallelism=2"}), Catch::Contains("of a MoE model"));
+  CHECK_THROWS_WITH(tiny_config({"model_name=moe-tiny", "expert_parallelism=2", "data_parallel_sharding=optim"}),
+                    Catch::Contains("not implemented yet"));
+  CHECK_THROWS_WITH(tiny_config({"model_name=moe-tiny", "expert_parallelism=0"}), Catch::Contains("expert_parallelism"));
+  // One process cannot hold half of the experts with nobody holding the other half.
+  CHECK_THROWS_WITH(Trainer(tiny_config({"model_name=moe-tiny", "expert_parallelism=2"})),
+                    Catch::Contains("expert_parallelism=2 must divide the number of ranks (1)"));
 }

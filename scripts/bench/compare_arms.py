@@ -11,7 +11,9 @@ Usage:
       --arm dense "model_name=moe-tiny override_model_config=true num_experts=1 shared_experts=0 base_mlp_dim=108" \
       --arm moe   "model_name=moe-tiny"
 Two builds of trainer side by side: --binary NAME PATH runs arm NAME with PATH instead of
-build/trainer (e.g. a copy of the binary from before a change).
+build/trainer (e.g. a build from before a change). PATH's own source tree's configs/base.yml
+(PATH/../../configs/base.yml, when there is one) is its base config: an older binary refuses keys
+added since.
 """
 import argparse
 import json
@@ -26,7 +28,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def run_arm(binary, overrides, steps, out_dir, run_name):
-    cmd = [binary, os.path.join(ROOT, "configs", "base.yml"),
+    own_base = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(binary))), "configs", "base.yml")
+    base = own_base if os.path.exists(own_base) else os.path.join(ROOT, "configs", "base.yml")
+    cmd = [binary, base,
            f"steps={steps}", f"base_output_directory={out_dir}", f"run_name={run_name}",
            f"log_period={steps}"] + shlex.split(overrides)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -193,6 +193,15 @@ std::vector<std::string> validation_errors(const Config& c) {
   require(c.data_parallel_sharding != "optim_grads" && c.data_parallel_sharding != "optim_grads_params",
           "data_parallel_sharding=" + c.data_parallel_sharding +
               " is not implemented yet (none and optim are; see docs/distributed.md)");
+  require(c.expert_parallelism >= 1, "expert_parallelism must be >= 1 (1 = every rank holds every expert)");
+  if (c.expert_parallelism > 1) {
+    const std::string ep = "expert_parallelism=" + std::to_string(c.expert_parallelism);
+    require(c.num_experts > 1 && c.num_experts % c.expert_parallelism == 0,
+            ep + " must divide num_experts (" + std::to_string(c.num_experts) + ") of a MoE model");
+    require(c.data_parallel_sharding == "none",
+            ep + " with data_parallel_sharding=" + c.data_parallel_sharding + " is not implemented yet");
+    require(c.remat_policy == "none", ep + " with remat_policy=" + c.remat_policy + " is not implemented yet");
+  }
   require(c.z_loss_multiplier >= 0, "z_loss_multiplier must be >= 0");
   require(c.learning_rate >= 0, "learning_rate must be >= 0");
   require(c.warmup_steps_fraction >= 0 && c.warmup_steps_fraction <= 1,

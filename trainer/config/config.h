@@ -99,6 +99,7 @@ using StringList = std::vector<std::string>;
   X(int64_t, gradient_bucket_size_mb)             \
   X(bool, shard_optimizer_over_data)              \
   X(std::string, data_parallel_sharding)          \
+  X(int64_t, expert_parallelism)                  \
   X(std::string, remat_policy)                    \
   /* loss and normalization */                    \
   X(bool, calculate_per_token_loss)               \
@@ -125,7 +126,8 @@ using StringList = std::vector<std::string>;
   X(int64_t, debug_inject_nonfinite_step)         \
   X(std::string, debug_inject_nonfinite_kind)     \
   X(bool, debug_drop_aux_token_weighting)         \
-  X(int64_t, debug_kill_rank_before_parameter_gather)
+  X(int64_t, debug_kill_rank_before_parameter_gather) \
+  X(int64_t, debug_kill_rank_in_expert_dispatch)
 
 struct Config {
 #define TRAINER_DECLARE_FIELD(type, name) type name{};

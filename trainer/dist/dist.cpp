@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 
@@ -17,6 +18,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 #if TRAINER_WITH_GLOO || TRAINER_WITH_NCCL
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #endif
 #if TRAINER_WITH_MPI
@@ -39,6 +41,13 @@ class LocalCommunicator : public Communicator {
   bool is_local() const override { return true; }
   void all_reduce_sum(torch::Tensor&, const std::string&) override {}
   void all_gather(std::vector<torch::Tensor>&, const std::string&) override {}
+  void all_to_all(torch::Tensor& output, const torch::Tensor& input, const std::vector<int64_t>&,
+                  const std::vector<int64_t>&, const std::string&) override {
+    output.copy_(input);
+  }
+  std::unique_ptr<Communicator> split(const std::vector<int64_t>&, const std::string&) override {
+    return std::make_unique<LocalCommunicator>();
+  }
   std::string broadcast_string(const std::string&, const std::string& value) override { return value; }
 };
 
@@ -50,8 +59,23 @@ std::string first_line(const std::string& s) { return s.substr(0, s.find('\n'));
 template <class Group>
 class C10dCommunicator : public Communicator {
  public:
+  // A subgroup (split): a new process group of `world` ranks that meet under `store` (a prefix of
+  // the parent's store). `global_rank` names this process in messages.
+  C10dCommunicator(c10::intrusive_ptr<c10d::Store> store, int64_t rank, int64_t world, int64_t global_rank,
+                   const std::string& label, torch::Device device, std::chrono::milliseconds timeout)
+      : rank_(rank), world_(world), global_rank_(global_rank), label_(label), device_(device), timeout_(timeout),
+        store_(std::move(store)) {
+    try {
+      auto group_options = Group::Options::create();
+      group_options->timeout = timeout_;
+      configure(*group_options);
+      group_ = c10::make_intrusive<Group>(store_, static_cast<int>(rank_), static_cast<int>(world_), group_options);
+    } catch (const std::exception& e) {
+      throw dist_error(who() + ": creating the process group failed: " + first_line(e.what()));
+    }
+  }
   C10dCommunicator(const DistEnv& env, const std::string& host, int port, const DistOptions& options)
-      : rank_(env.rank), world_(env.world_size), device_(options.device),
+      : rank_(env.rank), world_(env.world_size), global_rank_(env.rank), device_(options.device),
         timeout_(std::chrono::milliseconds(static_cast<int64_t>(options.timeout_seconds * 1000))) {
     c10d::TCPStoreOptions store_options;
     store_options.port = static_cast<uint16_t>(port);
@@ -88,7 +112,7 @@ class C10dCommunicator : public Communicator {
       auto work = group_->allreduce(tensors);
       work->wait(timeout_);
     } catch (const std::exception& e) {
-      throw dist_error("rank " + std::to_string(rank_) + " of " + std::to_string(world_) + ": all_reduce of " + what +
+      throw dist_error(who() + ": all_reduce of " + what +
                        " failed (a peer rank died or hung; timeout " + std::to_string(timeout_.count() / 1000) +
                        " s): " + first_line(e.what()));
     }
@@ -107,12 +131,43 @@ class C10dCommunicator : public Communicator {
       auto work = group_->allgather(outputs, inputs);
       work->wait(timeout_);
     } catch (const std::exception& e) {
-      throw dist_error("rank " + std::to_string(rank_) + " of " + std::to_string(world_) + ": all_gather of " + what +
+      throw dist_error(who() + ": all_gather of " + what +
                        " failed (a peer rank died or hung; timeout " + std::to_string(timeout_.count() / 1000) +
                        " s): " + first_line(e.what()));
     }
     ++collectives_;
     bytes_sent_ += static_cast<double>(world_ - 1) * static_cast<double>(parts[0].numel() * parts[0].element_size());
+  }
+  void all_to_all(torch::Tensor& output, const torch::Tensor& input, const std::vector<int64_t>& output_splits,
+                  const std::vector<int64_t>& input_splits, const std::string& what) override {
+    TORCH_CHECK(static_cast<int64_t>(output_splits.size()) == world_ && static_cast<int64_t>(input_splits.size()) == world_,
+                "all_to_all: one split per rank");
+    // Host tensors under NCCL (the row counts) make a round trip through the device.
+    auto out = output.device() == device_ && output.is_contiguous() ? output : output.to(device_).contiguous();
+    auto in = input.to(device_).contiguous();
+    std::vector<int64_t> out_splits = output_splits, in_splits = input_splits;  // c10d takes them by reference
+    try {
+      auto work = group_->alltoall_base(out, in, out_splits, in_splits);
+      work->wait(timeout_);
+    } catch (const std::exception& e) {
+      throw dist_error(who() + ": all_to_all of " + what + " failed (a peer rank died or hung; timeout " +
+                       std::to_string(timeout_.count() / 1000) + " s): " + first_line(e.what()));
+    }
+    if (!out.is_same(output)) output.copy_(out);
+    ++collectives_;
+    const int64_t row_bytes = input.size(0) > 0 ? input.numel() / input.size(0) * input.element_size() : 0;
+    bytes_sent_ += static_cast<double>((input.size(0) - input_splits[static_cast<size_t>(rank_)]) * row_bytes);
+  }
+  std::unique_ptr<Communicator> split(const std::vector<int64_t>& ranks, const std::string& tag) override {
+    const auto me = std::find(ranks.begin(), ranks.end(), rank_);
+    TORCH_CHECK(me != ranks.end(), "split: this rank is not in the subgroup");
+    if (ranks.size() == 1) return std::make_unique<LocalCommunicator>();
+    std::string label = tag + " {";
+    for (size_t i = 0; i < ranks.size(); ++i) label += (i ? ", " : "") + std::to_string(ranks[i]);
+    label += "}";
+    auto store = c10::make_intrusive<c10d::PrefixStore>(label, store_);
+    return std::make_unique<C10dCommunicator<Group>>(store, me - ranks.begin(), static_cast<int64_t>(ranks.size()),
+                                                     global_rank_, label, device_, timeout_);
   }
   std::string broadcast_string(const std::string& key, const std::string& value) override {
     try {
@@ -125,9 +180,16 @@ class C10dCommunicator : public Communicator {
   }
 
  private:
+  // "rank 3 of 4" for the world group; "rank 3 (1 of 2 in expert-parallel group {2, 3})" for a subgroup.
+  std::string who() const {
+    if (label_.empty()) return "rank " + std::to_string(rank_) + " of " + std::to_string(world_);
+    return "rank " + std::to_string(global_rank_) + " (" + std::to_string(rank_) + " of " + std::to_string(world_) +
+           " in " + label_ + ")";
+  }
   void configure(typename Group::Options& options);
   void shutdown();
-  int64_t rank_, world_;
+  int64_t rank_, world_, global_rank_;
+  std::string label_;  // empty for the world group
   torch::Device device_;
   std::chrono::milliseconds timeout_;
   c10::intrusive_ptr<c10d::Store> store_;

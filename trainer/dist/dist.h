@@ -26,13 +26,23 @@ class Communicator {
   // parts[rank()] holds this rank's data on entry, and every part holds its rank's data on return.
   // The parts may be views of one buffer (the ZeRO-1 parameter arena), so nothing is copied twice.
   virtual void all_gather(std::vector<torch::Tensor>& parts, const std::string& what) = 0;
+  // All-to-all of rows (expert parallelism): input rows [sum(input_splits[<d]), + input_splits[d])
+  // go to rank d; output (sum(output_splits) rows, allocated by the caller) receives
+  // output_splits[s] rows from rank s, in rank order. Row width and dtype must agree on all ranks.
+  virtual void all_to_all(torch::Tensor& output, const torch::Tensor& input, const std::vector<int64_t>& output_splits,
+                          const std::vector<int64_t>& input_splits, const std::string& what) = 0;
+  // The communicator of a subgroup: `ranks` are ranks of this group, ascending, this rank among
+  // them. Every member calls it with the same ranks and tag, which must be unique among this
+  // group's subgroups. A subgroup of one rank is local (its collectives are copies or no-ops).
+  virtual std::unique_ptr<Communicator> split(const std::vector<int64_t>& ranks, const std::string& tag) = 0;
   // Rank 0's string on every rank (through the rendezvous store).
   virtual std::string broadcast_string(const std::string& key, const std::string& value) = 0;
   // True for the one-process stand-in without a process group (collectives are skipped).
   virtual bool is_local() const { return false; }
   int64_t collectives() const { return collectives_; }  // collectives so far
   // Bytes this rank sent in them, as ring algorithms move data: an all-reduce of n bytes sends
-  // 2 (R-1)/R n, an all-gather of R parts of n bytes sends n.
+  // 2 (R-1)/R n, an all-gather of R parts of n bytes sends n, an all-to-all the rows that
+  // leave this rank.
   double bytes_sent() const { return bytes_sent_; }
 
  protected:

@@ -326,45 +326,69 @@ bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-}  // namespace
-
-NamedTensors model_checkpoint_views(const NamedTensors& by_parameter) {
+// Walks the checkpoint tensors of `by_parameter` in checkpoint order, calling
+// fn(name, tensor, shape). Stacked experts become one entry per expert (gate, up, down), named
+// by global id; with total_experts > 0 every expert of the full layer is visited, and those the
+// stacked tensors do not hold come with an undefined tensor (model_build draws them anyway).
+template <class Fn>
+void checkpoint_walk(const NamedTensors& by_parameter, int64_t first_expert, int64_t total_experts, Fn&& fn) {
   static const std::string kGateUp = "experts.gate_up_proj", kDown = "experts.down_proj";
   std::map<std::string, torch::Tensor> down_of;  // layer prefix "model.layers.N.mlp." -> (E, D, F)
   for (const auto& [name, tensor] : by_parameter)
     if (ends_with(name, kDown)) down_of[name.substr(0, name.size() - kDown.size())] = tensor;
-  NamedTensors out;
   for (const auto& [name, tensor] : by_parameter) {
-    if (ends_with(name, kDown)) continue;  // emitted with its gate_up_proj
+    if (ends_with(name, kDown)) continue;  // visited with its gate_up_proj
     if (!ends_with(name, kGateUp)) {
-      out.emplace_back(name, tensor);
+      fn(name, tensor, tensor.sizes().vec());
       continue;
     }
     const auto prefix = name.substr(0, name.size() - kGateUp.size());
-    const auto down = down_of.at(prefix);  // (E, D, F)
-    const auto hidden = down.size(2);
-    for (int64_t e = 0; e < tensor.size(0); ++e) {
+    const auto down = down_of.at(prefix);  // (E_here, D, F)
+    const int64_t here = tensor.size(0), hidden = down.size(2), dim = down.size(1);
+    const int64_t first = total_experts > 0 ? 0 : first_expert, last = total_experts > 0 ? total_experts : first_expert + here;
+    for (int64_t e = first; e < last; ++e) {
       const auto expert = prefix + "experts." + std::to_string(e) + ".";
-      out.emplace_back(expert + "gate_proj.weight", tensor[e].narrow(0, 0, hidden));
-      out.emplace_back(expert + "up_proj.weight", tensor[e].narrow(0, hidden, hidden));
-      out.emplace_back(expert + "down_proj.weight", down[e]);
+      const bool held = e >= first_expert && e < first_expert + here;
+      const int64_t i = e - first_expert;
+      fn(expert + "gate_proj.weight", held ? tensor[i].narrow(0, 0, hidden) : torch::Tensor(), std::vector<int64_t>{hidden, dim});
+      fn(expert + "up_proj.weight", held ? tensor[i].narrow(0, hidden, hidden) : torch::Tensor(), std::vector<int64_t>{hidden, dim});
+      fn(expert + "down_proj.weight", held ? down[i] : torch::Tensor(), std::vector<int64_t>{dim, hidden});
     }
   }
+}
+
+}  // namespace
+
+bool model_is_stacked_experts(const std::string& parameter_name) {
+  return ends_with(parameter_name, "experts.gate_up_proj") || ends_with(parameter_name, "experts.down_proj");
+}
+
+NamedTensors model_checkpoint_views(const NamedTensors& by_parameter, int64_t first_expert) {
+  NamedTensors out;
+  checkpoint_walk(by_parameter, first_expert, /*total_experts=*/0,
+                  [&](const std::string& name, const torch::Tensor& tensor, const std::vector<int64_t>&) {
+                    out.emplace_back(name, tensor);
+                  });
   return out;
 }
 
-Transformer model_build(const Config& config) {
+Transformer model_build(const Config& config, int64_t expert_rank) {
   Transformer model(config);
   auto generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.init_weights_seed));
   torch::NoGradGuard no_grad;
   NamedTensors parameters;
   for (const auto& item : model->named_parameters()) parameters.emplace_back(item.key(), item.value());
-  for (auto& [name, p] : model_checkpoint_views(parameters)) {
-    if (ends_with(name, "norm.weight"))
-      p.fill_(1.0);
-    else
-      p.normal_(0.0, 0.02, generator);
-  }
+  const int64_t first_expert = expert_rank * (config.num_experts / config.expert_parallelism);
+  checkpoint_walk(parameters, first_expert, config.num_experts > 1 ? config.num_experts : 0,
+                  [&](const std::string& name, torch::Tensor tensor, const std::vector<int64_t>& shape) {
+                    if (ends_with(name, "norm.weight")) {
+                      tensor.fill_(1.0);
+                      return;
+                    }
+                    // Another rank's expert: drawn into scratch, so the generator stays in step.
+                    if (!tensor.defined()) tensor = torch::empty(shape);
+                    tensor.normal_(0.0, 0.02, generator);
+                  });
   return model;
 }
 

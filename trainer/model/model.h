@@ -11,6 +11,8 @@
 
 namespace trainer {
 
+class Communicator;  // dist/dist.h: the expert-parallel group of a MoE layer
+
 // y = x / rms(x) * weight, computed in fp32 whatever the input dtype.
 class RMSNormImpl : public torch::nn::Module {
  public:
@@ -128,6 +130,11 @@ class MoeImpl : public torch::nn::Module {
   explicit MoeImpl(const Config& config);
   // x: (B, L, D) -> (B, L, D); appends this layer's stats to ctx.moe_stats.
   torch::Tensor forward(const torch::Tensor& x, const BlockContext& ctx);
+  // Expert parallelism: this layer holds experts [rank * E/N, (rank + 1) * E/N) of its group of N
+  // ranks (`group`, which outlives the model) and sends each routed row to the rank holding its
+  // expert. `name` ("MoE layer 2 (model.layers.2.mlp)") is used in error messages.
+  // kill_before_dispatch: the debug hook of the death test (SIGKILL before the first exchange).
+  void expert_parallel_set(Communicator* group, const std::string& name, bool kill_before_dispatch = false);
   MoeGate gate{nullptr};
   MoeExperts experts{nullptr};             // E routed SwiGLU experts of width base_moe_mlp_dim
   Mlp shared_experts{nullptr};             // Mlp(D, shared_experts * base_moe_mlp_dim), optional
@@ -137,6 +144,12 @@ class MoeImpl : public torch::nn::Module {
   double scaling_;
   int64_t routing_groups_, topk_routing_group_;  // group-limited routing; -1 = off
   bool grouped_dispatch_;                        // moe_dispatch == grouped
+  Communicator* expert_group_ = nullptr;         // expert parallelism; null: every expert is here
+  std::string name_;
+  bool kill_before_dispatch_ = false;
+  // The experts' output for x_sorted (rows grouped by expert, group_sizes[e] for each of the E
+  // experts), from the local experts or through the expert-parallel group.
+  torch::Tensor run_experts(const torch::Tensor& x_sorted, const std::vector<int64_t>& group_sizes);
 };
 TORCH_MODULE(Moe);
 
@@ -237,13 +250,20 @@ torch::Tensor mtp_shift_tokens(const torch::Tensor& tokens, const torch::Tensor&
 //   experts.down_proj    (E, D, F)  -> experts.{e}.down_proj.weight
 // in the order e = 0..E-1 (gate, up, down), the order a per-expert model had; everything else
 // passes through. Views share storage: copying into them writes the parameters.
+// Whether a parameter is a stacked expert tensor (mlp.experts.gate_up_proj, mlp.experts.down_proj).
+bool model_is_stacked_experts(const std::string& parameter_name);
+
+// With expert parallelism the stacked tensors hold experts [first_expert, first_expert + E/N):
+// they are named by those global ids.
 using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;  // also declared by ckpt.h
-NamedTensors model_checkpoint_views(const NamedTensors& by_parameter);
+NamedTensors model_checkpoint_views(const NamedTensors& by_parameter, int64_t first_expert = 0);
 
 // Builds the model on the CPU with deterministic weights from init_weights_seed:
 // every Linear and the embedding ~ N(0, 0.02^2), norms = 1. Tensors are drawn in checkpoint
 // order (model_checkpoint_views) from one generator, so the same seed gives the same weights on
 // any device, and stacking the experts changed no weight.
-Transformer model_build(const Config& config);
+// With expert_parallelism N, the MoE layers hold the E/N experts of position expert_rank in the
+// group (every expert is still drawn, in order, so each keeps the weights it has without EP).
+Transformer model_build(const Config& config, int64_t expert_rank = 0);
 
 }  // namespace trainer

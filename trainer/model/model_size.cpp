@@ -28,6 +28,7 @@ ModelSize model_size(const Config& c) {
   s.embedding_params = V * D * (c.logits_via_embedding ? 1 : 2);
   const int64_t common = s.embedding_params + N * (attention + norms) + dense_layers * dense_mlp + D;
   s.total_params = common + moe_layers * moe_mlp_total + c.mtp_num_layers * mtp_depth;
+  s.routed_expert_params = (moe_layers + (c.mtp_moe_mlp ? c.mtp_num_layers : 0)) * E * 3 * D * Fm;
   s.active_params = common + moe_layers * moe_mlp_active + c.mtp_num_layers * mtp_depth_active;
   s.mtp_params = c.mtp_num_layers * mtp_depth;
 

@@ -21,8 +21,11 @@
 // expert into one buffer on the CPU, at::_grouped_mm on CUDA with LibTorch >= 2.8);
 // "loop" records one small autograd graph per expert and is the reference it is tested against.
 #include <cmath>
+#include <csignal>
 #include <limits>
+#include <numeric>
 
+#include "trainer/dist/dist.h"
 #include "trainer/metrics/perf_counters.h"
 #include "trainer/model/model.h"
 #include "trainer/util/torch_compat.h"
@@ -124,6 +127,47 @@ class GroupedSwiGLU : public torch::autograd::Function<GroupedSwiGLU> {
   }
 };
 
+// The communicator and the name of one exchange, kept by the autograd node for its backward
+// (the communicator outlives every graph: the Trainer owns it).
+struct RowsExchange : torch::CustomClassHolder {
+  Communicator* group = nullptr;
+  std::string what;
+};
+
+c10::intrusive_ptr<RowsExchange> rows_exchange(Communicator* group, const std::string& what) {
+  auto exchange = c10::make_intrusive<RowsExchange>();
+  exchange->group = group;
+  exchange->what = what;
+  return exchange;
+}
+
+int64_t sum_of(const std::vector<int64_t>& v) { return std::accumulate(v.begin(), v.end(), int64_t{0}); }
+
+// Rows to the other ranks of an expert-parallel group (send[d] rows to rank d, receive[s] rows
+// from rank s); backward sends the gradients back the way the rows came.
+class ExchangeRows : public torch::autograd::Function<ExchangeRows> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& rows,
+                               c10::intrusive_ptr<RowsExchange> exchange, const std::vector<int64_t>& receive,
+                               const std::vector<int64_t>& send) {
+    auto out = torch::empty({sum_of(receive), rows.size(1)}, rows.options());
+    exchange->group->all_to_all(out, rows.contiguous(), receive, send, exchange->what);
+    ctx->saved_data["receive"] = receive;
+    ctx->saved_data["send"] = send;
+    ctx->saved_data["exchange"] = c10::IValue::make_capsule(std::move(exchange));
+    return out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    const auto exchange = c10::static_intrusive_pointer_cast<RowsExchange>(ctx->saved_data["exchange"].toCapsule());
+    const auto receive = ctx->saved_data["receive"].toIntVector(), send = ctx->saved_data["send"].toIntVector();
+    const auto grad = grad_outputs[0].contiguous();
+    auto out = torch::empty({sum_of(send), grad.size(1)}, grad.options());
+    exchange->group->all_to_all(out, grad, send, receive, exchange->what + " (backward)");
+    return {out, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
 }  // namespace
 
 MoeExpertsImpl::MoeExpertsImpl(int64_t num_experts, int64_t dim, int64_t hidden) {
@@ -140,10 +184,13 @@ torch::Tensor MoeExpertsImpl::forward(const torch::Tensor& x_sorted, const std::
                                       bool grouped) {
   if (grouped) return GroupedSwiGLU::apply(x_sorted, gate_up_proj, down_proj, group_sizes);
   const auto hidden = down_proj.size(2);
+  // unbind, not gate_up_proj[e]: the backward of E selects would build E zero-filled (E, ...)
+  // gradients; unbind's stacks the E expert gradients once.
+  const auto gate_up = gate_up_proj.unbind(0), down = down_proj.unbind(0);
   std::vector<torch::Tensor> outputs;  // one (rows, D) per expert with rows
   for_each_expert_rows(group_sizes, [&](int64_t e, int64_t first, int64_t rows) {
-    const auto gu = F::linear(x_sorted.narrow(0, first, rows), gate_up_proj[e]);  // (rows, 2F)
-    outputs.push_back(F::linear(F::silu(gu.narrow(1, 0, hidden)) * gu.narrow(1, hidden, hidden), down_proj[e]));
+    const auto gu = F::linear(x_sorted.narrow(0, first, rows), gate_up[e]);  // (rows, 2F)
+    outputs.push_back(F::linear(F::silu(gu.narrow(1, 0, hidden)) * gu.narrow(1, hidden, hidden), down[e]));
   });
   if (outputs.empty()) return torch::zeros({0, x_sorted.size(1)}, x_sorted.options().dtype(expert_compute_dtype(x_sorted)));
   return torch::cat(outputs);
@@ -174,7 +221,7 @@ MoeImpl::MoeImpl(const Config& c)
       topk_routing_group_(c.topk_routing_group),
       grouped_dispatch_(c.moe_dispatch == "grouped") {
   gate = register_module("gate", MoeGate(c.base_emb_dim, c.num_experts));
-  experts = register_module("experts", MoeExperts(c.num_experts, c.base_emb_dim, c.base_moe_mlp_dim));
+  experts = register_module("experts", MoeExperts(c.num_experts / c.expert_parallelism, c.base_emb_dim, c.base_moe_mlp_dim));
   if (c.shared_experts > 0)
     shared_experts = register_module("shared_experts", Mlp(c.base_emb_dim, c.shared_experts * c.base_moe_mlp_dim));
 }
@@ -229,19 +276,74 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x, const BlockContext& ctx) 
       torch::zeros({E}, flat_expert.options()).scatter_add_(0, flat_expert, torch::ones_like(flat_expert));  // (E)
   const auto x_sorted = xf.index_select(0, token_of);  // (N*k, D)
   torch::Tensor y;                                     // (N*k, D)
-  if (grouped_dispatch_ && experts->usable_on_device(x_sorted)) {
+  if (grouped_dispatch_ && !expert_group_ && experts->usable_on_device(x_sorted)) {
     y = experts->forward_on_device(x_sorted, group_sizes);
   } else {
     // Group sizes on the host: the one device->host sync of a MoE layer (dynamic shapes).
     const auto host_sizes = group_sizes.cpu();
     perf_note_host_read();
     const auto* sizes = host_sizes.data_ptr<int64_t>();
-    y = experts->forward(x_sorted, std::vector<int64_t>(sizes, sizes + E), grouped_dispatch_);
+    y = run_experts(x_sorted, std::vector<int64_t>(sizes, sizes + E));
   }
   auto out = torch::zeros({N, D}, x.options())
                  .index_add_(0, token_of, (y * slot_weight.unsqueeze(1).to(y.scalar_type())).to(x.scalar_type()));
   if (shared_experts) out = out + shared_experts->forward(xf, ctx.recompute_elementwise).to(out.scalar_type());
   return out.view({B, L, D});
+}
+
+void MoeImpl::expert_parallel_set(Communicator* group, const std::string& name, bool kill_before_dispatch) {
+  TORCH_CHECK(group && experts->gate_up_proj.size(0) * group->world_size() == num_experts_,
+              "expert_parallel_set: the group must split the ", num_experts_, " experts evenly");
+  expert_group_ = group;
+  name_ = name;
+  kill_before_dispatch_ = kill_before_dispatch;
+}
+
+torch::Tensor MoeImpl::run_experts(const torch::Tensor& x_sorted, const std::vector<int64_t>& group_sizes) {
+  if (!expert_group_) {
+    TORCH_CHECK(experts->gate_up_proj.size(0) == num_experts_, "this MoE layer holds ", experts->gate_up_proj.size(0),
+                " of ", num_experts_, " experts (expert_parallelism) but has no expert-parallel group");
+    return experts->forward(x_sorted, group_sizes, grouped_dispatch_);
+  }
+  // Rank d of the group holds experts [d * local, (d + 1) * local); x_sorted is in expert order,
+  // so the rows for rank d are one contiguous block.
+  const int64_t ranks = expert_group_->world_size(), local = num_experts_ / ranks;
+  std::vector<int64_t> send(static_cast<size_t>(ranks), 0);
+  for (int64_t e = 0; e < num_experts_; ++e) send[static_cast<size_t>(e / local)] += group_sizes[static_cast<size_t>(e)];
+  if (kill_before_dispatch_) std::raise(SIGKILL);
+  // Every rank learns how many rows each other rank sends to each of its experts:
+  // from_rank[s * local + l] rows from rank s for local expert l.
+  auto from_rank = torch::empty({ranks * local}, torch::kInt64);
+  const std::vector<int64_t> per_rank(static_cast<size_t>(ranks), local);
+  expert_group_->all_to_all(from_rank, torch::tensor(group_sizes, torch::kInt64), per_rank, per_rank,
+                            "the row counts of " + name_);
+  perf_note_host_read();
+  const auto* counts = from_rank.data_ptr<int64_t>();
+  std::vector<int64_t> receive(static_cast<size_t>(ranks), 0), local_sizes(static_cast<size_t>(local), 0);
+  std::vector<int64_t> block_start(static_cast<size_t>(ranks * local));  // first received row of block (s, l)
+  int64_t total = 0;
+  for (int64_t s = 0; s < ranks; ++s)
+    for (int64_t l = 0; l < local; ++l) {
+      const int64_t n = counts[s * local + l];
+      block_start[static_cast<size_t>(s * local + l)] = total;
+      receive[static_cast<size_t>(s)] += n;
+      local_sizes[static_cast<size_t>(l)] += n;
+      total += n;
+    }
+  const auto received = ExchangeRows::apply(x_sorted, rows_exchange(expert_group_, "the expert dispatch of " + name_),
+                                            receive, send);  // (total, D): by source rank, then expert
+  // Source-major to expert-major, so each local expert's rows are contiguous.
+  std::vector<int64_t> order;
+  order.reserve(static_cast<size_t>(total));
+  for (int64_t l = 0; l < local; ++l)
+    for (int64_t s = 0; s < ranks; ++s)
+      for (int64_t i = 0; i < counts[s * local + l]; ++i) order.push_back(block_start[static_cast<size_t>(s * local + l)] + i);
+  const auto by_expert = torch::tensor(order, torch::kInt64).to(x_sorted.device());  // (total)
+  const auto by_source = torch::empty_like(by_expert).scatter_(0, by_expert, torch::arange(total, by_expert.options()));
+  const auto y = experts->forward(received.index_select(0, by_expert), local_sizes, grouped_dispatch_);  // (total, D)
+  // Back to source-major, and home: the rows return in x_sorted's order, in x's dtype.
+  return ExchangeRows::apply(y.to(x_sorted.scalar_type()).index_select(0, by_source),
+                             rows_exchange(expert_group_, "the expert combine of " + name_), send, receive);
 }
 
 }  // namespace trainer

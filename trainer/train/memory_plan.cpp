@@ -127,7 +127,9 @@ std::string memory_bytes_text(double bytes) {
 
 MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   const ModelSize size = model_size(c);
-  const double P = static_cast<double>(size.total_params);
+  // With expert parallelism a rank holds E/N of each MoE layer's routed experts.
+  const double P = static_cast<double>(size.total_params) -
+                   static_cast<double>(size.routed_expert_params) * (1.0 - 1.0 / static_cast<double>(c.expert_parallelism));
   const bool bf16 = c.dtype == "bfloat16";
   const double r = 4, m = bf16 ? 2 : 4;
   Shapes s{};
@@ -152,7 +154,7 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   const bool fused_attention = ctx.fused_attention && !c.reset_attention_mask;
 
   MemoryPlan plan;
-  const std::string params = "P = " + count_text(P);
+  const std::string params = "P = " + count_text(P) + (c.expert_parallelism > 1 ? " (this rank's share of the experts)" : "");
   const bool zero1 = c.data_parallel_sharding == "optim" && ctx.world_size > 1;
   const double shard = zero1 ? std::ceil(P / static_cast<double>(ctx.world_size)) : P;
   const double padded = zero1 ? shard * static_cast<double>(ctx.world_size) : P;  // the arena, R equal chunks
@@ -183,7 +185,7 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
     const double norms_and_router = static_cast<double>(moe_layers) * s.E * s.D;
     const double matmul_weights = P - s.V * s.D * (c.logits_via_embedding ? 0 : 1) - norms_and_router;
     const double attention = qkv_weights + s.q * s.D;
-    const double dense_layer = attention + 3 * s.D * s.F, moe_layer = attention + 3 * s.D * (s.E * s.Fm + s.Fs);
+    const double dense_layer = attention + 3 * s.D * s.F, moe_layer = attention + 3 * s.D * (s.E / static_cast<double>(c.expert_parallelism) * s.Fm + s.Fs);
     const double all_layers = static_cast<double>(dense_layers) * dense_layer + static_cast<double>(moe_layers) * moe_layer;
     const double kept_layers =
         full ? std::max(dense_layers > 0 ? dense_layer : 0.0, moe_layers > 0 ? moe_layer : 0.0) : all_layers;

@@ -44,6 +44,11 @@ void Trainer::build_flat_buffers() {
   flat_params_ = flat_params_padded_.narrow(0, 0, total);
   torch::NoGradGuard no_grad;
   int64_t offset = 0;
+  for (const auto& item : model_->named_parameters()) {  // the order of parameters()
+    if (model_is_stacked_experts(item.key())) expert_segments_.emplace_back(offset, item.value().numel());
+    offset += item.value().numel();
+  }
+  offset = 0;
   for (auto& p : params) {
     const int64_t n = p.numel();
     auto param_view = flat_params_.narrow(0, offset, n).view(p.sizes());
@@ -90,8 +95,8 @@ void Trainer::optimizer_update(StepOutput& out) {
   const Config& c = config_;
   torch::NoGradGuard no_grad;
   out.learning_rate = learning_rate_at(c, updates_applied_);
-  const int64_t collectives_before = comm_->collectives();
-  const double bytes_before = comm_->bytes_sent();
+  const int64_t collectives_before = collectives_so_far();
+  const double bytes_before = bytes_sent_so_far();
   bool skip = out.total_weights == 0;
   if (out.total_weights == 0)
     spdlog::warn("step {}: no unmasked target token in the whole batch (W = 0); update skipped", out.step);
@@ -137,9 +142,9 @@ void Trainer::optimizer_update(StepOutput& out) {
     update_expert_bias(out);
   }
   out.step_skipped = skip;
-  out.collectives += comm_->collectives() - collectives_before;  // the ZeRO-1 gather, if any
-  out.collective_bytes += comm_->bytes_sent() - bytes_before;
-  out.param_norm = flat_buffer_norm(flat_params_);
+  out.param_norm = arena_norm(flat_params_);  // with expert parallelism a collective
+  out.collectives += collectives_so_far() - collectives_before;  // the ZeRO-1 gather, the norm's sum
+  out.collective_bytes += bytes_sent_so_far() - bytes_before;
 }
 
 // Aux-loss-free balancing (DeepSeek-V3): after an applied update, each MoE layer's selection

@@ -11,11 +11,6 @@
 
 namespace trainer {
 
-NamedTensors Trainer::model_tensors() const {
-  NamedTensors out = model_checkpoint_views(arena_views(flat_params_));
-  for (const auto& item : model_->named_buffers()) out.emplace_back(item.key(), item.value());
-  return out;
-}
 
 // flat: (P) laid out as the parameter arena (the arena itself, a copy, or a moment buffer).
 // Returns one view per parameter, named and shaped as named_parameters().
@@ -28,6 +23,45 @@ NamedTensors Trainer::arena_views(const torch::Tensor& flat) const {
     offset += n;
   }
   return out;
+}
+
+NamedTensors Trainer::arena_views_all_experts(const torch::Tensor& flat, const std::string& what) {
+  auto views = arena_views(flat);
+  if (!expert_group_) return views;
+  const int64_t N = expert_group_->world_size();
+  for (auto& [name, tensor] : views) {
+    if (!model_is_stacked_experts(name)) continue;
+    auto shape = tensor.sizes().vec();
+    shape[0] *= N;
+    auto whole = torch::empty(shape, tensor.options().device(device_));  // (E, ...)
+    auto parts = whole.chunk(N, 0);                                       // rank i's experts: part i
+    parts[static_cast<size_t>(expert_rank_)].copy_(tensor);
+    expert_group_->all_gather(parts, what + " of " + name);
+    tensor = whole.to(flat.device());
+  }
+  return views;
+}
+
+NamedTensors Trainer::restore_targets(const torch::Tensor& flat) const {
+  auto targets = arena_views(flat);
+  if (!expert_group_) return targets;
+  for (auto& [name, tensor] : targets) {
+    if (!model_is_stacked_experts(name)) continue;
+    auto shape = tensor.sizes().vec();
+    shape[0] *= expert_group_->world_size();
+    tensor = torch::empty(shape, torch::kFloat32);  // the whole layer's experts, on the host
+  }
+  return targets;
+}
+
+void Trainer::keep_local_experts(const NamedTensors& targets, const torch::Tensor& flat) const {
+  if (!expert_group_) return;
+  const auto views = arena_views(flat);
+  for (size_t i = 0; i < views.size(); ++i) {
+    if (!model_is_stacked_experts(views[i].first)) continue;
+    auto local = views[i].second;
+    local.copy_(targets[i].second.narrow(0, expert_rank_ * local.size(0), local.size(0)));
+  }
 }
 
 CheckpointContents Trainer::snapshot(int64_t completed_steps) {
@@ -46,11 +80,14 @@ CheckpointContents Trainer::snapshot(int64_t completed_steps) {
   };
   const auto m = host_moments(adam_m_, "the AdamW first moments");
   const auto v = host_moments(adam_v_, "the AdamW second moments");
-  c.model = model_checkpoint_views(arena_views(params));
+  // With expert parallelism every stacked expert tensor is gathered from the group: a checkpoint
+  // holds every expert under its HF name, whatever expert_parallelism wrote it.
+  c.model = model_checkpoint_views(arena_views_all_experts(params, "the expert weights"));
   for (const auto& item : model_->named_buffers())
     c.model.emplace_back(item.key(), item.value().to(torch::kCPU, torch::kFloat32, false, true).contiguous());
   for (const auto& [prefix, moments] : {std::pair{"exp_avg.", m}, std::pair{"exp_avg_sq.", v}})
-    for (const auto& [name, view] : model_checkpoint_views(arena_views(moments))) c.optimizer.emplace_back(prefix + name, view);
+    for (const auto& [name, view] : model_checkpoint_views(arena_views_all_experts(moments, "the expert AdamW moments")))
+      c.optimizer.emplace_back(prefix + name, view);
   c.state.step = completed_steps;
   c.state.updates_applied = updates_applied_;
   c.state.consumed_samples = completed_steps * config_.global_batch_size;
@@ -75,7 +112,10 @@ void Trainer::restore(const CheckpointContents& c, bool full_state, const std::s
   torch::NoGradGuard no_grad;
   std::map<std::string, torch::Tensor> saved(c.model.begin(), c.model.end());
   std::vector<std::string> problems;
-  for (auto& [name, tensor] : model_tensors()) {
+  const auto targets = restore_targets(flat_params_);  // with expert parallelism: whole-layer experts
+  NamedTensors tensors = model_checkpoint_views(targets);
+  for (const auto& item : model_->named_buffers()) tensors.emplace_back(item.key(), item.value());
+  for (auto& [name, tensor] : tensors) {
     auto it = saved.find(name);
     const bool is_buffer = model_->named_buffers().contains(name);
     if (it == saved.end()) {
@@ -98,16 +138,20 @@ void Trainer::restore(const CheckpointContents& c, bool full_state, const std::s
     if (problems.size() > 20) message += "\n  - ... and " + std::to_string(problems.size() - 20) + " more";
     throw config_error(message);
   }
+  keep_local_experts(targets, flat_params_);
   if (!full_state) return;
   std::map<std::string, torch::Tensor> moments(c.optimizer.begin(), c.optimizer.end());
   auto full_m = torch::empty_like(flat_params_), full_v = torch::empty_like(flat_params_);  // (P)
-  for (auto [prefix, flat] : {std::pair{"exp_avg.", full_m}, std::pair{"exp_avg_sq.", full_v}})
-    for (auto& [name, view] : model_checkpoint_views(arena_views(flat))) {
+  for (auto [prefix, flat] : {std::pair{"exp_avg.", full_m}, std::pair{"exp_avg_sq.", full_v}}) {
+    const auto moment_targets = restore_targets(flat);
+    for (auto& [name, view] : model_checkpoint_views(moment_targets)) {
       auto it = moments.find(prefix + name);
       if (it == moments.end() || it->second.numel() != view.numel())
         throw config_error(source + ": optimizer state lacks " + prefix + name + " or its shape differs");
       view.copy_(it->second.reshape(view.sizes()));
     }
+    keep_local_experts(moment_targets, flat);
+  }
   // Checkpoints hold the full moments, so any world size and sharding can load them.
   adam_m_.copy_(full_m.narrow(0, shard_begin_, shard_end_ - shard_begin_));
   adam_v_.copy_(full_v.narrow(0, shard_begin_, shard_end_ - shard_begin_));
@@ -171,7 +215,8 @@ int64_t Trainer::load_initial_state() {
 }
 
 void Trainer::export_model(const std::string& path) {
-  const auto c = snapshot(0);
+  const auto c = snapshot(0);  // every rank (a collective with ZeRO-1 or expert parallelism); rank 0 writes
+  if (comm_->rank() != 0) return;
   const auto parent = std::filesystem::path(path).parent_path();
   if (!parent.empty()) std::filesystem::create_directories(parent);
   try {

@@ -164,6 +164,9 @@ StepOutput Trainer::forward_backward(int64_t step) {
 
   StepOutput out;
   out.step = step;
+  // Counted from here: with expert parallelism the MoE layers exchange rows during the step.
+  const int64_t collectives_before = collectives_so_far();
+  const double bytes_before = bytes_sent_so_far();
   flat_grads_.zero_();  // autograd accumulates into views of this buffer, in place
   // Detached float64 accumulators of the terms of J (before the final scale).
   auto ce_acc = torch::zeros({}, f64), z_acc = torch::zeros({}, f64);
@@ -221,15 +224,9 @@ StepOutput Trainer::forward_backward(int64_t step) {
 
   // Data parallel: one bucketed all-reduce of the flat gradient and one of the step's scalars
   // (W, the J accumulators, expert counts, the stop vote), once per step, not per micro-batch.
-  const int64_t collectives_before = comm_->collectives();
-  const double bytes_before = comm_->bytes_sent();
   const auto sync_start = std::chrono::steady_clock::now();
   if (!comm_->is_local()) {
-    const int64_t bucket = c.gradient_bucket_size_mb * (1 << 20) / 4;
-    for (int64_t offset = 0; offset < flat_grads_.numel(); offset += bucket) {
-      auto view = flat_grads_.narrow(0, offset, std::min(bucket, flat_grads_.numel() - offset));
-      comm_->all_reduce_sum(view, "the gradient bucket at element " + std::to_string(offset));
-    }
+    reduce_gradients();
     std::vector<torch::Tensor> parts = {torch::tensor({W, stop_vote_ ? 1.0 : 0.0}, torch::kFloat64),
                                         torch::cat({torch::stack({ce_acc, z_acc, lb_acc, mtp_acc, router_z_acc, mtp_raw_acc,
                                                                   ce_sum_acc, lb_unweighted_acc, router_z_unweighted_acc}),
@@ -255,8 +252,6 @@ StepOutput Trainer::forward_backward(int64_t step) {
   } else {
     out.stop_requested = stop_vote_;
   }
-  out.collectives = comm_->collectives() - collectives_before;
-  out.collective_bytes = comm_->bytes_sent() - bytes_before;
   out.grad_sync_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - sync_start).count();
 
   // The single normalization of the step. W = 0 (no target token anywhere) gives a zero
@@ -280,9 +275,55 @@ StepOutput Trainer::forward_backward(int64_t step) {
   if (c.mtp_num_layers > 0) out.megatron_mtp_depth_losses = mtp_depths_acc * plain_mean;
   // Expert load of the step: counts averaged over micro-batches and ranks, not summed.
   if (expert_counts.defined()) out.expert_load = expert_counts / (static_cast<double>(K) * R);
-  out.raw_grad_norm = flat_buffer_norm(flat_grads_);
-  if (c.log_num_zeros_in_grad) out.num_zeros = flat_buffer_count_zeros(flat_grads_);
+  out.raw_grad_norm = arena_norm(flat_grads_);
+  if (c.log_num_zeros_in_grad) out.num_zeros = arena_count_zeros(flat_grads_);
+  out.collectives = collectives_so_far() - collectives_before;  // with the norms' sums
+  out.collective_bytes = bytes_sent_so_far() - bytes_before;
   return out;
+}
+
+void Trainer::reduce_gradients() {
+  const int64_t bucket = config_.gradient_bucket_size_mb * (1 << 20) / 4;
+  const auto reduce = [&](Communicator& group, int64_t begin, int64_t end) {
+    for (int64_t offset = begin; offset < end; offset += bucket) {
+      auto view = flat_grads_.narrow(0, offset, std::min(bucket, end - offset));
+      group.all_reduce_sum(view, "the gradient bucket at element " + std::to_string(offset));
+    }
+  };
+  // Dense runs between the expert segments go over all ranks; each expert segment over the ranks
+  // holding the same experts (the gradient of rows from the whole group reached it through the
+  // backward of the expert exchange).
+  int64_t dense_begin = 0;
+  if (expert_group_)
+    for (const auto& [offset, numel] : expert_segments_) {
+      reduce(*comm_, dense_begin, offset);
+      reduce(*expert_replicas_, offset, offset + numel);
+      dense_begin = offset + numel;
+    }
+  reduce(*comm_, dense_begin, flat_grads_.numel());
+}
+
+// With expert parallelism ||g||^2 = (the dense part, the same on every rank) + (the sum over the
+// expert-parallel group of each rank's expert part); the dense part is this rank's total minus
+// its expert part. Without it, the buffer is the whole model.
+torch::Tensor Trainer::arena_norm(const torch::Tensor& flat) {
+  if (!expert_group_) return flat_buffer_norm(flat);
+  auto experts = torch::zeros({}, flat.options().dtype(torch::kFloat64));
+  for (const auto& [offset, numel] : expert_segments_) experts += flat_buffer_norm(flat.narrow(0, offset, numel)).square();
+  const auto dense = flat_buffer_norm(flat).square() - experts;
+  auto all_experts = experts.reshape({1});
+  expert_group_->all_reduce_sum(all_experts, "the expert part of a norm");
+  return (dense.clamp_min(0.0) + all_experts[0]).sqrt();
+}
+
+torch::Tensor Trainer::arena_count_zeros(const torch::Tensor& flat) {
+  if (!expert_group_) return flat_buffer_count_zeros(flat);
+  auto experts = torch::zeros({}, flat.options().dtype(torch::kInt64));
+  for (const auto& [offset, numel] : expert_segments_) experts += flat_buffer_count_zeros(flat.narrow(0, offset, numel));
+  const auto dense = flat_buffer_count_zeros(flat) - experts;
+  auto all_experts = experts.reshape({1});
+  expert_group_->all_reduce_sum(all_experts, "the expert part of a zero count");
+  return dense + all_experts[0];
 }
 
 // Reductions over parameter-sized buffers. A plain fp32 `norm()` of P elements is off by up to

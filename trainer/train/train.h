@@ -125,10 +125,29 @@ class Trainer {
   void build_flat_buffers();
   bool spike_guard_rejects(double loss, double grad_norm);
   void restore(const CheckpointContents& contents, bool full_state, const std::string& source);
-  NamedTensors model_tensors() const;  // checkpoint tensors then buffers, HF names, views (not copies)
   NamedTensors arena_views(const torch::Tensor& flat) const;
   void update_expert_bias(const StepOutput& out);
   bool sharded() const { return shard_end_ - shard_begin_ < flat_params_.numel(); }
+  // Expert parallelism (docs/distributed.md): the subgroups, and the MoE layers wired to them.
+  void build_expert_parallel();
+  // Sums the flat gradient over the ranks that hold each part: dense parameters over all R, the
+  // stacked expert parameters over their R/N replicas. Bucketed, in arena order.
+  void reduce_gradients();
+  // fp64 L2 norm / int64 zero count of an arena-shaped buffer over the whole model: with expert
+  // parallelism the expert parts held by the other ranks of the group are added (a collective).
+  torch::Tensor arena_norm(const torch::Tensor& flat);
+  torch::Tensor arena_count_zeros(const torch::Tensor& flat);
+  // Named as named_parameters(), for a checkpoint: views of `flat` (an arena-shaped host or device
+  // buffer); with expert parallelism each stacked expert tensor is the whole layer's (E, ...),
+  // gathered from the expert-parallel group (a collective).
+  NamedTensors arena_views_all_experts(const torch::Tensor& flat, const std::string& what);
+  // The reverse, for a restore: targets named as named_parameters() whose stacked expert tensors
+  // are whole-layer host tensors; keep_local_experts then copies this rank's experts into `flat`.
+  NamedTensors restore_targets(const torch::Tensor& flat) const;
+  void keep_local_experts(const NamedTensors& targets, const torch::Tensor& flat) const;
+  bool snapshot_is_collective() const { return sharded() || expert_group_ != nullptr; }
+  int64_t collectives_so_far() const;  // over the world group and the expert-parallel subgroups
+  double bytes_sent_so_far() const;
   // ZeRO-1: `padded` (R * shard_chunk_) holds this rank's chunk; afterwards every rank's chunk,
   // on every rank (bucketed in-place all-gathers, exact).
   void all_gather_chunks(torch::Tensor& padded, const std::string& what);
@@ -138,6 +157,12 @@ class Trainer {
   DistEnv dist_;
   torch::Device device_;
   std::unique_ptr<Communicator> comm_;
+  // Expert parallelism (expert_parallelism N > 1): the N consecutive ranks that share one copy of
+  // every MoE layer's experts (E/N each), and the R/N ranks that hold the same experts as this one
+  // (their expert gradients are summed there). Null without expert parallelism.
+  std::unique_ptr<Communicator> expert_group_, expert_replicas_;
+  int64_t expert_rank_ = 0;  // this rank's position in its expert-parallel group
+  std::vector<std::pair<int64_t, int64_t>> expert_segments_;  // (offset, numel) of the stacked expert tensors in the arena
   Transformer model_{nullptr};
   DataLoader data_;
   ModelSize size_;

@@ -93,11 +93,17 @@ Trainer::Trainer(Config config)
   // Nothing in a step draws from the global generator today; seeding it anyway makes its state
   // (saved in checkpoints) a function of the config, so future random ops resume bit-exactly.
   torch::manual_seed(static_cast<uint64_t>(config_.init_weights_seed));
+  const int64_t N = config_.expert_parallelism;
+  if (comm_->world_size() % N != 0)
+    throw config_error("expert_parallelism=" + std::to_string(N) + " must divide the number of ranks (" +
+                       std::to_string(comm_->world_size()) + ")");
+  expert_rank_ = comm_->rank() % N;
   check_memory_plan();
-  model_ = model_build(config_);
+  model_ = model_build(config_, expert_rank_);
   perf_startup_mark("model init");
   model_->to(device_);
   build_flat_buffers();
+  build_expert_parallel();
   perf_startup_mark("to device + flat buffers");
   if (device_.is_cpu()) host_allocations_watch(static_cast<size_t>(flat_grads_.numel()) * sizeof(float));
   const std::string name = device_name(device_);
@@ -111,6 +117,40 @@ Trainer::Trainer(Config config)
 }
 
 Trainer::~Trainer() = default;
+
+// Groups of N consecutive ranks share one copy of every MoE layer's experts (rank r holds the
+// experts of position r % N); ranks r % N, r % N + N, ... hold the same experts. Every rank makes
+// its two subgroups in the same order (expert-parallel group, then replicas), so the rendezvous
+// of each subgroup finds all its members.
+void Trainer::build_expert_parallel() {
+  const int64_t N = config_.expert_parallelism, R = comm_->world_size(), rank = comm_->rank();
+  if (N == 1) return;
+  std::vector<int64_t> group, replicas;
+  for (int64_t r = rank / N * N; r < rank / N * N + N; ++r) group.push_back(r);
+  for (int64_t r = rank % N; r < R; r += N) replicas.push_back(r);
+  expert_group_ = comm_->split(group, "expert-parallel group");
+  expert_replicas_ = comm_->split(replicas, "expert replica group");
+  int64_t index = 0;
+  for (size_t i = 0; i < model_->model->layers->size(); ++i) {
+    auto layer = model_->model->layers[i]->as<DecoderLayerImpl>();
+    if (!layer->moe) continue;
+    const bool kill = config_.debug_kill_rank_in_expert_dispatch == rank && index == 0;
+    layer->moe->expert_parallel_set(expert_group_.get(),
+                                    "MoE layer " + std::to_string(index) + " (model.layers." + std::to_string(i) + ".mlp)", kill);
+    ++index;
+  }
+  spdlog::info("expert parallelism: {} ranks per group, {} of {} experts per MoE layer on each (experts {}-{} here)", N,
+               config_.num_experts / N, config_.num_experts, expert_rank_ * (config_.num_experts / N),
+               (expert_rank_ + 1) * (config_.num_experts / N) - 1);
+}
+
+int64_t Trainer::collectives_so_far() const {
+  return comm_->collectives() + (expert_group_ ? expert_group_->collectives() + expert_replicas_->collectives() : 0);
+}
+
+double Trainer::bytes_sent_so_far() const {
+  return comm_->bytes_sent() + (expert_group_ ? expert_group_->bytes_sent() + expert_replicas_->bytes_sent() : 0.0);
+}
 
 // Before the first parameter is allocated: the plan (memory_plan.h) against what this rank can
 // have: free device memory on a GPU; on the CPU the host's available memory (MemAvailable, cgroup,
@@ -358,10 +398,11 @@ void Trainer::train() {
     pending.reset();
   };
   // A save records the metrics first, so metrics.jsonl never runs behind a checkpoint.
-  // All ranks call it (with ZeRO-1 the snapshot gathers the optimizer shards); rank 0 writes.
+  // All ranks call it (with ZeRO-1 the snapshot gathers the optimizer shards, with expert
+  // parallelism the experts); rank 0 writes.
   auto save = [&](int64_t completed_steps, bool async) {
     flush(Clock::now());
-    if (!checkpointer_ && !sharded()) return;
+    if (!checkpointer_ && !snapshot_is_collective()) return;
     const auto begin = Clock::now();
     auto contents = snapshot(completed_steps);
     if (!checkpointer_) return;
