@@ -12,6 +12,9 @@ the exit status is the number of failed checks (0 = all passed).
      the CUDA allocator peaks are reported (allocated <= reserved).
   5. peer: scripts/bench/peer.py on the same GPU from the same weights and samples reproduces the
      trainer's fp32 losses to 1e-4.
+  6. moe_grouped_mm: moe-tiny in bf16 with moe_dispatch=grouped (at::_grouped_mm, group offsets on
+     the device) against moe_dispatch=loop: the same losses to bf16 tolerance, and one host read
+     fewer per MoE layer and micro-batch (2 layers x K=2 = 4 per step).
 """
 import json
 import math
@@ -101,5 +104,15 @@ peer = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench", "p
                        "--warmup", "0"], capture_output=True, text=True)
 check("peer", peer.returncode == 0, (peer.stdout + peer.stderr).strip().replace("\n", " | ")[-1500:])
 
-print(f"{len(failures)} of 5 GPU checks failed: {failures}" if failures else "all 5 GPU checks passed")
+moe = ["dataset_type=synthetic", "pad_id=0", "data_shuffle_seed=0", "model_name=moe-tiny", "hardware=gpu",
+       "dtype=bfloat16", "steps=4", "per_device_batch_size=2", "gradient_accumulation_steps=2"]
+grouped, _ = run("moe-grouped", moe + ["moe_dispatch=grouped"])
+loop, _ = run("moe-loop", moe + ["moe_dispatch=loop"])
+worst = max(rel(a, b) for a, b in zip(losses(grouped), losses(loop)))
+reads = [r["perf/host_reads_in_step"] for r in grouped], [r["perf/host_reads_in_step"] for r in loop]
+check("moe_grouped_mm", worst <= 2e-2 and all(g == l - 4 for g, l in zip(*reads)),
+      f"worst relative loss difference grouped vs loop {worst:.2e}; host reads per step grouped {reads[0]} "
+      f"loop {reads[1]}")
+
+print(f"{len(failures)} of 6 GPU checks failed: {failures}" if failures else "all 6 GPU checks passed")
 sys.exit(len(failures))

@@ -20,6 +20,7 @@ using StringList = std::vector<std::string>;
   X(std::string, base_output_directory)           \
   X(std::string, hardware)                        \
   X(int64_t, num_threads)                         \
+  X(bool, keep_freed_host_memory)                 \
   X(int64_t, steps)                               \
   X(int64_t, log_period)                          \
   X(std::string, metrics_file)                    \

@@ -81,7 +81,7 @@ class GroupedSwiGLU : public torch::autograd::Function<GroupedSwiGLU> {
     for_each_expert_rows(group_sizes, [&](int64_t e, int64_t first, int64_t rows) {
       mm_into(gu.narrow(0, first, rows), xc.narrow(0, first, rows), w[e].t());
     });
-    const auto h = torch::silu(gu.narrow(1, 0, F)) * gu.narrow(1, F, F);  // (M, F)
+    const auto h = torch::silu(gu.narrow(1, 0, F)).mul_(gu.narrow(1, F, F));  // (M, F)
     for_each_expert_rows(group_sizes, [&](int64_t e, int64_t first, int64_t rows) {
       mm_into(y.narrow(0, first, rows), h.narrow(0, first, rows), w_down[e].t());
     });
@@ -101,8 +101,7 @@ class GroupedSwiGLU : public torch::autograd::Function<GroupedSwiGLU> {
     const int64_t M = xc.size(0), D = xc.size(1), F = w_down.size(2);
     const auto dy = grad_outputs[0].to(xc.scalar_type()).contiguous();  // (M, D)
     const auto g = gu.narrow(1, 0, F), u = gu.narrow(1, F, F);        // (M, F) each
-    const auto s = torch::sigmoid(g);
-    const auto silu = g * s;
+    const auto silu = torch::silu(g);
     const auto h = silu * u;
     auto dh = torch::empty({M, F}, xc.options());
     auto d_down = torch::zeros_like(w_down);  // (E, D, F)
@@ -112,8 +111,9 @@ class GroupedSwiGLU : public torch::autograd::Function<GroupedSwiGLU> {
       mm_into(d_down[e], dy_e.t(), h.narrow(0, first, rows));
     });
     auto dgu = torch::empty({M, 2 * F}, xc.options());  // (M, 2F): [dg | du]
-    dgu.narrow(1, 0, F).copy_(dh * u * (s * (1 + g * (1 - s))));
-    dgu.narrow(1, F, F).copy_(dh * silu);
+    auto dg = dgu.narrow(1, 0, F), du = dgu.narrow(1, F, F);
+    dg.copy_(at::silu_backward(dh * u, g));  // dh * u * silu'(g), one fused kernel
+    torch::mul_out(du, dh, silu);
     auto dx = torch::empty({M, D}, xc.options());
     auto d_gate_up = torch::zeros_like(w);  // (E, 2F, D)
     for_each_expert_rows(group_sizes, [&](int64_t e, int64_t first, int64_t rows) {

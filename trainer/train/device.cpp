@@ -3,7 +3,10 @@
 // and c10's allocator, not ATen's CUDA context, which would need cuBLAS's headers).
 #include "trainer/train/device.h"
 
+#include <malloc.h>
+
 #include <atomic>
+#include <limits>
 
 #include <c10/core/CPUAllocator.h>
 
@@ -18,6 +21,13 @@
 #include "trainer/util/torch_compat.h"
 
 namespace trainer {
+
+void host_memory_keep_freed() {
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max());
+  mallopt(M_TOP_PAD, 64 << 20);
+}
+
 namespace {
 
 // Counts LibTorch's CPU allocations, and those of exactly watch_bytes.

@@ -32,6 +32,15 @@ DeviceMemoryPeaks device_memory_peaks(const torch::Device& device);
 // context left); -1 on the CPU.
 double device_free_memory_bytes(const torch::Device& device);
 
+// Makes glibc's malloc keep freed host memory for reuse instead of returning it to the OS: a
+// fixed 32 MiB mmap threshold (the dynamic one's ceiling, without its warm-up), no trimming of
+// the heap top, and 64 MiB of padding per heap extension. The step's temporaries (activations,
+// gradients of MiBs each, every micro-batch) otherwise come back as fresh pages, each page
+// faulted in and zeroed by the kernel: measured 1.7x (dense) and 2.8x (MoE) slower steps on the
+// CPU (docs/benchmarks.md, "Host memory reuse"). Peak RSS is unchanged: freed memory is reused,
+// not added to. The Trainer calls it when keep_freed_host_memory is true (the default).
+void host_memory_keep_freed();
+
 // LibTorch CPU allocations, counted by a wrapper around the CPU allocator that
 // host_allocations_watch installs (`available` is false until then; the Trainer watches on CPU
 // devices). `watched` counts allocations of exactly the watched size (the flat gradient buffer's

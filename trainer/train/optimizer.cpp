@@ -45,7 +45,12 @@ void Trainer::build_flat_buffers() {
   torch::NoGradGuard no_grad;
   int64_t offset = 0;
   for (const auto& item : model_->named_parameters()) {  // the order of parameters()
-    if (model_is_stacked_experts(item.key())) expert_segments_.emplace_back(offset, item.value().numel());
+    if (model_is_stacked_experts(item.key())) {
+      if (!expert_segments_.empty() && expert_segments_.back().first + expert_segments_.back().second == offset)
+        expert_segments_.back().second += item.value().numel();  // a layer's gate_up_proj and down_proj: one run
+      else
+        expert_segments_.emplace_back(offset, item.value().numel());
+    }
     offset += item.value().numel();
   }
   offset = 0;

@@ -203,6 +203,7 @@ inline torch::Tensor grouped_mm(const torch::Tensor& x, const torch::Tensor& w, 
 #else
   (void)x, (void)w, (void)offsets;
   TORCH_CHECK(false, "grouped_mm needs LibTorch >= 2.8 on CUDA");
+  return {};
 #endif
 }
 
