@@ -64,6 +64,9 @@ STEPS=${STEPS:-100000}
 PER_DEVICE_BATCH_SIZE=${PER_DEVICE_BATCH_SIZE:-2}
 GRADIENT_ACCUMULATION_STEPS=${GRADIENT_ACCUMULATION_STEPS:-1}
 MAX_TARGET_LENGTH=${MAX_TARGET_LENGTH:-4096}
+# RoPE base: the model file's 600000 is the released Ling 2.0 config and Ling's 8k/32k pretraining
+# scripts; its 4k script (run_pretrain_4k.sh) uses 10000: pass rope_max_timescale=10000 after the
+# script name to follow that one.
 LEARNING_RATE=${LEARNING_RATE:-3e-4}
 WARMUP_STEPS_FRACTION=${WARMUP_STEPS_FRACTION:-0.01}
 CALCULATE_PER_TOKEN_LOSS=${CALCULATE_PER_TOKEN_LOSS:-false}   # Megatron's normalization

@@ -305,6 +305,35 @@ TEST_CASE("expert bias moves toward underloaded experts, from averaged counts", 
   }
 }
 
+TEST_CASE("zero-mean expert-bias update: rate * (s - mean(s)) per layer, as Ling's Megatron patch", "[moe]") {
+  // s = sign(mean load - load) per layer; the centred step sums to zero over the experts, so the
+  // layer's mean bias never drifts. Checked against that formula from the step's own load, and
+  // against the plain update of the same step (which differs wherever the signs do not balance).
+  auto run = [](bool zero_mean) {
+    Trainer t(tiny_config(moe_opts({"routed_bias=true", "routed_bias_update_rate=0.01", "routed_score_func=sigmoid",
+                                    "per_device_batch_size=2",
+                                    std::string("routed_bias_zero_mean_update=") + (zero_mean ? "true" : "false")})));
+    auto out = t.train_step(0);
+    REQUIRE_FALSE(out.step_skipped);
+    std::vector<torch::Tensor> biases;
+    for (auto& layer : t.model()->moe_layers()) biases.push_back(layer->gate->e_score_correction_bias.clone());
+    return std::pair{out.expert_load.clone(), biases};
+  };
+  const auto [load, centred] = run(true);
+  const auto [plain_load, plain] = run(false);
+  REQUIRE(torch::equal(load, plain_load));  // the same first step: the bias only moves after it
+  bool differs = false;
+  for (size_t l = 0; l < centred.size(); ++l) {
+    const auto layer_load = load[static_cast<int64_t>(l)];
+    const auto signs = torch::sign(layer_load.mean() - layer_load);  // (E)
+    CHECK(torch::allclose(centred[l], (signs - signs.mean()) * 0.01, 0, 1e-9));
+    CHECK(std::abs(centred[l].sum().item<double>()) < 1e-7);
+    CHECK(torch::allclose(plain[l], signs * 0.01, 0, 1e-9));
+    differs |= std::abs(signs.sum().item<double>()) > 0;
+  }
+  CHECK(differs);  // some layer had unbalanced signs, where the two updates part
+}
+
 TEST_CASE("dropless: every valid token reaches k experts, and routed experts get gradient", "[moe]") {
   Trainer t(tiny_config(moe_opts({"per_device_batch_size=4"})));
   auto out = t.forward_backward(0);
@@ -384,9 +413,10 @@ TEST_CASE("Ling 2.0 MTP: a MoE block in the balancing statistics and bias update
   CHECK_FALSE(torch::allclose(with_flag[0], with_flag[1], 1e-3, 1e-4));
 
   // The MTP block's router is balanced like the others: its expert load is the last row, and its
-  // bias moves by rate * sign(mean load - load) after an applied update.
+  // bias moves by rate * sign(mean load - load) after an applied update (the plain update here;
+  // the zero-mean one has its own test).
   Trainer t(tiny_config({"model_name=ling2-tiny", "override_model_config=true", "routed_bias_update_rate=0.01",
-                         "per_device_batch_size=2", "warmup_steps_fraction=0"}));
+                         "routed_bias_zero_mean_update=false", "per_device_batch_size=2", "warmup_steps_fraction=0"}));
   auto out = t.forward_backward(0);
   REQUIRE(out.expert_load.size(0) == 3);
   const auto load = out.expert_load[2].clone();

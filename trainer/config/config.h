@@ -70,6 +70,7 @@ using StringList = std::vector<std::string>;
   X(double, router_z_loss_weight)                 \
   X(bool, routed_bias)                            \
   X(double, routed_bias_update_rate)              \
+  X(bool, routed_bias_zero_mean_update)           \
   X(std::string, moe_dispatch)                    \
   /* multi-token prediction */                    \
   X(int64_t, mtp_num_layers)                      \

@@ -37,8 +37,9 @@ double device_free_memory_bytes(const torch::Device& device);
 // the heap top, and 64 MiB of padding per heap extension. The step's temporaries (activations,
 // gradients of MiBs each, every micro-batch) otherwise come back as fresh pages, each page
 // faulted in and zeroed by the kernel: measured 1.7x (dense) and 2.8x (MoE) slower steps on the
-// CPU (docs/benchmarks.md, "Host memory reuse"). Peak RSS is unchanged: freed memory is reused,
-// not added to. The Trainer calls it when keep_freed_host_memory is true (the default).
+// CPU (docs/benchmarks.md, "Host memory reuse"), for a peak RSS 1-9% higher (freed blocks that
+// do not fit the next request stay in the heap). The Trainer calls it when keep_freed_host_memory
+// is true (the default).
 void host_memory_keep_freed();
 
 // LibTorch CPU allocations, counted by a wrapper around the CPU allocator that

@@ -155,14 +155,19 @@ void Trainer::optimizer_update(StepOutput& out) {
 // Aux-loss-free balancing (DeepSeek-V3): after an applied update, each MoE layer's selection
 // bias moves by routed_bias_update_rate toward balance: up for experts below the mean load, down
 // for those above. The load is the step's counts averaged over micro-batches, so K does not
-// scale the update.
+// scale the update. With routed_bias_zero_mean_update (Ling 2.0's Megatron patch,
+// `--bias-zero-mean-update`) the signs are centred first, s - mean_e(s), so the layer's biases
+// keep a zero-sum drift: with more experts above the mean than below, plain signs would push every
+// bias down over time.
 void Trainer::update_expert_bias(const StepOutput& out) {
   const Config& c = config_;
   if (!c.routed_bias || c.routed_bias_update_rate <= 0 || !out.expert_load.defined()) return;
   auto layers = model_->moe_layers();
   for (size_t i = 0; i < layers.size(); ++i) {
     const auto load = out.expert_load[static_cast<int64_t>(i)];  // (E)
-    layers[i]->gate->e_score_correction_bias.add_(torch::sign(load.mean() - load), c.routed_bias_update_rate);
+    auto direction = torch::sign(load.mean() - load);             // (E) s
+    if (c.routed_bias_zero_mean_update) direction = direction - direction.mean();
+    layers[i]->gate->e_score_correction_bias.add_(direction, c.routed_bias_update_rate);
   }
 }
 
