@@ -325,7 +325,7 @@ TEST_CASE("ZeRO-1 at R=4 (a padded parameter arena) equals one process with the 
     const std::string common = "model_name=moe-tiny override_model_config=true mtp_num_layers=1 load_balance_loss_weight=0.1 "
                                "max_target_length=16 "
                                "per_device_batch_size=1 steps=3 warmup_steps_fraction=0 learning_rate=0.01 "
-                               "synthetic_min_valid_fraction=0.3 learning_rate_schedule_steps=4 "
+                               "synthetic_min_valid_fraction=0.3 learning_rate_schedule_steps=4 adam_eps=0.01 "
                                "calculate_per_token_loss=" + per_token + " base_output_directory=" + kOut + " ";
     const std::string four = "zero1-r4-" + per_token, one = "zero1-r1-" + per_token;
     const auto r4 = mpirun(4, common + "data_parallel_sharding=optim gradient_accumulation_steps=1 run_name=" + four);
@@ -355,10 +355,12 @@ TEST_CASE("ZeRO-1 at R=4 (a padded parameter arena) equals one process with the 
       for (size_t j = 0; j < ta.nbytes / 4; ++j) worst = std::max(worst, static_cast<double>(std::abs(x[j] - y[j])));
     }
     INFO("largest weight difference " << worst);
-    // Each step moves a weight by up to ~lr = 1e-2. AdamW's m / sqrt(v) turns the rounding
-    // difference of a near-zero gradient element (sums in another order) into an O(lr) change of
-    // its update, so the bound is relative to that movement: measured 3.8e-5, 1/800 of 3 lr.
-    CHECK(worst < 1e-4);
+    // With adam_eps = 1e-8, AdamW's m / sqrt(v) turns the rounding difference of a near-zero
+    // gradient element (sums in another order) into an O(lr) change of its update: 3.8e-5 on
+    // LibTorch 1.13 and 3.5e-4 on 2.6 after 3 steps, which would hide a real error of that size.
+    // adam_eps = 0.01 makes the update linear in small gradient elements, so the runs agree to
+    // rounding.
+    CHECK(worst < 1e-6);
   }
 }
 

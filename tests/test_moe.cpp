@@ -179,28 +179,37 @@ TEST_CASE("RFC test 5: reported aux losses at K=4 equal those at K=1, not K time
 }
 
 TEST_CASE("reported aux terms are the terms of J, recomputed per micro-batch in the test", "[moe]") {
-  for (const std::string mode : {"false", "true"}) {
-    Trainer t(tiny_config(moe_opts({"load_balance_loss_weight=0.5", "mtp_num_layers=2", "gradient_accumulation_steps=4",
-                                    "per_device_batch_size=2", "calculate_per_token_loss=" + mode})));
-    auto out = t.forward_backward(0);
-    double lb_sum = 0, mtp_sum = 0, lb_weighted = 0, mtp_weighted = 0, W = 0;
-    torch::NoGradGuard no_grad;
-    for (int64_t m = 0; m < 4; ++m) {
-      const MicroBatch b = t.data().data_loader_next(0, m);
-      const auto output = t.model()->forward(as_tensor(b.inputs, b), as_tensor(b.positions, b), as_tensor(b.segment_ids, b));
-      double balance = 0;
-      for (const auto& layer : output.moe_stats) balance += layer.load_balance.item<double>();
-      const double lb = 0.5 * balance / static_cast<double>(output.moe_stats.size());
-      const double mtp = 0.1 * reference_mtp_raw(output.mtp_logits, b);
-      double w = 0;
-      for (float x : b.loss_mask) w += x;
-      lb_sum += lb, mtp_sum += mtp, lb_weighted += lb * w, mtp_weighted += mtp * w, W += w;
+  // moe_aux_loss_over_layers: mean (the default) divides the per-layer LB and router z-loss sums by
+  // the number of MoE layers; sum (Megatron: each router adds its own terms) does not. Megatron's
+  // logged load-balancing loss is the per-layer mean either way.
+  for (const std::string over_layers : {"mean", "sum"})
+    for (const std::string mode : {"false", "true"}) {
+      Trainer t(tiny_config(moe_opts({"load_balance_loss_weight=0.5", "router_z_loss_weight=0.01", "mtp_num_layers=2",
+                                      "gradient_accumulation_steps=4", "per_device_batch_size=2",
+                                      "calculate_per_token_loss=" + mode, "moe_aux_loss_over_layers=" + over_layers})));
+      auto out = t.forward_backward(0);
+      double lb_sum = 0, mtp_sum = 0, lb_weighted = 0, mtp_weighted = 0, W = 0, balance_mean_sum = 0;
+      torch::NoGradGuard no_grad;
+      for (int64_t m = 0; m < 4; ++m) {
+        const MicroBatch b = t.data().data_loader_next(0, m);
+        const auto output = t.model()->forward(as_tensor(b.inputs, b), as_tensor(b.positions, b), as_tensor(b.segment_ids, b));
+        double balance = 0, z = 0;
+        for (const auto& layer : output.moe_stats) balance += layer.load_balance.item<double>(), z += layer.router_z.item<double>();
+        const double layers = static_cast<double>(output.moe_stats.size());
+        REQUIRE(layers == 2);
+        const double lb = (0.5 * balance + 0.01 * z) / (over_layers == "mean" ? layers : 1.0);
+        const double mtp = 0.1 * reference_mtp_raw(output.mtp_logits, b);
+        double w = 0;
+        for (float x : b.loss_mask) w += x;
+        lb_sum += lb, mtp_sum += mtp, lb_weighted += lb * w, mtp_weighted += mtp * w, W += w;
+        balance_mean_sum += balance / layers;
+      }
+      INFO("calculate_per_token_loss=" << mode << ", moe_aux_loss_over_layers=" << over_layers);
+      const bool per_token = mode == "true";
+      CHECK(metric(t, out, "learning/moe_lb_loss") == Approx(per_token ? lb_weighted / W : lb_sum / 4).epsilon(1e-5));
+      CHECK(metric(t, out, "learning/mtp_loss") == Approx(per_token ? mtp_weighted / W : mtp_sum / 4).epsilon(1e-5));
+      CHECK(metric(t, out, "megatron/load_balancing_loss") == Approx(balance_mean_sum / 4).epsilon(1e-5));
     }
-    INFO("calculate_per_token_loss=" << mode);
-    const bool per_token = mode == "true";
-    CHECK(metric(t, out, "learning/moe_lb_loss") == Approx(per_token ? lb_weighted / W : lb_sum / 4).epsilon(1e-5));
-    CHECK(metric(t, out, "learning/mtp_loss") == Approx(per_token ? mtp_weighted / W : mtp_sum / 4).epsilon(1e-5));
-  }
 }
 
 TEST_CASE("load-balancing loss of a crafted router equals the hand-computed value", "[moe]") {

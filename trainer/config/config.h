@@ -68,6 +68,7 @@ using StringList = std::vector<std::string>;
   X(int64_t, topk_routing_group)                  \
   X(double, load_balance_loss_weight)             \
   X(double, router_z_loss_weight)                 \
+  X(std::string, moe_aux_loss_over_layers)        \
   X(bool, routed_bias)                            \
   X(double, routed_bias_update_rate)              \
   X(bool, routed_bias_zero_mean_update)           \

@@ -30,6 +30,7 @@ const std::map<std::string, std::vector<std::string>>& allowed_values() {
       {"mlp_activations", {"silu", "linear"}},
       {"routed_score_func", {"softmax", "sigmoid"}},
       {"moe_dispatch", {"grouped", "loop"}},
+      {"moe_aux_loss_over_layers", {"mean", "sum"}},
   };
   return table;
 }

@@ -6,6 +6,7 @@
 //   w_i  = number of unmasked targets,  W = sum_{r,i} w_i
 //   lb_i  = load_balance_loss_weight * mean over MoE layers of LB
 //           + router_z_loss_weight * mean over MoE layers of the router z-loss   (moe.cpp)
+//           (sums over layers instead with moe_aux_loss_over_layers: sum, Megatron's convention)
 //   mtp_i = mtp_loss_scaling_factor * mean over depths k of (depth-k CE sum / depth-k targets)
 //   (aux losses are per-token-scale numbers computed on micro-batch i's tokens)
 //
@@ -138,8 +139,11 @@ MicroBatchLosses micro_batch_losses(Transformer& model, const MicroBatch& batch,
     }
     losses.router_z_unweighted = torch::stack(z).mean();
     losses.lb_unweighted = torch::stack(balance).mean();
-    losses.router_z = c.router_z_loss_weight * losses.router_z_unweighted;
-    losses.lb = c.load_balance_loss_weight * losses.lb_unweighted + losses.router_z;
+    // Megatron applies each router's LB and z-loss inside that router, so its objective sums them
+    // over the MoE layers; the default averages (the weights then do not depend on the depth).
+    const double layers = c.moe_aux_loss_over_layers == "sum" ? static_cast<double>(output.moe_stats.size()) : 1.0;
+    losses.router_z = c.router_z_loss_weight * layers * losses.router_z_unweighted;
+    losses.lb = c.load_balance_loss_weight * layers * losses.lb_unweighted + losses.router_z;
     losses.router_z_unweighted = losses.router_z_unweighted.detach();
     losses.lb_unweighted = losses.lb_unweighted.detach();
     losses.expert_counts = torch::stack(counts);
