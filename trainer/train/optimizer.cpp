@@ -30,9 +30,8 @@ std::pair<double, double> mean_and_std(const std::deque<double>& values) {
 // gradient buffer, and the collective, norm, zero count, clipping and AdamW each run once on
 // the whole buffer.
 void Trainer::build_flat_buffers() {
-  auto params = model_->parameters();
   int64_t total = 0;
-  for (const auto& p : params) total += p.numel();
+  for (const auto& p : model_->parameters()) total += p.numel();
   // With ZeRO-1 the parameter arena is padded to R equal chunks (at most R - 1 extra zeros),
   // so each rank's chunk is a view the all-gather fills in place; the parameters view the first
   // `total` elements. rank r owns [r*chunk, (r+1)*chunk) of the padded arena.
@@ -44,22 +43,19 @@ void Trainer::build_flat_buffers() {
   flat_params_ = flat_params_padded_.narrow(0, 0, total);
   torch::NoGradGuard no_grad;
   int64_t offset = 0;
-  for (const auto& item : model_->named_parameters()) {  // the order of parameters()
-    if (model_is_stacked_experts(item.key())) {
-      if (!expert_segments_.empty() && expert_segments_.back().first + expert_segments_.back().second == offset)
-        expert_segments_.back().second += item.value().numel();  // a layer's gate_up_proj and down_proj: one run
-      else
-        expert_segments_.emplace_back(offset, item.value().numel());
-    }
-    offset += item.value().numel();
-  }
-  offset = 0;
-  for (auto& p : params) {
+  for (auto& item : model_->named_parameters()) {  // the order of parameters()
+    auto& p = item.value();
     const int64_t n = p.numel();
     auto param_view = flat_params_.narrow(0, offset, n).view(p.sizes());
     param_view.copy_(p);
     p.set_data(param_view);
     p.mutable_grad() = flat_grads_.narrow(0, offset, n).view(p.sizes());
+    if (model_is_stacked_experts(item.key())) {
+      if (!expert_segments_.empty() && expert_segments_.back().first + expert_segments_.back().second == offset)
+        expert_segments_.back().second += n;  // a layer's gate_up_proj and down_proj: one run
+      else
+        expert_segments_.emplace_back(offset, n);
+    }
     offset += n;
   }
   shard_begin_ = std::min(total, (ranks > 1 ? comm_->rank() : 0) * shard_chunk_);
