@@ -5,6 +5,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -26,10 +27,19 @@ namespace {
 void print_dry_run(const trainer::Config& c) {
   const auto s = trainer::model_size(c);
   std::printf("model_name: %s\n", c.model_name.c_str());
-  std::printf("parameters: %lld\n", static_cast<long long>(s.total_params));
-  std::printf("active parameters per token: %lld\n", static_cast<long long>(s.active_params));
-  if (s.mtp_params > 0) std::printf("  of which MTP: %lld\n", static_cast<long long>(s.mtp_params));
+  // Published counts leave MTP out (Ling-mini-2.0: 16,255,638,528 total, 1,432,968,192 active).
+  auto count = [](const char* what, int64_t all, int64_t mtp) {
+    if (mtp > 0)
+      std::printf("%s: %lld (without MTP: %lld; MTP adds %lld)\n", what, static_cast<long long>(all),
+                  static_cast<long long>(all - mtp), static_cast<long long>(mtp));
+    else
+      std::printf("%s: %lld\n", what, static_cast<long long>(all));
+  };
+  count("parameters", s.total_params, s.mtp_params);
+  count("active parameters per token", s.active_params, s.mtp_active_params);
   std::printf("  embedding and output head: %lld\n", static_cast<long long>(s.embedding_params));
+  std::printf("  active non-embedding%s: %lld\n", s.mtp_params > 0 ? " without MTP" : "",
+              static_cast<long long>(s.active_params - s.mtp_active_params - s.embedding_params));
   if (c.num_experts <= 1)
     std::printf("  per decoder layer: %lld x %lld layers\n", static_cast<long long>(s.per_layer_params),
                 static_cast<long long>(c.base_num_decoder_layers));
@@ -56,6 +66,28 @@ void print_dry_run(const trainer::Config& c) {
   const double needed = plan.total_bytes - host.resident_bytes;
   std::printf("this machine: %s available per rank (%s): %s\n", trainer::memory_bytes_text(available).c_str(),
               host.source.c_str(), needed <= available ? "fits" : "does NOT fit");
+}
+
+// "1,5,9" -> {1, 5, 9}; exit 2 naming the entry that is not a token id of this vocabulary.
+std::vector<int64_t> parse_token_list(const std::string& text, int64_t vocab_size) {
+  std::vector<int64_t> tokens;
+  std::stringstream stream(text);
+  std::string item;
+  while (std::getline(stream, item, ',')) {
+    size_t used = 0;
+    int64_t id = -1;
+    try {
+      id = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != item.size() || id < 0 || id >= vocab_size)
+      throw trainer::config_error("--dump-logits-tokens: '" + item + "' is not a token id in [0, " +
+                                  std::to_string(vocab_size) + ")");
+    tokens.push_back(id);
+  }
+  if (tokens.empty()) throw trainer::config_error("--dump-logits needs --dump-logits-tokens, e.g. 1,5,9");
+  return tokens;
 }
 
 // A crash (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT) prints the signal and the native stack to
@@ -101,6 +133,16 @@ int main(int argc, char** argv) {
                  "write the first N training samples in global order as JSON lines {\"index\", \"tokens\"} and exit");
   app.add_option("--export-safetensors", export_path,
                  "write the model weights (newest checkpoint of run_dir, or load_*_path) to PATH and exit");
+  std::string export_hf_dir, export_hf_dtype = "float32", dump_logits_path, dump_logits_tokens;
+  int64_t export_hf_max_shard_mb = 5000;
+  app.add_option("--export-hf", export_hf_dir,
+                 "write those weights as a Hugging Face model directory DIR (config.json, safetensors) and exit");
+  app.add_option("--export-hf-dtype", export_hf_dtype, "dtype of the exported tensors")
+      ->check(CLI::IsMember({"float32", "bfloat16"}));
+  app.add_option("--export-hf-max-shard-mb", export_hf_max_shard_mb, "largest safetensors file of --export-hf (MB)");
+  app.add_option("--dump-logits", dump_logits_path,
+                 "write the model's fp32 logits for --dump-logits-tokens to PATH (safetensors) and exit");
+  app.add_option("--dump-logits-tokens", dump_logits_tokens, "token ids for --dump-logits, e.g. 1,5,9");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -130,7 +172,23 @@ int main(int argc, char** argv) {
       }
       return trainer::kExitOk;
     }
+    std::vector<int64_t> logits_tokens;
+    if (!dump_logits_path.empty()) logits_tokens = parse_token_list(dump_logits_tokens, config.vocab_size);
     trainer::Trainer trainer(config);
+    if (!export_hf_dir.empty() || !dump_logits_path.empty()) {
+      const int64_t step = trainer.load_initial_state();
+      if (!dump_logits_path.empty()) {
+        const auto logits = trainer.logits_for(logits_tokens);
+        if (trainer.communicator().rank() == 0) trainer::checkpoint_write_tensors(dump_logits_path, logits);
+        spdlog::info("wrote the logits of {} tokens at step {} to {}", logits_tokens.size(), step, dump_logits_path);
+      }
+      if (!export_hf_dir.empty()) {
+        trainer.export_hf(export_hf_dir, export_hf_max_shard_mb << 20,
+                          export_hf_dtype == "bfloat16" ? torch::kBFloat16 : torch::kFloat32);
+        spdlog::info("wrote the weights at step {} as a Hugging Face directory {}", step, export_hf_dir);
+      }
+      return trainer::kExitOk;
+    }
     if (!export_path.empty()) {
       const int64_t step = trainer.load_initial_state();
       trainer.export_model(export_path);

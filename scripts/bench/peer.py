@@ -53,9 +53,13 @@ def read_safetensors(path):
     for name, t in header.items():
         if name == "__metadata__":
             continue
-        assert t["dtype"] == "F32", name
         a, b = t["data_offsets"]
-        out[name] = torch.frombuffer(bytearray(data[a:b]), dtype=torch.float32).reshape(t["shape"])
+        if t["dtype"] == "BF16":  # the upper half of an fp32
+            half = torch.frombuffer(bytearray(data[a:b]), dtype=torch.int16).to(torch.int32)
+            out[name] = ((half & 0xFFFF) << 16).view(torch.float32).reshape(t["shape"])
+        else:
+            assert t["dtype"] == "F32", (name, t["dtype"])
+            out[name] = torch.frombuffer(bytearray(data[a:b]), dtype=torch.float32).reshape(t["shape"])
     return out
 
 

@@ -137,9 +137,10 @@ uint32_t checkpoint_write_tensors(const std::string& path, const NamedTensors& t
   std::vector<SafetensorsEntry> entries;
   entries.reserve(tensors.size());
   for (const auto& [name, t] : tensors) {
-    TORCH_CHECK(t.is_contiguous() && t.device().is_cpu() && t.scalar_type() == torch::kFloat32,
-                "checkpoint tensors must be contiguous fp32 CPU tensors: ", name);
-    entries.push_back({name, "F32", t.sizes().vec(), t.data_ptr(), static_cast<size_t>(t.numel()) * 4});
+    const bool bf16 = t.scalar_type() == torch::kBFloat16;
+    TORCH_CHECK(t.is_contiguous() && t.device().is_cpu() && (bf16 || t.scalar_type() == torch::kFloat32),
+                "checkpoint tensors must be contiguous fp32 or bf16 CPU tensors: ", name);
+    entries.push_back({name, bf16 ? "BF16" : "F32", t.sizes().vec(), t.data_ptr(), static_cast<size_t>(t.nbytes())});
   }
   return safetensors_write(path, entries, {{"format", "pt"}});
 }

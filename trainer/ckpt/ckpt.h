@@ -74,7 +74,32 @@ CheckpointContents checkpoint_load(const std::string& checkpoint_dir);
 // Reads the tensors of one safetensors file as fp32 CPU tensors (F32, BF16, F16, F64 accepted).
 NamedTensors checkpoint_read_tensors(const std::string& path);
 
-// Writes tensors to a safetensors file (fsynced); returns the file's CRC32C.
+// Writes tensors (contiguous fp32 or bf16, CPU) to a safetensors file (fsynced); returns its CRC32C.
 uint32_t checkpoint_write_tensors(const std::string& path, const NamedTensors& tensors);
+
+// ---- Hugging Face checkpoints (hf_checkpoint.cpp; docs/checkpoints.md) --------------------------
+// The architecture and config.json come from config/hf_config.h. Checkpoint tensors are named as
+// Llama/Qwen3 already; BailingMoeV2 (Ling 2.0) renames them and fuses q, k, v into one tensor.
+
+// Checkpoint tensors (CheckpointContents::model) -> the architecture's names and layout. A tied
+// output head is not written (the Hugging Face code ties it to the embedding).
+NamedTensors hf_tensors_from_checkpoint(const Config& config, const NamedTensors& model);
+// The inverse, for tensors named as `architecture` (hf_config_architecture of their directory).
+// Throws config_error (exit 2) naming `source` and the tensor when a fused tensor has the wrong
+// shape, or when an expert bias the config would ignore (routed_bias false) is nonzero.
+NamedTensors hf_tensors_to_checkpoint(const Config& config, const NamedTensors& hf, const std::string& architecture,
+                                      const std::string& source);
+
+// Every tensor of a Hugging Face model directory as fp32: the shards listed by
+// model.safetensors.index.json, else model.safetensors. Throws config_error naming the file.
+NamedTensors hf_read_directory(const std::string& dir);
+
+// Writes a Hugging Face model directory: config.json, then the tensors converted to `dtype`
+// (fp32 or bf16) in files of at most max_shard_bytes (a larger tensor gets a file of its own):
+// model.safetensors when one file holds them all, else model-0000i-of-0000n.safetensors and
+// model.safetensors.index.json. Built in a temporary sibling and renamed, so `dir` is complete or
+// absent. Refuses (config_error) an existing non-empty `dir`.
+void hf_write_directory(const std::string& dir, const std::string& config_json, const NamedTensors& tensors,
+                        int64_t max_shard_bytes, torch::ScalarType dtype);
 
 }  // namespace trainer

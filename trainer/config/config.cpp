@@ -11,6 +11,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include "trainer/config/hf_config.h"
 #include "trainer/config/keys.h"
 #include "trainer/dist/env.h"
 #include "trainer/util/error.h"
@@ -309,7 +310,18 @@ Config config_load(const std::string& path, const std::vector<std::string>& over
   if (model_name_value) find_key("model_name")->assign(scratch, model_name_value->node, model_name_value->source);
   const fs::path models_dir = config_path.parent_path() / "models";
   RawLayer model_layer;
-  if (!scratch.model_name.empty()) {
+  if (scratch.model_name == "hf") {
+    // The model is the one a Hugging Face directory describes (hf_config.h); its weights are
+    // read from the same directory when training starts.
+    const RawValue* weights = latest("load_parameters_path");
+    if (weights) find_key("load_parameters_path")->assign(scratch, weights->node, weights->source);
+    if (scratch.load_parameters_path.empty())
+      throw config_error("model_name: hf reads the model from load_parameters_path/config.json: set "
+                         "load_parameters_path to a Hugging Face model directory");
+    const std::string source = (fs::path(scratch.load_parameters_path) / "config.json").string();
+    for (const auto& [key, text] : hf_config_model_keys(scratch.load_parameters_path))
+      model_layer[key] = {parse_scalar_text(key, text, source), source};
+  } else if (!scratch.model_name.empty()) {
     const fs::path model_path = models_dir / (scratch.model_name + ".yml");
     if (!fs::exists(model_path)) {
       std::string known;
@@ -318,7 +330,7 @@ Config config_load(const std::string& path, const std::vector<std::string>& over
           if (entry.path().extension() == ".yml")
             known += (known.empty() ? "" : ", ") + entry.path().stem().string();
       throw config_error("config key 'model_name': no model file " + model_path.string() +
-                         " (known models: " + known + ")");
+                         " (known models: " + known + "; hf: the model of the Hugging Face directory load_parameters_path)");
     }
     model_layer = load_file_layer(model_path);
     model_layer.erase("model_name");

@@ -31,6 +31,7 @@ ModelSize model_size(const Config& c) {
   s.routed_expert_params = (moe_layers + (c.mtp_moe_mlp ? c.mtp_num_layers : 0)) * E * 3 * D * Fm;
   s.active_params = common + moe_layers * moe_mlp_active + c.mtp_num_layers * mtp_depth_active;
   s.mtp_params = c.mtp_num_layers * mtp_depth;
+  s.mtp_active_params = c.mtp_num_layers * mtp_depth_active;
 
   // FLOPs: 2 per multiply-add, x3 for forward + backward (MaxText's calculate_tflops_training_per_device).
   const double T = static_cast<double>(c.per_device_batch_size) * static_cast<double>(c.gradient_accumulation_steps) *

@@ -13,6 +13,7 @@ struct ModelSize {
   int64_t embedding_params = 0;     // token embedding (+ separate output head when untied)
   int64_t per_layer_params = 0;     // one dense decoder layer
   int64_t mtp_params = 0;           // all MTP depths (included in the totals)
+  int64_t mtp_active_params = 0;    // of active_params, the MTP depths' share
   int64_t routed_expert_params = 0; // the routed experts of every MoE layer (split by expert_parallelism)
   // MaxText's calculate_tflops_training_per_device: 3x forward FLOPs (forward + backward),
   // causal attention counted at half. Per device, per optimizer step (all K micro-batches).

@@ -6,8 +6,10 @@
 
 #include <spdlog/spdlog.h>
 
+#include "trainer/config/hf_config.h"
 #include "trainer/train/train.h"
 #include "trainer/util/error.h"
+#include "trainer/util/torch_compat.h"
 
 namespace trainer {
 
@@ -202,7 +204,9 @@ int64_t Trainer::load_initial_state() {
     spdlog::info("loaded full state from {} (step {})", c.load_full_state_path, contents.state.step);
     return contents.state.step;
   }
-  if (!c.load_parameters_path.empty()) {
+  if (!c.load_parameters_path.empty() && std::filesystem::exists(std::filesystem::path(c.load_parameters_path) / "config.json")) {
+    load_hf_parameters(c.load_parameters_path);
+  } else if (!c.load_parameters_path.empty()) {
     std::string file = c.load_parameters_path;
     if (std::filesystem::is_directory(file)) file = (std::filesystem::path(file) / "model.safetensors").string();
     if (!std::filesystem::exists(file)) throw config_error("load_parameters_path: no file " + file);
@@ -212,6 +216,43 @@ int64_t Trainer::load_initial_state() {
     spdlog::info("loaded weights from {}; optimizer and step start fresh", file);
   }
   return 0;
+}
+
+void Trainer::load_hf_parameters(const std::string& dir) {
+  const auto differences = hf_config_compare(config_, dir);
+  if (!differences.first_shape_mismatch.empty())
+    throw config_error("load_parameters_path " + dir + " holds a different model: " + differences.first_shape_mismatch);
+  for (const auto& difference : differences.other)
+    spdlog::warn("load_parameters_path: {} (the weights fit; they will compute differently than there)", difference);
+  const std::string architecture = hf_config_architecture(dir);
+  CheckpointContents weights;
+  weights.model = hf_tensors_to_checkpoint(config_, hf_read_directory(dir), architecture, dir);
+  restore(weights, /*full_state=*/false, "Hugging Face checkpoint " + dir);
+  spdlog::info("loaded the {} weights of {}; optimizer and step start fresh", architecture, dir);
+}
+
+void Trainer::export_hf(const std::string& dir, int64_t max_shard_bytes, torch::ScalarType dtype) {
+  const std::string config_json = hf_config_json(config_, dtype == torch::kBFloat16 ? "bfloat16" : "float32");
+  const auto c = snapshot(0);  // a collective with ZeRO-1 or expert parallelism; rank 0 writes
+  if (comm_->rank() != 0) return;
+  hf_write_directory(dir, config_json, hf_tensors_from_checkpoint(config_, c.model), max_shard_bytes, dtype);
+}
+
+NamedTensors Trainer::logits_for(const std::vector<int64_t>& tokens) {
+  torch::NoGradGuard no_grad;
+  const auto length = static_cast<int64_t>(tokens.size());
+  const auto row = torch::tensor(tokens, torch::kInt64).reshape({1, length}).to(device_);  // (1, L)
+  const auto positions = torch::arange(length, torch::kInt64).reshape({1, length}).to(device_);
+  const auto segments = torch::ones({1, length}, torch::kInt64).to(device_);
+  ModelOutput out;
+  {
+    compat::AutocastGuard autocast(config_.dtype == "bfloat16", device_.is_cuda());
+    out = model_->forward(row, positions, segments, /*one_segment_per_row=*/true);
+  }
+  NamedTensors named{{"logits", out.logits[0].to(torch::kCPU, torch::kFloat32).contiguous()}};  // (L, V)
+  for (size_t k = 0; k < out.mtp_logits.size(); ++k)
+    named.emplace_back("mtp_logits." + std::to_string(k + 1), out.mtp_logits[k][0].to(torch::kCPU, torch::kFloat32).contiguous());
+  return named;
 }
 
 void Trainer::export_model(const std::string& path) {

@@ -96,6 +96,14 @@ class Trainer {
   CheckpointContents snapshot(int64_t completed_steps);  // a collective with ZeRO-1
   // Writes the model weights alone (HF names) to a safetensors file.
   void export_model(const std::string& path);
+  // Writes a Hugging Face model directory of the current weights (hf_write_directory: config.json,
+  // sharded safetensors in `dtype`, fp32 or bf16). Every rank calls it (a collective with ZeRO-1 or
+  // expert parallelism); rank 0 writes. Throws config_error when the model has no HF architecture.
+  void export_hf(const std::string& dir, int64_t max_shard_bytes, torch::ScalarType dtype);
+  // The model's fp32 logits for one sequence (positions 0.., one document), without gradients:
+  // {"logits": (L, V)} and, with MTP, {"mtp_logits.k": (L, V)} for each depth k. Every rank calls it
+  // with the same tokens under expert parallelism.
+  NamedTensors logits_for(const std::vector<int64_t>& tokens);
   // Forward-only evaluation on `eval_steps` global batches of the validation split (the
   // `index`-th evaluation reads the next batches): {eval/lm_loss (token mean), eval/perplexity}.
   MetricValues evaluate(int64_t index);
@@ -125,6 +133,9 @@ class Trainer {
   void build_flat_buffers();
   bool spike_guard_rejects(double loss, double grad_norm);
   void restore(const CheckpointContents& contents, bool full_state, const std::string& source);
+  // load_parameters_path as a Hugging Face directory: config.json checked against the config
+  // (exit 2 on the first shape mismatch, a warning for each other difference), tensors renamed.
+  void load_hf_parameters(const std::string& dir);
   NamedTensors arena_views(const torch::Tensor& flat) const;
   void update_expert_bias(const StepOutput& out);
   bool sharded() const { return shard_end_ - shard_begin_ < flat_params_.numel(); }

@@ -1,0 +1,213 @@
+// Hugging Face model directories in and out (see ckpt.h): tensor names per architecture, sharded
+// safetensors with their index. The names are those of the Hugging Face modeling code:
+// transformers' Llama and Qwen3, and inclusionAI's modeling_bailing_moe_v2.py for Ling 2.0.
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include "trainer/ckpt/ckpt.h"
+#include "trainer/ckpt/safetensors.h"
+#include "trainer/config/hf_config.h"
+#include "trainer/util/error.h"
+
+namespace trainer {
+namespace {
+
+namespace fs = std::filesystem;
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// Replaces the first occurrence of `from` in `name`; false if there is none.
+bool rename_part(std::string& name, const std::string& from, const std::string& to) {
+  const auto at = name.find(from);
+  if (at == std::string::npos) return false;
+  name.replace(at, from.size(), to);
+  return true;
+}
+
+// BailingMoeV2 names that differ from ours by a substring (ours, theirs). The fused
+// query_key_value tensor is handled separately.
+const std::vector<std::pair<std::string, std::string>> kBailingParts = {
+    {"model.embed_tokens.", "model.word_embeddings."},
+    {".self_attn.o_proj.", ".attention.dense."},
+    {".self_attn.q_norm.", ".attention.query_layernorm."},
+    {".self_attn.k_norm.", ".attention.key_layernorm."},
+    {".mlp.gate.e_score_correction_bias", ".mlp.gate.expert_bias"},
+    {".shared_head.norm.", ".final_layernorm."},  // the MTP block's norm before the shared head
+};
+const std::string kQ = ".self_attn.q_proj.weight", kK = ".self_attn.k_proj.weight", kV = ".self_attn.v_proj.weight";
+const std::string kQkv = ".attention.query_key_value.weight";
+
+const std::string kBailing = "BailingMoeV2ForCausalLM";
+
+}  // namespace
+
+NamedTensors hf_tensors_from_checkpoint(const Config& c, const NamedTensors& model) {
+  const bool bailing = hf_architecture(c) == kBailing;
+  std::map<std::string, torch::Tensor> by_name(model.begin(), model.end());
+  NamedTensors out;
+  for (const auto& [name, tensor] : model) {
+    if (c.logits_via_embedding && name == "lm_head.weight") continue;
+    if (!bailing) {
+      out.emplace_back(name, tensor);
+      continue;
+    }
+    if (ends_with(name, kK) || ends_with(name, kV)) continue;  // written with q
+    if (ends_with(name, kQ)) {
+      // query_key_value rows: the Hq query heads, then the Hkv key heads, then the Hkv value heads
+      // (BailingMoeV2Attention views them as (Hq + 2 Hkv, hd) and splits in that order).
+      const std::string layer = name.substr(0, name.size() - kQ.size());
+      out.emplace_back(layer + kQkv, torch::cat({tensor, by_name.at(layer + kK), by_name.at(layer + kV)}, 0));
+      continue;
+    }
+    std::string renamed = name;
+    for (const auto& [ours, theirs] : kBailingParts)
+      if (rename_part(renamed, ours, theirs)) break;
+    out.emplace_back(renamed, tensor);
+  }
+  return out;
+}
+
+NamedTensors hf_tensors_to_checkpoint(const Config& c, const NamedTensors& hf, const std::string& architecture,
+                                      const std::string& source) {
+  const bool bailing = architecture == kBailing;
+  const int64_t q_rows = c.base_num_query_heads * c.head_dim, kv_rows = c.base_num_kv_heads * c.head_dim;
+  NamedTensors out;
+  torch::Tensor embedding;
+  for (const auto& [name, tensor] : hf)
+    if (name == (bailing ? "model.word_embeddings.weight" : "model.embed_tokens.weight")) embedding = tensor;
+  for (const auto& [name, tensor] : hf) {
+    if (c.logits_via_embedding && name == "lm_head.weight") {
+      // Some tied checkpoints store the head anyway; the embedding is what the model uses.
+      if (embedding.defined() && !torch::equal(tensor, embedding))
+        spdlog::warn("{}: lm_head.weight differs from the embedding; the tied model uses the embedding", source);
+      continue;
+    }
+    if (!bailing) {
+      out.emplace_back(name, tensor);
+      continue;
+    }
+    if (ends_with(name, kQkv)) {
+      const std::string layer = name.substr(0, name.size() - kQkv.size());
+      if (tensor.dim() != 2 || tensor.size(0) != q_rows + 2 * kv_rows) {
+        std::ostringstream shape;
+        shape << tensor.sizes();
+        throw config_error(source + ": " + name + " has shape " + shape.str() + "; this config needs (" +
+                           std::to_string(q_rows + 2 * kv_rows) + ", " + std::to_string(c.base_emb_dim) +
+                           "): (num_attention_heads + 2 num_key_value_heads) x head_dim rows");
+      }
+      out.emplace_back(layer + kQ, tensor.narrow(0, 0, q_rows).contiguous());
+      out.emplace_back(layer + kK, tensor.narrow(0, q_rows, kv_rows).contiguous());
+      out.emplace_back(layer + kV, tensor.narrow(0, q_rows + kv_rows, kv_rows).contiguous());
+      continue;
+    }
+    std::string renamed = name;
+    for (const auto& [ours, theirs] : kBailingParts)
+      if (rename_part(renamed, theirs, ours)) break;
+    // BailingMoeV2Gate adds expert_bias to the scores whatever moe_router_enable_expert_bias says.
+    if (ends_with(renamed, ".e_score_correction_bias") && !c.routed_bias && tensor.abs().max().item<float>() != 0)
+      throw config_error(source + ": " + name + " is nonzero, but routed_bias is false (it would be ignored): "
+                         "pass routed_bias=true (override_model_config=true with a model file)");
+    out.emplace_back(renamed, tensor);
+  }
+  return out;
+}
+
+NamedTensors hf_read_directory(const std::string& dir) {
+  const fs::path root(dir);
+  const fs::path index_path = root / "model.safetensors.index.json";
+  if (!fs::exists(index_path)) {
+    const fs::path single = root / "model.safetensors";
+    if (!fs::exists(single))
+      throw config_error("no model.safetensors or model.safetensors.index.json in " + dir);
+    return checkpoint_read_tensors(single.string());
+  }
+  nlohmann::json index;
+  try {
+    std::ifstream in(index_path);
+    index = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw config_error("cannot parse " + index_path.string() + ": " + e.what());
+  }
+  if (!index.contains("weight_map") || !index["weight_map"].is_object())
+    throw config_error(index_path.string() + " has no weight_map object");
+  std::map<std::string, std::set<std::string>> names_in_file;  // shard -> the names the index puts there
+  for (const auto& [name, file] : index["weight_map"].items()) {
+    if (!file.is_string()) throw config_error(index_path.string() + ": weight_map entry " + name + " is not a file name");
+    names_in_file[file.get<std::string>()].insert(name);
+  }
+  NamedTensors out;
+  for (const auto& [file, names] : names_in_file) {
+    const fs::path path = root / file;
+    if (!fs::exists(path))
+      throw config_error(index_path.string() + " lists " + file + " (for " + *names.begin() + "), which is missing");
+    auto tensors = checkpoint_read_tensors(path.string());
+    std::set<std::string> found;
+    for (auto& item : tensors) found.insert(item.first);
+    for (const auto& name : names)
+      if (!found.count(name))
+        throw config_error(index_path.string() + " puts " + name + " in " + file + ", which does not hold it");
+    for (auto& item : tensors) out.push_back(std::move(item));
+  }
+  return out;
+}
+
+void hf_write_directory(const std::string& dir, const std::string& config_json, const NamedTensors& tensors,
+                        int64_t max_shard_bytes, torch::ScalarType dtype) {
+  const fs::path target = fs::absolute(dir);
+  if (fs::exists(target) && !(fs::is_directory(target) && fs::is_empty(target)))
+    throw config_error("--export-hf " + dir + ": the path exists and is not an empty directory; remove it or choose another");
+  if (max_shard_bytes <= 0) throw config_error("--export-hf-max-shard-mb must be > 0");
+  // Shards in checkpoint order: a new file when the next tensor would overflow this one.
+  std::vector<NamedTensors> shards(1);
+  int64_t shard_bytes = 0, total_bytes = 0;
+  for (const auto& [name, tensor] : tensors) {
+    auto converted = tensor.to(torch::kCPU).to(dtype).contiguous();
+    const int64_t bytes = static_cast<int64_t>(converted.nbytes());
+    if (!shards.back().empty() && shard_bytes + bytes > max_shard_bytes) {
+      shards.emplace_back();
+      shard_bytes = 0;
+    }
+    shards.back().emplace_back(name, converted);
+    shard_bytes += bytes;
+    total_bytes += bytes;
+  }
+  const fs::path partial = target.parent_path() / (target.filename().string() + ".partial-" + std::to_string(getpid()));
+  fs::remove_all(partial);
+  fs::create_directories(partial);
+  try {
+    file_write_durable((partial / "config.json").string(), config_json);
+    if (shards.size() == 1) {
+      checkpoint_write_tensors((partial / "model.safetensors").string(), shards[0]);
+    } else {
+      nlohmann::ordered_json index;
+      index["metadata"] = {{"total_size", total_bytes}};
+      index["weight_map"] = nlohmann::ordered_json::object();
+      for (size_t i = 0; i < shards.size(); ++i) {
+        char file[64];
+        std::snprintf(file, sizeof file, "model-%05zu-of-%05zu.safetensors", i + 1, shards.size());
+        checkpoint_write_tensors((partial / file).string(), shards[i]);
+        for (const auto& item : shards[i]) index["weight_map"][item.first] = file;
+      }
+      file_write_durable((partial / "model.safetensors.index.json").string(), index.dump(2) + "\n");
+    }
+    directory_sync(partial.string());
+    if (fs::exists(target)) fs::remove(target);  // the empty directory checked above
+    fs::rename(partial, target);
+    directory_sync(target.parent_path().string());
+  } catch (const std::exception& e) {
+    std::error_code ignored;
+    fs::remove_all(partial, ignored);
+    throw Error(kExitFailure, "cannot write the Hugging Face checkpoint " + dir + ": " + e.what());
+  }
+}
+
+}  // namespace trainer

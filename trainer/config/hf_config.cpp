@@ -1,0 +1,296 @@
+// Hugging Face config.json <-> model keys (see hf_config.h). The field names and defaults are
+// those of transformers' LlamaConfig and Qwen3Config and of inclusionAI's BailingMoeV2Config
+// (Ling-V2 models/configuration_bailing_moe_v2.py); the semantics behind each mapping are in
+// docs/checkpoints.md.
+#include "trainer/config/hf_config.h"
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+
+#include <nlohmann/json.hpp>
+#include <yaml-cpp/yaml.h>
+
+#include "trainer/config/keys.h"
+#include "trainer/util/error.h"
+
+namespace trainer {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+const std::string kLlama = "LlamaForCausalLM", kQwen3 = "Qwen3ForCausalLM", kBailing = "BailingMoeV2ForCausalLM";
+
+// One translated key: our key, its YAML text, the config.json field it came from, and whether a
+// difference changes the shapes of the weights (an error) or only what they compute (a warning).
+struct Translated {
+  std::string key, text, field;
+  bool shapes;
+};
+
+class ConfigJson {
+ public:
+  explicit ConfigJson(const std::string& dir) : path_((fs::path(dir) / "config.json").string()) {
+    if (!fs::is_regular_file(path_))
+      throw config_error("no config.json in " + dir + " (a Hugging Face model directory has one)");
+    std::ifstream in(path_);
+    try {
+      root_ = json::parse(in);
+    } catch (const json::exception& e) {
+      throw config_error("cannot parse " + path_ + ": " + e.what());
+    }
+    if (!root_.is_object()) throw config_error(path_ + " is not a JSON object");
+  }
+  const std::string& path() const { return path_; }
+  bool has(const std::string& field) const { return root_.contains(field) && !root_[field].is_null(); }
+  [[noreturn]] void fail(const std::string& field, const std::string& why) const {
+    throw config_error(path_ + ": field '" + field + "' " + why);
+  }
+  int64_t integer(const std::string& field, std::optional<int64_t> fallback = std::nullopt) const {
+    if (!has(field)) {
+      if (fallback) return *fallback;
+      fail(field, "is missing");
+    }
+    const json& v = root_[field];
+    if (!v.is_number_integer()) fail(field, "must be an integer, not " + v.dump());
+    return v.get<int64_t>();
+  }
+  double number(const std::string& field, std::optional<double> fallback = std::nullopt) const {
+    if (!has(field)) {
+      if (fallback) return *fallback;
+      fail(field, "is missing");
+    }
+    const json& v = root_[field];
+    if (!v.is_number()) fail(field, "must be a number, not " + v.dump());
+    return v.get<double>();
+  }
+  bool boolean(const std::string& field, bool fallback) const {
+    if (!has(field)) return fallback;
+    const json& v = root_[field];
+    if (!v.is_boolean()) fail(field, "must be true or false, not " + v.dump());
+    return v.get<bool>();
+  }
+  std::string text(const std::string& field, const std::string& fallback) const {
+    if (!has(field)) return fallback;
+    const json& v = root_[field];
+    if (!v.is_string()) fail(field, "must be a string, not " + v.dump());
+    return v.get<std::string>();
+  }
+  std::string architecture() const {
+    if (!root_.contains("architectures") || !root_["architectures"].is_array() || root_["architectures"].empty() ||
+        !root_["architectures"][0].is_string())
+      fail("architectures", "must list the model class, e.g. [\"LlamaForCausalLM\"]");
+    const auto name = root_["architectures"][0].get<std::string>();
+    if (name != kLlama && name != kQwen3 && name != kBailing)
+      fail("architectures", "names " + name + "; the trainer reads " + kLlama + ", " + kQwen3 + " and " + kBailing);
+    return name;
+  }
+  // A feature the trainer does not implement must be off (absent, null, false, or `off`).
+  void require_off(const std::string& field, const std::string& what) const {
+    if (!has(field)) return;
+    const json& v = root_[field];
+    if ((v.is_boolean() && !v.get<bool>()) || (v.is_object() && v.empty())) return;
+    fail(field, "is " + v.dump() + ": " + what + " is not implemented by the trainer");
+  }
+  json root_;
+
+ private:
+  std::string path_;
+};
+
+std::string number_text(double v) {
+  char buffer[64];
+  std::snprintf(buffer, sizeof buffer, "%.17g", v);
+  std::string s = buffer;
+  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";  // stays a float in YAML
+  return s;
+}
+
+std::vector<Translated> translate(const ConfigJson& f) {
+  const std::string arch = f.architecture();
+  const bool bailing = arch == kBailing;
+  if (f.text("hidden_act", "silu") != "silu")
+    f.fail("hidden_act", "is " + f.text("hidden_act", "") + ": the trainer's MLP is SwiGLU (silu)");
+  f.require_off("rope_scaling", "RoPE scaling");
+  f.require_off(bailing ? "use_qkv_bias" : "attention_bias", "a bias in the attention projections");
+  f.require_off(bailing ? "use_bias" : "mlp_bias", "a bias in the projections");
+  f.require_off("use_sliding_window", "sliding-window attention");
+
+  std::vector<Translated> out;
+  auto add = [&](const std::string& key, const std::string& text, const std::string& field, bool shapes) {
+    out.push_back({key, text, field, shapes});
+  };
+  auto add_int = [&](const std::string& key, const std::string& field, std::optional<int64_t> fallback = std::nullopt) {
+    add(key, std::to_string(f.integer(field, fallback)), field, true);
+  };
+  const int64_t heads = f.integer("num_attention_heads");
+  add_int("vocab_size", "vocab_size");
+  add_int("base_emb_dim", "hidden_size");
+  add_int("base_num_query_heads", "num_attention_heads");
+  add_int("base_num_kv_heads", "num_key_value_heads", heads);
+  add_int("head_dim", "head_dim", f.integer("hidden_size") / heads);
+  add_int("base_mlp_dim", "intermediate_size");
+  add_int("base_num_decoder_layers", "num_hidden_layers");
+  add("mlp_activations", "[silu, linear]", "hidden_act", false);
+  add("normalization_layer_epsilon", number_text(f.number("rms_norm_eps", 1e-6)), "rms_norm_eps", false);
+  add("rope_max_timescale", number_text(f.number("rope_theta", bailing ? 600000.0 : 10000.0)), "rope_theta", false);
+  const double partial = f.number("partial_rotary_factor", 1.0);
+  if (!bailing && partial != 1.0)
+    f.fail("partial_rotary_factor", "is " + number_text(partial) + ": " + arch + " rotates the whole head");
+  add("partial_rotary_factor", number_text(partial), "partial_rotary_factor", false);
+  const bool qk_norm = arch == kQwen3 || (bailing && f.boolean("use_qk_norm", true));
+  add("use_qk_norm", qk_norm ? "true" : "false", bailing ? "use_qk_norm" : "architectures", true);
+  add("logits_via_embedding", f.boolean("tie_word_embeddings", false) ? "true" : "false", "tie_word_embeddings", true);
+
+  const bool moe = bailing && f.has("num_experts");
+  if (moe) {
+    const int64_t experts = f.integer("num_experts"), top_k = f.integer("num_experts_per_tok");
+    add_int("num_experts", "num_experts");
+    add("num_experts_per_tok", std::to_string(top_k), "num_experts_per_tok", false);
+    add_int("base_moe_mlp_dim", "moe_intermediate_size");
+    add("shared_experts", std::to_string(f.integer("num_shared_experts", 0)), "num_shared_experts", true);
+    add_int("first_num_dense_layers", "first_k_dense_replace", 0);
+    add("routed_score_func", "sigmoid", "architectures", false);
+    // The Gate renormalizes the top-k weights only when k > 1 (a single weight stays the score).
+    add("norm_topk_prob", top_k > 1 ? "true" : "false", "num_experts_per_tok", false);
+    add("routed_scaling_factor", number_text(f.number("routed_scaling_factor", 1.0)), "routed_scaling_factor", false);
+    // BailingMoeV2Gate always routes by groups; one group (or one group kept) is plain top-k.
+    const int64_t groups = f.integer("n_group", 8), kept = f.integer("topk_group", 4);
+    if (groups < 1 || experts % groups != 0 || experts / groups < 2 || kept < 1 || kept > groups)
+      f.fail("n_group", "(" + std::to_string(groups) + ", topk_group " + std::to_string(kept) +
+                            ") must divide num_experts into groups of at least 2 experts and keep 1..n_group of them");
+    const bool off = groups == 1 || kept == groups;
+    add("n_routing_groups", off ? "-1" : std::to_string(groups), "n_group", false);
+    add("topk_routing_group", off ? "-1" : std::to_string(kept), "topk_group", false);
+    add("routed_bias", f.boolean("moe_router_enable_expert_bias", true) ? "true" : "false",
+        "moe_router_enable_expert_bias", false);
+  } else {
+    add("num_experts", "1", bailing ? "num_experts" : "architectures", true);
+    add("first_num_dense_layers", "0", "architectures", true);
+  }
+  const int64_t mtp = bailing ? f.integer("num_nextn_predict_layers", 0) : 0;
+  if (mtp > 0 && !moe) f.fail("num_nextn_predict_layers", "needs num_experts: the MTP block's MLP is a MoE block");
+  add("mtp_num_layers", std::to_string(mtp), bailing ? "num_nextn_predict_layers" : "architectures", true);
+  if (mtp > 0) {
+    add("mtp_moe_mlp", "true", "num_nextn_predict_layers", true);
+    add("mtp_input_after_final_norm", "true", "num_nextn_predict_layers", false);
+  }
+  return out;
+}
+
+const config_detail::KeyInfo& key_info(const std::string& key) {
+  const auto* info = config_detail::find_key(key);
+  if (!info) throw std::logic_error("hf_config: unknown key " + key);
+  return *info;
+}
+
+}  // namespace
+
+HfModelKeys hf_config_model_keys(const std::string& dir) {
+  HfModelKeys keys;
+  for (const auto& t : translate(ConfigJson(dir))) keys.emplace_back(t.key, t.text);
+  return keys;
+}
+
+std::string hf_config_architecture(const std::string& dir) { return ConfigJson(dir).architecture(); }
+
+std::string hf_architecture(const Config& c) {
+  auto refuse = [](const std::string& why) {
+    throw config_error("cannot write a Hugging Face checkpoint: " + why);
+  };
+  if (c.mlp_activations != StringList{"silu", "linear"})
+    refuse("mlp_activations must be [silu, linear] (SwiGLU), as in every supported architecture");
+  if (c.num_experts > 1) {
+    if (c.routed_score_func != "sigmoid")
+      refuse("routed_score_func is " + c.routed_score_func + "; BailingMoeV2ForCausalLM routes by sigmoid scores");
+    if (c.norm_topk_prob != (c.num_experts_per_tok > 1))
+      refuse(std::string("norm_topk_prob is ") + (c.norm_topk_prob ? "true" : "false") +
+             "; BailingMoeV2ForCausalLM renormalizes the top-k weights exactly when num_experts_per_tok > 1");
+    if (c.n_routing_groups != -1 && c.num_experts / c.n_routing_groups < 2)
+      refuse("n_routing_groups leaves groups of one expert; BailingMoeV2's group score sums each group's best 2");
+    if (c.mtp_num_layers > 0 && !(c.mtp_moe_mlp && c.mtp_input_after_final_norm))
+      refuse("BailingMoeV2's MTP block is MoE and reads the hidden state after the final norm: "
+             "set mtp_moe_mlp and mtp_input_after_final_norm to true");
+    return kBailing;
+  }
+  if (c.partial_rotary_factor != 1.0)
+    refuse("partial_rotary_factor is " + number_text(c.partial_rotary_factor) +
+           "; LlamaForCausalLM and Qwen3ForCausalLM rotate the whole head (BailingMoeV2 needs routed experts)");
+  if (c.mtp_num_layers > 0) refuse("mtp_num_layers > 0 needs routed experts (BailingMoeV2ForCausalLM)");
+  return c.use_qk_norm ? kQwen3 : kLlama;
+}
+
+std::string hf_config_json(const Config& c, const std::string& torch_dtype) {
+  const std::string arch = hf_architecture(c);
+  json j;
+  j["architectures"] = {arch};
+  j["model_type"] = arch == kLlama ? "llama" : arch == kQwen3 ? "qwen3" : "bailing_moe_v2";
+  if (arch == kBailing) {
+    // inclusionAI's modeling code is not part of transformers: copy configuration_bailing_moe_v2.py
+    // and modeling_bailing_moe_v2.py next to this file and load with trust_remote_code=True.
+    j["auto_map"] = {{"AutoConfig", "configuration_bailing_moe_v2.BailingMoeV2Config"},
+                     {"AutoModel", "modeling_bailing_moe_v2.BailingMoeV2Model"},
+                     {"AutoModelForCausalLM", "modeling_bailing_moe_v2.BailingMoeV2ForCausalLM"}};
+  }
+  j["vocab_size"] = c.vocab_size;
+  j["hidden_size"] = c.base_emb_dim;
+  j["intermediate_size"] = c.base_mlp_dim;
+  j["num_hidden_layers"] = c.base_num_decoder_layers;
+  j["num_attention_heads"] = c.base_num_query_heads;
+  j["num_key_value_heads"] = c.base_num_kv_heads;
+  j["head_dim"] = c.head_dim;
+  j["hidden_act"] = "silu";
+  j["rms_norm_eps"] = c.normalization_layer_epsilon;
+  j["rope_theta"] = c.rope_max_timescale;
+  j["rope_scaling"] = nullptr;
+  j["max_position_embeddings"] = c.max_target_length;
+  j["tie_word_embeddings"] = c.logits_via_embedding;
+  j["initializer_range"] = 0.02;
+  j["torch_dtype"] = torch_dtype;
+  if (c.eod_id >= 0 && c.eod_id < c.vocab_size) j["eos_token_id"] = c.eod_id;
+  if (arch == kBailing) {
+    j["use_qkv_bias"] = false;
+    j["use_bias"] = false;
+    j["use_qk_norm"] = c.use_qk_norm;
+    j["partial_rotary_factor"] = c.partial_rotary_factor;
+    j["num_experts"] = c.num_experts;
+    j["num_experts_per_tok"] = c.num_experts_per_tok;
+    j["moe_intermediate_size"] = c.base_moe_mlp_dim;
+    j["num_shared_experts"] = c.shared_experts > 0 ? json(c.shared_experts) : json(nullptr);
+    j["first_k_dense_replace"] = c.first_num_dense_layers;
+    j["routed_scaling_factor"] = c.routed_scaling_factor;
+    j["n_group"] = c.n_routing_groups == -1 ? 1 : c.n_routing_groups;
+    j["topk_group"] = c.topk_routing_group == -1 ? 1 : c.topk_routing_group;
+    j["moe_router_enable_expert_bias"] = c.routed_bias;
+    j["num_nextn_predict_layers"] = c.mtp_num_layers;
+    j["mtp_loss_scaling_factor"] = c.mtp_num_layers > 0 ? c.mtp_loss_scaling_factor : 0.0;
+  } else {
+    j["attention_bias"] = false;
+    j["mlp_bias"] = false;
+    if (arch == kQwen3) j["use_sliding_window"] = false;
+  }
+  return j.dump(2) + "\n";
+}
+
+HfConfigDifferences hf_config_compare(const Config& c, const std::string& dir) {
+  const ConfigJson file(dir);
+  HfConfigDifferences out;
+  for (const auto& t : translate(file)) {
+    const auto& info = key_info(t.key);
+    Config theirs = c;
+    info.assign(theirs, YAML::Load(t.text), file.path());
+    const std::string want = info.format(theirs), have = info.format(c);
+    if (want == have) continue;
+    const std::string field = t.field == "architectures" ? "architectures (" + file.architecture() + ")" : t.field;
+    const std::string what = field + " in " + file.path() + " means " + t.key + ": " + want + ", but the config has " +
+                             t.key + ": " + have;
+    if (t.shapes && out.first_shape_mismatch.empty()) out.first_shape_mismatch = what;
+    if (!t.shapes) out.other.push_back(what);
+  }
+  return out;
+}
+
+}  // namespace trainer
