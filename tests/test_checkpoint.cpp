@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 #include <set>
 #include <sstream>
@@ -17,6 +18,7 @@
 #include "test_numerics.h"
 #include "test_support.h"
 #include "trainer/ckpt/safetensors.h"
+#include "trainer/config/hf_config.h"
 #include "trainer/data/indexed_dataset.h"
 #include "trainer/train/train.h"
 #include "trainer/util/error.h"
@@ -529,4 +531,111 @@ TEST_CASE("load_full_state_path continues another run's checkpoint exactly, and 
   const auto missing = run_trainer(common + " run_name=missing-weights load_parameters_path=" + kOut + "/nothing");
   CHECK(missing.exit_code == 2);
   CHECK_THAT(missing.output, Catch::Contains("load_parameters_path: no file " + kOut + "/nothing"));
+}
+
+TEST_CASE("Hugging Face directories: config.json round trips the model keys, and what cannot be read or written is refused by name",
+          "[checkpoint]") {
+  const std::string dir = kOut + "/hf-ling2-tiny";
+  fs::remove_all(dir);
+  const std::string base = "base_output_directory=" + kOut;
+  Trainer source(tiny_config({"model_name=ling2-tiny", "run_name=hf-source"}));
+  source.export_hf(dir, 64 << 10, torch::kFloat32);  // 64 KiB shards: several files and an index
+  REQUIRE(fs::exists(dir + "/model.safetensors.index.json"));
+  int shards = 0;
+  for (const auto& entry : fs::directory_iterator(dir)) shards += entry.path().extension() == ".safetensors";
+  CHECK(shards > 1);
+
+  // model_name=hf resolves to the same model as the model file it was written from.
+  const Config ling = tiny_config({"model_name=ling2-tiny"});
+  const Config hf = tiny_config({"model_name=hf", "load_parameters_path=" + dir});
+  auto resolved = [](const Config& c) {  // key -> resolved value text
+    std::map<std::string, std::string> values;
+    std::istringstream lines(config_to_yaml(c));
+    for (std::string line; std::getline(lines, line);)
+      if (line[0] != '#') values[line.substr(0, line.find(':'))] = line.substr(line.find(':') + 1);
+    return values;
+  };
+  const auto ling_values = resolved(ling), hf_values = resolved(hf);
+  for (const auto& key : {"vocab_size", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim",
+                          "base_mlp_dim", "base_num_decoder_layers", "mlp_activations", "normalization_layer_epsilon",
+                          "rope_max_timescale", "partial_rotary_factor", "use_qk_norm", "logits_via_embedding",
+                          "num_experts", "num_experts_per_tok", "base_moe_mlp_dim", "shared_experts",
+                          "first_num_dense_layers", "routed_score_func", "norm_topk_prob", "routed_scaling_factor",
+                          "n_routing_groups", "topk_routing_group", "routed_bias", "mtp_num_layers",
+                          "mtp_loss_scaling_factor", "mtp_moe_mlp", "mtp_input_after_final_norm"}) {
+    INFO(key);
+    CHECK(hf_values.at(key) == ling_values.at(key));
+  }
+  CHECK(hf.routed_score_func == "sigmoid");
+  CHECK(hf.norm_topk_prob);
+  CHECK(hf.mtp_moe_mlp);
+  CHECK(hf.mtp_input_after_final_norm);
+  CHECK(hf_config_compare(ling, dir).first_shape_mismatch.empty());
+  CHECK(hf_config_compare(ling, dir).other.empty());
+
+  // A model file whose shapes differ: the first mismatch names the HF field and our key (exit 2).
+  const auto other_model = hf_config_compare(tiny_config({"model_name=moe-tiny"}), dir);
+  CHECK_THAT(other_model.first_shape_mismatch, Catch::Contains("config.json means"));
+  const auto wrong = run_trainer(base + " model_name=moe-tiny run_name=hf-wrong load_parameters_path=" + dir);
+  CHECK(wrong.exit_code == 2);
+  CHECK_THAT(wrong.output, Catch::Contains("holds a different model"));
+  // Same shapes, another RoPE base (Ling's 4k pretraining): a warning, not an error.
+  const auto rope = hf_config_compare(tiny_config({"model_name=ling2-tiny", "override_model_config=true",
+                                                   "rope_max_timescale=10000"}), dir);
+  CHECK(rope.first_shape_mismatch.empty());
+  REQUIRE(rope.other.size() == 1);
+  CHECK_THAT(rope.other[0], Catch::Contains("rope_theta") && Catch::Contains("rope_max_timescale: 10000"));
+
+  // What no supported architecture can hold is refused on export, naming the key.
+  CHECK_THROWS_WITH(hf_architecture(tiny_config({"model_name=moe-tiny"})), Catch::Contains("routed_score_func"));
+  CHECK_THROWS_WITH(hf_architecture(tiny_config({"override_model_config=true", "partial_rotary_factor=0.5"})),
+                    Catch::Contains("partial_rotary_factor"));
+  CHECK(hf_architecture(tiny_config()) == "LlamaForCausalLM");
+  CHECK(hf_architecture(tiny_config({"override_model_config=true", "use_qk_norm=true"})) == "Qwen3ForCausalLM");
+
+  // config.json fields the trainer does not implement, or cannot parse, name the file and field.
+  auto edited = [&](const std::string& name, const std::string& from, const std::string& to) {
+    const std::string copy = kOut + "/hf-" + name;
+    fs::remove_all(copy);
+    fs::create_directories(copy);
+    std::string text = read_file(dir + "/config.json");
+    const auto at = text.find(from);
+    REQUIRE(at != std::string::npos);
+    std::ofstream(copy + "/config.json") << text.replace(at, from.size(), to);
+    return copy;
+  };
+  CHECK_THROWS_WITH(hf_config_model_keys(edited("rope", "\"rope_scaling\": null", "\"rope_scaling\": {\"factor\": 8.0}")),
+                    Catch::Contains("config.json: field 'rope_scaling'"));
+  CHECK_THROWS_WITH(hf_config_model_keys(edited("arch", "BailingMoeV2ForCausalLM", "MixtralForCausalLM")),
+                    Catch::Contains("MixtralForCausalLM"));
+  CHECK_THROWS_WITH(hf_config_model_keys(edited("act", "\"silu\"", "\"gelu\"")), Catch::Contains("field 'hidden_act'"));
+  CHECK_THROWS_WITH(hf_config_model_keys(edited("layers", "\"num_hidden_layers\": 3", "\"num_hidden_layers\": \"3\"")),
+                    Catch::Contains("field 'num_hidden_layers' must be an integer"));
+
+  // Tensors: a fused query_key_value of the wrong size, and an expert bias the config would ignore.
+  const auto tensors = hf_read_directory(dir);
+  auto with = [&](const std::string& name, const torch::Tensor& replacement) {
+    NamedTensors out = tensors;
+    for (auto& [n, t] : out)
+      if (n == name) t = replacement;
+    return out;
+  };
+  const std::string qkv = "model.layers.1.attention.query_key_value.weight";
+  CHECK_THROWS_WITH(hf_tensors_to_checkpoint(ling, with(qkv, torch::zeros({8, ling.base_emb_dim})), "BailingMoeV2ForCausalLM", dir),
+                    Catch::Contains(qkv) && Catch::Contains("has shape [8, 64]"));
+  const Config no_bias = tiny_config({"model_name=ling2-tiny", "override_model_config=true", "routed_bias=false"});
+  const std::string bias = "model.layers.1.mlp.gate.expert_bias";
+  CHECK_THROWS_WITH(hf_tensors_to_checkpoint(no_bias, with(bias, torch::full({ling.num_experts}, 0.5f)), "BailingMoeV2ForCausalLM", dir),
+                    Catch::Contains(bias) && Catch::Contains("routed_bias is false"));
+  CHECK_NOTHROW(hf_tensors_to_checkpoint(no_bias, with(bias, torch::zeros({ling.num_experts})), "BailingMoeV2ForCausalLM", dir));
+  // An index naming a shard that is gone.
+  const std::string broken = kOut + "/hf-broken";
+  fs::remove_all(broken);
+  fs::copy(dir, broken);
+  char first[64];
+  std::snprintf(first, sizeof first, "/model-00001-of-%05d.safetensors", shards);
+  REQUIRE(fs::remove(broken + first));
+  CHECK_THROWS_WITH(hf_read_directory(broken), Catch::Contains("which is missing"));
+  // An existing export is never overwritten.
+  CHECK_THROWS_WITH(source.export_hf(dir, 64 << 10, torch::kFloat32), Catch::Contains("exists and is not an empty directory"));
 }

@@ -539,7 +539,8 @@ TEST_CASE("expert parallelism: R=2 with EP=2 equals R=2 with EP=1 and R=1, both 
         INFO("step " << i);
         std::vector<std::string> names = {"learning/loss", "learning/lm_loss", "learning/moe_lb_loss", "moe/router_z_loss",
                                           "learning/raw_grad_norm", "learning/param_norm",
-                                          "megatron/load_balancing_loss", "moe/expert_load_max_over_mean"};
+                                          "megatron/load_balancing_loss", "moe/expert_load_max_over_mean",
+                                          "moe/router_probs_std"};
         if (model == "ling2-tiny") names.push_back("learning/mtp_loss");
         for (const auto& name : names) {
           INFO(name);

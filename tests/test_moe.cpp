@@ -242,6 +242,11 @@ TEST_CASE("load-balancing loss of a crafted router equals the hand-computed valu
     }
     const double f[2] = {2.0 / 3, 1.0 / 3};
     INFO(func);
+    // moe/router_probs_std: the population std of the 6 scores of the 3 valid tokens.
+    double sum = 0, sum_sq = 0;
+    for (const auto& l : logits)
+      for (int e = 0; e < 2; ++e) sum += score(l[0], l[1], e), sum_sq += std::pow(score(l[0], l[1], e), 2);
+    CHECK(stats[0].probs_std.item<double>() == Approx(std::sqrt(sum_sq / 6 - std::pow(sum / 6, 2))).epsilon(1e-6));
     CHECK(stats[0].load_balance.item<double>() == Approx(2 * (f[0] * P[0] + f[1] * P[1])).epsilon(1e-6));
     CHECK(stats[0].router_z.item<double>() == Approx(z).epsilon(1e-6));
     CHECK(stats[0].counts[0].item<double>() == 2);
@@ -326,6 +331,8 @@ TEST_CASE("zero-mean expert-bias update: rate * (s - mean(s)) per layer, as Ling
     REQUIRE_FALSE(out.step_skipped);
     std::vector<torch::Tensor> biases;
     for (auto& layer : t.model()->moe_layers()) biases.push_back(layer->gate->e_score_correction_bias.clone());
+    // moe/router_bias_mean: the updated biases' mean over experts and layers.
+    CHECK(metric(t, out, "moe/router_bias_mean") == Approx(torch::stack(biases).to(torch::kFloat64).mean().item<double>()).margin(1e-12));
     return std::pair{out.expert_load.clone(), biases};
   };
   const auto [load, centred] = run(true);
@@ -341,6 +348,7 @@ TEST_CASE("zero-mean expert-bias update: rate * (s - mean(s)) per layer, as Ling
     differs |= std::abs(signs.sum().item<double>()) > 0;
   }
   CHECK(differs);  // some layer had unbalanced signs, where the two updates part
+  CHECK(std::abs(torch::stack(plain).mean().item<double>()) > 1e-4);  // so the plain bias mean moved
 }
 
 TEST_CASE("dropless: every valid token reaches k experts, and routed experts get gradient", "[moe]") {

@@ -177,6 +177,9 @@ std::vector<Translated> translate(const ConfigJson& f) {
   if (mtp > 0) {
     add("mtp_moe_mlp", "true", "num_nextn_predict_layers", true);
     add("mtp_input_after_final_norm", "true", "num_nextn_predict_layers", false);
+    // A training coefficient, not part of the model: taken when the file sets one.
+    if (f.number("mtp_loss_scaling_factor", 0.0) > 0)
+      add("mtp_loss_scaling_factor", number_text(f.number("mtp_loss_scaling_factor")), "mtp_loss_scaling_factor", false);
   }
   return out;
 }

@@ -254,7 +254,7 @@ torch::Tensor DecoderStackImpl::forward(const torch::Tensor& embeddings, const B
       continue;
     }
     // remat_policy=full: only the block's input is kept; a MoE block's statistics come back as
-    // outputs of the recomputed function (load balance, router z, counts), so the rerun in
+    // outputs of the recomputed function (load balance, router z, counts, score std), so the rerun in
     // backward does not append them a second time.
     BlockContext block_ctx = ctx;
     const auto block = [layer, block_ctx](const std::vector<torch::Tensor>& in) {
@@ -262,12 +262,12 @@ torch::Tensor DecoderStackImpl::forward(const torch::Tensor& embeddings, const B
       BlockContext local = block_ctx;
       local.moe_stats = &stats;
       std::vector<torch::Tensor> out = {layer->forward(in[0], local)};
-      for (const auto& s : stats) out.insert(out.end(), {s.load_balance, s.router_z, s.counts});
+      for (const auto& s : stats) out.insert(out.end(), {s.load_balance, s.router_z, s.counts, s.probs_std});
       return out;
     };
     const auto out = recompute(block, {x});
     x = out[0];
-    if (out.size() > 1 && ctx.moe_stats) ctx.moe_stats->push_back({out[1], out[2], out[3].detach()});
+    if (out.size() > 1 && ctx.moe_stats) ctx.moe_stats->push_back({out[1], out[2], out[3].detach(), out[4].detach()});
   }
   return x;
 }

@@ -71,6 +71,8 @@ struct MoeLayerStats {
   torch::Tensor load_balance;  // 0-dim: E * sum_e f_e P_e over valid tokens (1 when balanced)
   torch::Tensor router_z;      // 0-dim: mean over valid tokens of logsumexp(router logits)^2
   torch::Tensor counts;        // (E) fp32, detached: valid tokens routed to each expert
+  torch::Tensor probs_std;     // 0-dim, detached: std of the router scores (before the bias) over
+                               // valid tokens and experts; near 0 when the router cannot tell experts apart
 };
 
 // Per-forward context shared by all blocks.

@@ -263,8 +263,13 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x, const BlockContext& ctx) 
   const auto fraction = counts / (static_cast<double>(k) * n_valid);                           // (E) f_e
   if (ctx.moe_stats) {
     const auto lse = torch::logsumexp(router_logits, -1);
+    // A statistic only: computed from detached scores (the LB and z terms above stay differentiable).
+    const auto detached = scores.detach();
+    const auto valid_scores = n_valid * static_cast<double>(E);
+    const auto score_mean = (detached * valid.unsqueeze(1)).sum() / valid_scores;
+    const auto score_std = ((detached - score_mean).square() * valid.unsqueeze(1)).sum().div(valid_scores).sqrt();
     ctx.moe_stats->push_back({static_cast<double>(E) * (fraction * mean_prob).sum(),
-                              (lse.square() * valid).sum() / n_valid, counts.to(torch::kFloat32)});
+                              (lse.square() * valid).sum() / n_valid, counts.to(torch::kFloat32), score_std});
   }
 
   // Dispatch: sort the N*k (token, slot) pairs by expert, run the experts on their rows, add back.

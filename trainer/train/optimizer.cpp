@@ -140,8 +140,8 @@ void Trainer::optimizer_update(StepOutput& out) {
     if (c.debug_kill_rank_before_parameter_gather == comm_->rank() && out.step == 1) std::raise(SIGKILL);
     if (sharded()) all_gather_chunks(flat_params_padded_, "the updated parameters");  // ZeRO-1, in place
     ++updates_applied_;
-    update_expert_bias(out);
   }
+  update_expert_bias(out, /*apply=*/!skip);
   out.step_skipped = skip;
   out.param_norm = arena_norm(flat_params_);  // with expert parallelism a collective
   out.collectives += collectives_so_far() - collectives_before;  // the ZeRO-1 gather, the norm's sum
@@ -155,16 +155,22 @@ void Trainer::optimizer_update(StepOutput& out) {
 // `--bias-zero-mean-update`) the signs are centred first, s - mean_e(s), so the layer's biases
 // keep a zero-sum drift: with more experts above the mean than below, plain signs would push every
 // bias down over time.
-void Trainer::update_expert_bias(const StepOutput& out) {
+void Trainer::update_expert_bias(StepOutput& out, bool apply) {
   const Config& c = config_;
-  if (!c.routed_bias || c.routed_bias_update_rate <= 0 || !out.expert_load.defined()) return;
+  if (!c.routed_bias || !out.expert_load.defined()) return;
   auto layers = model_->moe_layers();
+  std::vector<torch::Tensor> bias_means;  // 0-dim fp64 per MoE layer
   for (size_t i = 0; i < layers.size(); ++i) {
-    const auto load = out.expert_load[static_cast<int64_t>(i)];  // (E)
-    auto direction = torch::sign(load.mean() - load);             // (E) s
-    if (c.routed_bias_zero_mean_update) direction = direction - direction.mean();
-    layers[i]->gate->e_score_correction_bias.add_(direction, c.routed_bias_update_rate);
+    auto& bias = layers[i]->gate->e_score_correction_bias;       // (E)
+    if (apply && c.routed_bias_update_rate > 0) {
+      const auto load = out.expert_load[static_cast<int64_t>(i)];  // (E)
+      auto direction = torch::sign(load.mean() - load);             // (E) s
+      if (c.routed_bias_zero_mean_update) direction = direction - direction.mean();
+      bias.add_(direction, c.routed_bias_update_rate);
+    }
+    bias_means.push_back(bias.to(torch::kFloat64).mean());
   }
+  out.moe_router_bias_mean = torch::stack(bias_means).mean();
 }
 
 void Trainer::all_gather_chunks(torch::Tensor& padded, const std::string& what) {

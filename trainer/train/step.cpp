@@ -130,13 +130,16 @@ MicroBatchLosses micro_batch_losses(Transformer& model, const MicroBatch& batch,
   losses.router_z = torch::zeros({}, sums.ce.options());
   losses.lb_unweighted = torch::zeros({}, sums.ce.options());
   losses.router_z_unweighted = torch::zeros({}, sums.ce.options());
+  losses.router_probs_std = torch::zeros({}, sums.ce.options());
   if (!output.moe_stats.empty()) {
-    std::vector<torch::Tensor> balance, z, counts;
+    std::vector<torch::Tensor> balance, z, counts, probs_std;
     for (const auto& layer : output.moe_stats) {
       balance.push_back(layer.load_balance);
       z.push_back(layer.router_z);
       counts.push_back(layer.counts);
+      probs_std.push_back(layer.probs_std);
     }
+    losses.router_probs_std = torch::stack(probs_std).mean();
     losses.router_z_unweighted = torch::stack(z).mean();
     losses.lb_unweighted = torch::stack(balance).mean();
     // Megatron applies each router's LB and z-loss inside that router, so its objective sums them
@@ -179,7 +182,7 @@ StepOutput Trainer::forward_backward(int64_t step) {
   // Megatron's logged values: the plain CE sum (divided by W at the end, in both modes) and the
   // unweighted aux losses summed over micro-batches (divided by R*K: Megatron's plain means).
   auto ce_sum_acc = torch::zeros({}, f64), lb_unweighted_acc = torch::zeros({}, f64);
-  auto router_z_unweighted_acc = torch::zeros({}, f64);
+  auto router_z_unweighted_acc = torch::zeros({}, f64), router_probs_std_acc = torch::zeros({}, f64);
   auto mtp_depths_acc = torch::zeros({c.mtp_num_layers}, f64);
   torch::Tensor expert_counts;  // (MoE layers, E): summed over micro-batches here, averaged below
   double W = 0;
@@ -216,6 +219,7 @@ StepOutput Trainer::forward_backward(int64_t step) {
     ce_sum_acc.add_(m.ce.detach().to(torch::kFloat64));
     lb_unweighted_acc.add_(m.lb_unweighted.to(torch::kFloat64));
     router_z_unweighted_acc.add_(m.router_z_unweighted.to(torch::kFloat64));
+    router_probs_std_acc.add_(m.router_probs_std.to(torch::kFloat64));
     if (m.mtp_depths.defined()) mtp_depths_acc.add_(m.mtp_depths.to(torch::kFloat64));
     W += w;
     if (inject && micro == 0 && c.debug_inject_nonfinite_kind.rfind("grad_", 0) == 0) {
@@ -233,7 +237,8 @@ StepOutput Trainer::forward_backward(int64_t step) {
     reduce_gradients();
     std::vector<torch::Tensor> parts = {torch::tensor({W, stop_vote_ ? 1.0 : 0.0}, torch::kFloat64),
                                         torch::cat({torch::stack({ce_acc, z_acc, lb_acc, mtp_acc, router_z_acc, mtp_raw_acc,
-                                                                  ce_sum_acc, lb_unweighted_acc, router_z_unweighted_acc}),
+                                                                  ce_sum_acc, lb_unweighted_acc, router_z_unweighted_acc,
+                                                                  router_probs_std_acc}),
                                                     mtp_depths_acc}).cpu()};
     perf_note_host_read();  // the accumulators' .cpu() above
     if (expert_counts.defined()) {
@@ -249,10 +254,11 @@ StepOutput Trainer::forward_backward(int64_t step) {
     ce_acc = on_device(2), z_acc = on_device(3), lb_acc = on_device(4), mtp_acc = on_device(5);
     router_z_acc = on_device(6), mtp_raw_acc = on_device(7);
     ce_sum_acc = on_device(8), lb_unweighted_acc = on_device(9), router_z_unweighted_acc = on_device(10);
+    router_probs_std_acc = on_device(11);
     const int64_t depths = mtp_depths_acc.numel();
-    mtp_depths_acc = stats.narrow(0, 11, depths).to(f64);
+    mtp_depths_acc = stats.narrow(0, 12, depths).to(f64);
     if (expert_counts.defined())
-      expert_counts = stats.narrow(0, 11 + depths, expert_counts.numel()).view(expert_counts.sizes()).to(expert_counts.options());
+      expert_counts = stats.narrow(0, 12 + depths, expert_counts.numel()).view(expert_counts.sizes()).to(expert_counts.options());
   } else {
     out.stop_requested = stop_vote_;
   }
@@ -276,6 +282,7 @@ StepOutput Trainer::forward_backward(int64_t step) {
   out.megatron_lm_loss = ce_sum_acc * (W > 0 ? 1.0 / W : 0.0);
   out.megatron_load_balancing_loss = lb_unweighted_acc * plain_mean;
   out.megatron_z_loss = router_z_unweighted_acc * plain_mean;
+  out.moe_router_probs_std = router_probs_std_acc * plain_mean;
   if (c.mtp_num_layers > 0) out.megatron_mtp_depth_losses = mtp_depths_acc * plain_mean;
   // Expert load of the step: counts averaged over micro-batches and ranks, not summed.
   if (expert_counts.defined()) out.expert_load = expert_counts / (static_cast<double>(K) * R);

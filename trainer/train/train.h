@@ -29,6 +29,9 @@ struct StepOutput {
   torch::Tensor moe_router_z_loss;  // the router z-loss part of moe_lb_loss
   torch::Tensor mtp_loss_raw;       // mtp_loss before mtp_loss_scaling_factor
   torch::Tensor expert_load;        // (MoE layers, E) fp32: tokens per expert, mean over micro-batches
+  torch::Tensor moe_router_probs_std;  // fp64: router score std, mean over MoE layers, micro-batches, ranks
+  torch::Tensor moe_router_bias_mean;  // fp64: the expert bias after the update, mean over experts and
+                                       // MoE layers; undefined without routed_bias
   // What Megatron-LM logs (docs/metrics.md), fp64: the token-weighted CE mean over the global batch
   // in both modes; LB and router z-loss divided by their coefficients, and each MTP depth's loss
   // (unscaled), as plain means over micro-batches and ranks.
@@ -67,6 +70,7 @@ struct MicroBatchLosses {
   torch::Tensor lb_unweighted;  // mean over MoE layers of LB, not multiplied by its weight (detached)
   torch::Tensor router_z_unweighted;  // mean over MoE layers of the router z-loss, unweighted (detached)
   torch::Tensor expert_counts;  // (MoE layers, E) fp32 tokens per expert; undefined if dense
+  torch::Tensor router_probs_std;  // mean over MoE layers of MoeLayerStats::probs_std (detached)
 };
 
 // Reductions over a contiguous 1-D fp32 buffer of any size (the flat gradient or parameters) that
@@ -137,7 +141,9 @@ class Trainer {
   // (exit 2 on the first shape mismatch, a warning for each other difference), tensors renamed.
   void load_hf_parameters(const std::string& dir);
   NamedTensors arena_views(const torch::Tensor& flat) const;
-  void update_expert_bias(const StepOutput& out);
+  // Applies the step's expert-bias update (routed_bias; `apply`: the step was not skipped) and
+  // sets out.moe_router_bias_mean.
+  void update_expert_bias(StepOutput& out, bool apply);
   bool sharded() const { return shard_end_ - shard_begin_ < flat_params_.numel(); }
   // Expert parallelism (docs/distributed.md): the subgroups, and the MoE layers wired to them.
   void build_expert_parallel();

@@ -232,6 +232,8 @@ MetricValues Trainer::read_metrics(const StepOutput& out) const {
   if (moe) {  // imbalance: max over experts / mean over experts, averaged over MoE layers
     const auto load = out.expert_load.to(torch::kFloat64);
     scalars.push_back((std::get<0>(load.max(1)) / load.mean(1).clamp_min(1e-12)).mean());
+    scalars.push_back(out.moe_router_probs_std.to(torch::kFloat64));
+    if (out.moe_router_bias_mean.defined()) scalars.push_back(out.moe_router_bias_mean.to(torch::kFloat64));
   }
   const auto host = torch::stack(scalars).cpu();
   perf_note_host_read();
@@ -273,7 +275,11 @@ MetricValues Trainer::read_metrics(const StepOutput& out) const {
   }
   for (int64_t k = 0; k < depths; ++k)
     values.emplace_back("megatron/mtp_" + std::to_string(k + 1) + "_loss", v[14 + k]);
-  if (moe) values.emplace_back("moe/expert_load_max_over_mean", v[14 + depths]);
+  if (moe) {
+    values.emplace_back("moe/expert_load_max_over_mean", v[14 + depths]);
+    values.emplace_back("moe/router_probs_std", v[15 + depths]);
+    if (out.moe_router_bias_mean.defined()) values.emplace_back("moe/router_bias_mean", v[16 + depths]);
+  }
   if (out.host_allocations >= 0) {  // CPU with LibTorch 1.13 (device.h)
     values.emplace_back("perf/host_allocations_in_step", static_cast<double>(out.host_allocations));
     values.emplace_back("perf/grad_sized_allocations_in_step", static_cast<double>(out.grad_sized_allocations));
