@@ -50,22 +50,10 @@ class ConfigJson {
     throw config_error(path_ + ": field '" + field + "' " + why);
   }
   int64_t integer(const std::string& field, std::optional<int64_t> fallback = std::nullopt) const {
-    if (!has(field)) {
-      if (fallback) return *fallback;
-      fail(field, "is missing");
-    }
-    const json& v = root_[field];
-    if (!v.is_number_integer()) fail(field, "must be an integer, not " + v.dump());
-    return v.get<int64_t>();
+    return typed(field, fallback, &json::is_number_integer, "an integer");
   }
   double number(const std::string& field, std::optional<double> fallback = std::nullopt) const {
-    if (!has(field)) {
-      if (fallback) return *fallback;
-      fail(field, "is missing");
-    }
-    const json& v = root_[field];
-    if (!v.is_number()) fail(field, "must be a number, not " + v.dump());
-    return v.get<double>();
+    return typed(field, fallback, &json::is_number, "a number");
   }
   bool boolean(const std::string& field, bool fallback) const {
     if (!has(field)) return fallback;
@@ -98,6 +86,18 @@ class ConfigJson {
   json root_;
 
  private:
+  // The field as T, or `fallback` when it is absent or null (without one: an error).
+  template <class T>
+  T typed(const std::string& field, std::optional<T> fallback, bool (json::*is_kind)() const noexcept,
+          const std::string& kind) const {
+    if (!has(field)) {
+      if (fallback) return *fallback;
+      fail(field, "is missing");
+    }
+    const json& v = root_[field];
+    if (!(v.*is_kind)()) fail(field, "must be " + kind + ", not " + v.dump());
+    return v.get<T>();
+  }
   std::string path_;
 };
 
