@@ -191,9 +191,10 @@ std::vector<std::string> validation_errors(const Config& c) {
   require(!c.shard_optimizer_over_data || c.data_parallel_sharding == "none" || c.data_parallel_sharding == "optim",
           "shard_optimizer_over_data=true (the old name of data_parallel_sharding=optim) contradicts "
           "data_parallel_sharding=" + c.data_parallel_sharding);
-  require(c.data_parallel_sharding != "optim_grads" && c.data_parallel_sharding != "optim_grads_params",
-          "data_parallel_sharding=" + c.data_parallel_sharding +
-              " is not implemented yet (none and optim are; see docs/distributed.md)");
+  require(c.data_parallel_sharding != "optim_grads_params" || c.remat_policy == "full",
+          "data_parallel_sharding=optim_grads_params needs remat_policy=full (remat_policy=" + c.remat_policy +
+              "): a decoder layer's parameters are freed after its forward and gathered again for its backward, "
+              "which reruns the layer from its input (docs/distributed.md)");
   require(c.expert_parallelism >= 1, "expert_parallelism must be >= 1 (1 = every rank holds every expert)");
   if (c.expert_parallelism > 1) {
     const std::string ep = "expert_parallelism=" + std::to_string(c.expert_parallelism);

@@ -52,41 +52,61 @@ torch::Tensor linear_fused(const torch::Tensor& x, std::initializer_list<torch::
   return F::linear(x, torch::cat(weights));
 }
 
-// The function a Recompute node reruns, and the autocast state it first ran under.
+// The function a Recompute node reruns (or, with keep_graph, whose graph it keeps), the autocast
+// state it first ran under, and the unit hooks (UnitHooks).
 struct RecomputeClosure : torch::CustomClassHolder {
   RecomputeFn fn;
   bool autocast = false, cuda = false;
+  UnitHooks hooks;
+  // keep_graph (hooks.rerun == false): fn's inputs (detached leaves) and outputs, recorded in forward.
+  std::vector<torch::Tensor> kept_inputs, kept_outputs;
 };
 
-// The custom autograd node behind recompute(): forward keeps only the inputs (and the closure);
-// backward reruns the closure with recording on, then backpropagates the incoming gradients
-// through the rerun. That inner backward is reentrant: the engine runs it inside this node's
-// backward, and it accumulates parameter gradients into .grad like any other.
+// The custom autograd node behind recompute() and run_unit(): forward keeps only the inputs (and
+// the closure); backward reruns the closure with recording on, then backpropagates the incoming
+// gradients through the rerun. That inner backward is reentrant: the engine runs it inside this
+// node's backward, and it accumulates parameter gradients into .grad like any other. With
+// rerun=false forward records fn on detached copies of its inputs and backward goes through that
+// graph, so the node only marks where a unit's backward begins and ends.
 class Recompute : public torch::autograd::Function<Recompute> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 c10::intrusive_ptr<RecomputeClosure> closure, at::TensorList inputs) {
-    ctx->save_for_backward(inputs.vec());
-    const auto outputs = closure->fn(inputs.vec());  // grad mode is off inside forward: nothing recorded
+    if (closure->hooks.before_run) closure->hooks.before_run();
+    std::vector<torch::Tensor> outputs;
+    if (closure->hooks.rerun) {
+      ctx->save_for_backward(inputs.vec());
+      outputs = closure->fn(inputs.vec());  // grad mode is off inside forward: nothing recorded
+    } else {
+      for (const auto& input : inputs) closure->kept_inputs.push_back(input.detach().requires_grad_(input.requires_grad()));
+      torch::AutoGradMode record(true);
+      closure->kept_outputs = closure->fn(closure->kept_inputs);
+      for (const auto& output : closure->kept_outputs) outputs.push_back(output.detach());
+    }
     ctx->saved_data["closure"] = c10::IValue::make_capsule(std::move(closure));
     return outputs;
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
     const auto closure = c10::static_intrusive_pointer_cast<RecomputeClosure>(ctx->saved_data["closure"].toCapsule());
-    std::vector<torch::Tensor> inputs;
-    for (const auto& saved : ctx->get_saved_variables())
-      inputs.push_back(saved.detach().requires_grad_(saved.requires_grad()));
-    std::vector<torch::Tensor> outputs;
-    {
+    std::vector<torch::Tensor> inputs, outputs;
+    if (closure->hooks.rerun) {
+      for (const auto& saved : ctx->get_saved_variables())
+        inputs.push_back(saved.detach().requires_grad_(saved.requires_grad()));
+      if (closure->hooks.before_run) closure->hooks.before_run();
       torch::AutoGradMode record(true);
       compat::AutocastGuard autocast(closure->autocast, closure->cuda);
       outputs = closure->fn(inputs);
+    } else {
+      inputs = std::move(closure->kept_inputs);
+      outputs = std::move(closure->kept_outputs);
     }
     std::vector<torch::Tensor> roots, grads;
     for (size_t i = 0; i < outputs.size(); ++i)
       if (grad_outputs[i].defined() && outputs[i].requires_grad()) roots.push_back(outputs[i]), grads.push_back(grad_outputs[i]);
     if (!roots.empty()) torch::autograd::backward(roots, grads);
+    outputs.clear();  // the unit's graph is released before its hook runs
+    if (closure->hooks.after_backward) closure->hooks.after_backward();
     torch::autograd::variable_list input_grads = {torch::Tensor()};  // the closure argument
     for (const auto& input : inputs) input_grads.push_back(input.requires_grad() ? input.grad() : torch::Tensor());
     return input_grads;
@@ -104,15 +124,23 @@ torch::Tensor norm_forward(RMSNorm& norm, const torch::Tensor& x, bool recompute
 
 }  // namespace
 
-std::vector<torch::Tensor> recompute(const RecomputeFn& fn, const std::vector<torch::Tensor>& inputs) {
+std::vector<torch::Tensor> run_unit(const RecomputeFn& fn, const std::vector<torch::Tensor>& inputs, UnitHooks hooks) {
   const bool recording = torch::GradMode::is_enabled() &&
                          std::any_of(inputs.begin(), inputs.end(), [](const torch::Tensor& t) { return t.requires_grad(); });
-  if (!recording) return fn(inputs);
+  if (!recording) {
+    if (hooks.before_run) hooks.before_run();
+    return fn(inputs);
+  }
   auto closure = c10::make_intrusive<RecomputeClosure>();
   closure->fn = fn;
   closure->cuda = !inputs.empty() && inputs[0].is_cuda();
   closure->autocast = compat::autocast_is_enabled(closure->cuda);
+  closure->hooks = std::move(hooks);
   return Recompute::apply(std::move(closure), at::TensorList(inputs));
+}
+
+std::vector<torch::Tensor> recompute(const RecomputeFn& fn, const std::vector<torch::Tensor>& inputs) {
+  return run_unit(fn, inputs, {});
 }
 
 AttentionImpl::AttentionImpl(const Config& c)
@@ -249,13 +277,14 @@ torch::Tensor DecoderStackImpl::forward(const torch::Tensor& embeddings, const B
   auto x = embeddings;
   for (int64_t i = 0; i < num_decoder_layers; ++i) {
     auto layer = layers[i]->as<DecoderLayerImpl>();
-    if (remat_policy != "full") {
+    if (remat_policy != "full" && !layer_hooks) {
       x = layer->forward(x, ctx);
       continue;
     }
     // remat_policy=full: only the block's input is kept; a MoE block's statistics come back as
     // outputs of the recomputed function (load balance, router z, counts, score std), so the rerun in
-    // backward does not append them a second time.
+    // backward does not append them a second time. A sharded layer (layer_hooks) is the same unit,
+    // with its gather before each run and its gradient reduction after its backward.
     BlockContext block_ctx = ctx;
     const auto block = [layer, block_ctx](const std::vector<torch::Tensor>& in) {
       std::vector<MoeLayerStats> stats;
@@ -265,7 +294,13 @@ torch::Tensor DecoderStackImpl::forward(const torch::Tensor& embeddings, const B
       for (const auto& s : stats) out.insert(out.end(), {s.load_balance, s.router_z, s.counts, s.probs_std});
       return out;
     };
-    const auto out = recompute(block, {x});
+    UnitHooks hooks;
+    if (layer_hooks) {
+      hooks.rerun = remat_policy == "full" || layer_hooks->decoder_layer_rerun();
+      hooks.before_run = [hooks_owner = layer_hooks, i] { hooks_owner->decoder_layer_gather(i); };
+      hooks.after_backward = [hooks_owner = layer_hooks, i] { hooks_owner->decoder_layer_grads_ready(i); };
+    }
+    const auto out = run_unit(block, {x}, std::move(hooks));
     x = out[0];
     if (out.size() > 1 && ctx.moe_stats) ctx.moe_stats->push_back({out[1], out[2], out[3].detach(), out[4].detach()});
   }

@@ -30,37 +30,47 @@ std::pair<double, double> mean_and_std(const std::deque<double>& values) {
 // gradient buffer, and the collective, norm, zero count, clipping and AdamW each run once on
 // the whole buffer.
 void Trainer::build_flat_buffers() {
+  const auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(device_);
+  const std::string& level = config_.data_parallel_sharding;
   int64_t total = 0;
   for (const auto& p : model_->parameters()) total += p.numel();
-  // With ZeRO-1 the parameter arena is padded to R equal chunks (at most R - 1 extra zeros),
-  // so each rank's chunk is a view the all-gather fills in place; the parameters view the first
-  // `total` elements. rank r owns [r*chunk, (r+1)*chunk) of the padded arena.
-  const int64_t ranks = config_.data_parallel_sharding == "optim" ? comm_->world_size() : 1;
-  shard_chunk_ = (total + ranks - 1) / ranks;
-  const auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(device_);
-  flat_params_padded_ = torch::zeros({shard_chunk_ * ranks}, opts);
-  flat_grads_ = torch::zeros({total}, opts);
-  flat_params_ = flat_params_padded_.narrow(0, 0, total);
-  torch::NoGradGuard no_grad;
-  int64_t offset = 0;
-  for (auto& item : model_->named_parameters()) {  // the order of parameters()
-    auto& p = item.value();
-    const int64_t n = p.numel();
-    auto param_view = flat_params_.narrow(0, offset, n).view(p.sizes());
-    param_view.copy_(p);
-    p.set_data(param_view);
-    p.mutable_grad() = flat_grads_.narrow(0, offset, n).view(p.sizes());
-    if (model_is_stacked_experts(item.key())) {
-      if (!expert_segments_.empty() && expert_segments_.back().first + expert_segments_.back().second == offset)
-        expert_segments_.back().second += n;  // a layer's gate_up_proj and down_proj: one run
-      else
-        expert_segments_.emplace_back(offset, n);
+  if (level == "optim_grads" || level == "optim_grads_params") {
+    // The units, shards and gathered buffers are sharding.h's; AdamW runs on the whole shard.
+    sharded_state_ = std::make_unique<ShardedModelState>(model_, *comm_, config_, device_);
+    flat_params_ = sharded_state_->arena;  // undefined with optim_grads_params
+    shard_begin_ = 0;
+    shard_end_ = shard_chunk_ = sharded_state_->param_shard.numel();
+  } else {
+    // With ZeRO-1 the parameter arena is padded to R equal chunks (at most R - 1 extra zeros),
+    // so each rank's chunk is a view the all-gather fills in place; the parameters view the first
+    // `total` elements. rank r owns [r*chunk, (r+1)*chunk) of the padded arena.
+    const int64_t ranks = level == "optim" ? comm_->world_size() : 1;
+    shard_chunk_ = (total + ranks - 1) / ranks;
+    flat_params_padded_ = torch::zeros({shard_chunk_ * ranks}, opts);
+    flat_grads_ = torch::zeros({total}, opts);
+    flat_params_ = flat_params_padded_.narrow(0, 0, total);
+    torch::NoGradGuard no_grad;
+    int64_t offset = 0;
+    for (auto& item : model_->named_parameters()) {  // the order of parameters()
+      auto& p = item.value();
+      const int64_t n = p.numel();
+      auto param_view = flat_params_.narrow(0, offset, n).view(p.sizes());
+      param_view.copy_(p);
+      p.set_data(param_view);
+      p.mutable_grad() = flat_grads_.narrow(0, offset, n).view(p.sizes());
+      if (model_is_stacked_experts(item.key())) {
+        if (!expert_segments_.empty() && expert_segments_.back().first + expert_segments_.back().second == offset)
+          expert_segments_.back().second += n;  // a layer's gate_up_proj and down_proj: one run
+        else
+          expert_segments_.emplace_back(offset, n);
+      }
+      offset += n;
     }
-    offset += n;
+    shard_begin_ = std::min(total, (ranks > 1 ? comm_->rank() : 0) * shard_chunk_);
+    shard_end_ = std::min(total, shard_begin_ + shard_chunk_);
   }
-  shard_begin_ = std::min(total, (ranks > 1 ? comm_->rank() : 0) * shard_chunk_);
-  shard_end_ = std::min(total, shard_begin_ + shard_chunk_);
-  // ZeRO-1: rank r keeps AdamW state for elements [r*chunk, (r+1)*chunk) only.
+  // AdamW state for this rank's shard only: all of P without sharding, [r*chunk, (r+1)*chunk)
+  // with ZeRO-1, this rank's part of every unit above it.
   adam_m_ = torch::zeros({shard_end_ - shard_begin_}, opts);
   adam_v_ = torch::zeros({shard_end_ - shard_begin_}, opts);
   // The fused CUDA kernel needs neither the denominator workspace nor host-side bias terms.
@@ -110,7 +120,7 @@ void Trainer::optimizer_update(StepOutput& out) {
   // Global-norm clipping (optax.clip_by_global_norm): g *= min(1, threshold / ||g||).
   if (c.gradient_clipping_threshold > 0) {
     const auto factor = out.raw_grad_norm.reciprocal().mul(c.gradient_clipping_threshold).clamp_max(1.0);  // fp64
-    flat_grads_.mul_(factor.to(torch::kFloat32));
+    step_grads().mul_(factor.to(torch::kFloat32));
     out.grad_norm = out.raw_grad_norm * factor;
   } else {
     out.grad_norm = out.raw_grad_norm;
@@ -123,8 +133,8 @@ void Trainer::optimizer_update(StepOutput& out) {
     const double bias2 = 1.0 - std::pow(c.adam_b2, t);
     const double lr = out.learning_rate;
     const int64_t n = shard_end_ - shard_begin_;
-    const auto grads = flat_grads_.narrow(0, shard_begin_, n);
-    auto params = flat_params_.narrow(0, shard_begin_, n);
+    const auto grads = sharded_state_ ? sharded_state_->grad_shard : flat_grads_.narrow(0, shard_begin_, n);
+    auto params = sharded_state_ ? sharded_state_->param_shard : flat_params_.narrow(0, shard_begin_, n);
     if (adam_step_.defined()) {  // CUDA: the same formula in one kernel (bias terms from t on the device)
       adam_step_.fill_(t);
       compat::fused_adamw(params, grads, adam_m_, adam_v_, adam_step_, lr, c.adam_b1, c.adam_b2, c.adam_weight_decay,
@@ -137,13 +147,20 @@ void Trainer::optimizer_update(StepOutput& out) {
       params.mul_(1.0 - lr * c.adam_weight_decay);
       params.addcdiv_(adam_m_, adam_scratch_, -lr / bias1);
     }
-    if (c.debug_kill_rank_before_parameter_gather == comm_->rank() && out.step == 1) std::raise(SIGKILL);
+    if (c.debug_kill_rank_before_parameter_gather == comm_->rank() && out.step == 1) {
+      if (sharded_state_ && sharded_state_->params_sharded())
+        sharded_state_->kill_in_next_layer_gather = true;  // the next gathers are the layers' in forward
+      else
+        std::raise(SIGKILL);
+    }
     if (sharded()) all_gather_chunks(flat_params_padded_, "the updated parameters");  // ZeRO-1, in place
+    if (sharded_state_) sharded_state_->params_updated();
     ++updates_applied_;
   }
   update_expert_bias(out, /*apply=*/!skip);
   out.step_skipped = skip;
-  out.param_norm = arena_norm(flat_params_);  // with expert parallelism a collective
+  // A collective with expert parallelism or sharding.
+  out.param_norm = sharded_state_ ? sharded_state_->norm(sharded_state_->param_shard) : arena_norm(flat_params_);
   out.collectives += collectives_so_far() - collectives_before;  // the ZeRO-1 gather, the norm's sum
   out.collective_bytes += bytes_sent_so_far() - bytes_before;
 }

@@ -70,11 +70,14 @@ CheckpointContents Trainer::snapshot(int64_t completed_steps) {
   torch::NoGradGuard no_grad;
   CheckpointContents c;
   // One copy per flat buffer; the named tensors are views into those copies.
-  const auto params = flat_params_.to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
+  // Sharded levels gather every unit to a host copy of the arena (docs/checkpoints.md).
+  const auto params = sharded_state_ ? sharded_state_->gather_to_host(sharded_state_->param_shard, "the parameters")
+                                     : flat_params_.to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
   // (P) full moments on the host; with ZeRO-1 assembled from every rank (a collective) through a
   // transient padded buffer laid out as the parameter arena, in which this rank fills its chunk.
   torch::Tensor full = sharded() ? torch::zeros_like(flat_params_padded_) : torch::Tensor();
   const auto host_moments = [&](const torch::Tensor& shard, const std::string& what) {
+    if (sharded_state_) return sharded_state_->gather_to_host(shard, what);
     if (!sharded()) return shard.to(torch::kCPU, false, true);
     full.narrow(0, shard_begin_, shard_end_ - shard_begin_).copy_(shard);
     all_gather_chunks(full, what);
@@ -114,7 +117,10 @@ void Trainer::restore(const CheckpointContents& c, bool full_state, const std::s
   torch::NoGradGuard no_grad;
   std::map<std::string, torch::Tensor> saved(c.model.begin(), c.model.end());
   std::vector<std::string> problems;
-  const auto targets = restore_targets(flat_params_);  // with expert parallelism: whole-layer experts
+  // Sharded levels restore through a host copy of the arena, from which each rank keeps its parts.
+  const int64_t P = sharded_state_ ? sharded_state_->total_params() : flat_params_.numel();
+  const auto params = sharded_state_ ? torch::empty({P}, torch::kFloat32) : flat_params_;
+  const auto targets = restore_targets(params);  // with expert parallelism: whole-layer experts
   NamedTensors tensors = model_checkpoint_views(targets);
   for (const auto& item : model_->named_buffers()) tensors.emplace_back(item.key(), item.value());
   for (auto& [name, tensor] : tensors) {
@@ -140,10 +146,11 @@ void Trainer::restore(const CheckpointContents& c, bool full_state, const std::s
     if (problems.size() > 20) message += "\n  - ... and " + std::to_string(problems.size() - 20) + " more";
     throw config_error(message);
   }
-  keep_local_experts(targets, flat_params_);
+  keep_local_experts(targets, params);
+  if (sharded_state_) sharded_state_->params_load(params);
   if (!full_state) return;
   std::map<std::string, torch::Tensor> moments(c.optimizer.begin(), c.optimizer.end());
-  auto full_m = torch::empty_like(flat_params_), full_v = torch::empty_like(flat_params_);  // (P)
+  auto full_m = torch::empty_like(params), full_v = torch::empty_like(params);  // (P)
   for (auto [prefix, flat] : {std::pair{"exp_avg.", full_m}, std::pair{"exp_avg_sq.", full_v}}) {
     const auto moment_targets = restore_targets(flat);
     for (auto& [name, view] : model_checkpoint_views(moment_targets)) {
@@ -155,8 +162,8 @@ void Trainer::restore(const CheckpointContents& c, bool full_state, const std::s
     keep_local_experts(moment_targets, flat);
   }
   // Checkpoints hold the full moments, so any world size and sharding can load them.
-  adam_m_.copy_(full_m.narrow(0, shard_begin_, shard_end_ - shard_begin_));
-  adam_v_.copy_(full_v.narrow(0, shard_begin_, shard_end_ - shard_begin_));
+  adam_m_.copy_(sharded_state_ ? sharded_state_->shard_of(full_m) : full_m.narrow(0, shard_begin_, shard_end_ - shard_begin_));
+  adam_v_.copy_(sharded_state_ ? sharded_state_->shard_of(full_v) : full_v.narrow(0, shard_begin_, shard_end_ - shard_begin_));
   if (c.state.world_size != config_.data_parallel_size)
     spdlog::warn("{} was written with {} ranks, resuming with {}", source, c.state.world_size, config_.data_parallel_size);
   updates_applied_ = c.state.updates_applied;
@@ -245,6 +252,7 @@ NamedTensors Trainer::logits_for(const std::vector<int64_t>& tokens) {
   const auto positions = torch::arange(length, torch::kInt64).reshape({1, length}).to(device_);
   const auto segments = torch::ones({1, length}, torch::kInt64).to(device_);
   ModelOutput out;
+  if (sharded_state_) sharded_state_->params_ensure();
   {
     compat::AutocastGuard autocast(config_.dtype == "bfloat16", device_.is_cuda());
     out = model_->forward(row, positions, segments, /*one_segment_per_row=*/true);

@@ -174,7 +174,11 @@ StepOutput Trainer::forward_backward(int64_t step) {
   // Counted from here: with expert parallelism the MoE layers exchange rows during the step.
   const int64_t collectives_before = collectives_so_far();
   const double bytes_before = bytes_sent_so_far();
-  flat_grads_.zero_();  // autograd accumulates into views of this buffer, in place
+  // Autograd accumulates into views of the flat buffer in place (sharded: of the unit buffers).
+  if (sharded_state_)
+    sharded_state_->step_begin();
+  else
+    flat_grads_.zero_();
   // Detached float64 accumulators of the terms of J (before the final scale).
   auto ce_acc = torch::zeros({}, f64), z_acc = torch::zeros({}, f64);
   auto lb_acc = torch::zeros({}, f64), mtp_acc = torch::zeros({}, f64);
@@ -224,7 +228,7 @@ StepOutput Trainer::forward_backward(int64_t step) {
     W += w;
     if (inject && micro == 0 && c.debug_inject_nonfinite_kind.rfind("grad_", 0) == 0) {
       // A non-finite value that reaches only the gradient, as a bad backward kernel would.
-      flat_grads_[0].fill_(c.debug_inject_nonfinite_kind == "grad_nan"
+      step_grads()[0].fill_(c.debug_inject_nonfinite_kind == "grad_nan"
                            ? std::numeric_limits<float>::quiet_NaN()
                                : std::numeric_limits<float>::infinity());
     }
@@ -232,9 +236,11 @@ StepOutput Trainer::forward_backward(int64_t step) {
 
   // Data parallel: one bucketed all-reduce of the flat gradient and one of the step's scalars
   // (W, the J accumulators, expert counts, the stop vote), once per step, not per micro-batch.
+  // Sharded levels reduced each decoder layer's gradient after its backward; the outer units' now.
   const auto sync_start = std::chrono::steady_clock::now();
+  if (sharded_state_) sharded_state_->step_reduce_outer();
   if (!comm_->is_local()) {
-    reduce_gradients();
+    if (!sharded_state_) reduce_gradients();
     std::vector<torch::Tensor> parts = {torch::tensor({W, stop_vote_ ? 1.0 : 0.0}, torch::kFloat64),
                                         torch::cat({torch::stack({ce_acc, z_acc, lb_acc, mtp_acc, router_z_acc, mtp_raw_acc,
                                                                   ce_sum_acc, lb_unweighted_acc, router_z_unweighted_acc,
@@ -269,7 +275,7 @@ StepOutput Trainer::forward_backward(int64_t step) {
   const double R = static_cast<double>(comm_->world_size());
   const double scale = per_token ? (W > 0 ? 1.0 / W : 0.0) : 1.0 / (R * static_cast<double>(K));
   torch::NoGradGuard no_grad;
-  flat_grads_.mul_(scale);
+  step_grads().mul_(scale);
   out.total_weights = W;
   out.lm_loss = ce_acc * scale;
   out.z_loss = z_acc * scale;
@@ -286,8 +292,13 @@ StepOutput Trainer::forward_backward(int64_t step) {
   if (c.mtp_num_layers > 0) out.megatron_mtp_depth_losses = mtp_depths_acc * plain_mean;
   // Expert load of the step: counts averaged over micro-batches and ranks, not summed.
   if (expert_counts.defined()) out.expert_load = expert_counts / (static_cast<double>(K) * R);
-  out.raw_grad_norm = arena_norm(flat_grads_);
-  if (c.log_num_zeros_in_grad) out.num_zeros = arena_count_zeros(flat_grads_);
+  if (sharded_state_) {
+    out.raw_grad_norm = sharded_state_->norm(sharded_state_->grad_shard);
+    if (c.log_num_zeros_in_grad) out.num_zeros = sharded_state_->count_zeros(sharded_state_->grad_shard);
+  } else {
+    out.raw_grad_norm = arena_norm(flat_grads_);
+    if (c.log_num_zeros_in_grad) out.num_zeros = arena_count_zeros(flat_grads_);
+  }
   out.collectives = collectives_so_far() - collectives_before;  // with the norms' sums
   out.collective_bytes = bytes_sent_so_far() - bytes_before;
   return out;

@@ -17,6 +17,7 @@
 #include "trainer/model/model.h"
 #include "trainer/train/device.h"
 #include "trainer/train/schedule.h"
+#include "trainer/train/sharding.h"
 
 namespace trainer {
 
@@ -128,6 +129,9 @@ class Trainer {
   Transformer& model() { return model_; }
   torch::Tensor flat_params() const { return flat_params_; }  // (P) fp32, every parameter is a view
   torch::Tensor flat_grads() const { return flat_grads_; }    // (P) fp32, every .grad is a view
+  // optim_grads / optim_grads_params: the sharded model state (flat_grads() is then undefined, and
+  // so is flat_params() with optim_grads_params); null at the other levels.
+  const ShardedModelState* sharded_state() const { return sharded_state_.get(); }
   const DataLoader& data() const { return data_; }
   const Communicator& communicator() const { return *comm_; }
   int64_t updates_applied() const { return updates_applied_; }
@@ -144,7 +148,9 @@ class Trainer {
   // Applies the step's expert-bias update (routed_bias; `apply`: the step was not skipped) and
   // sets out.moe_router_bias_mean.
   void update_expert_bias(StepOutput& out, bool apply);
-  bool sharded() const { return shard_end_ - shard_begin_ < flat_params_.numel(); }
+  bool sharded() const { return !sharded_state_ && shard_end_ - shard_begin_ < flat_params_.numel(); }  // ZeRO-1
+  // The gradient buffer a step accumulates, normalizes and clips: the flat arena, or the shard.
+  torch::Tensor step_grads() const { return sharded_state_ ? sharded_state_->grad_shard : flat_grads_; }
   // Expert parallelism (docs/distributed.md): the subgroups, and the MoE layers wired to them.
   void build_expert_parallel();
   // Sums the flat gradient over the ranks that hold each part: dense parameters over all R, the
@@ -162,7 +168,9 @@ class Trainer {
   // are whole-layer host tensors; keep_local_experts then copies this rank's experts into `flat`.
   NamedTensors restore_targets(const torch::Tensor& flat) const;
   void keep_local_experts(const NamedTensors& targets, const torch::Tensor& flat) const;
-  bool snapshot_is_collective() const { return sharded() || expert_group_ != nullptr; }
+  bool snapshot_is_collective() const {
+    return sharded() || expert_group_ != nullptr || (sharded_state_ && !comm_->is_local());
+  }
   int64_t collectives_so_far() const;  // over the world group and the expert-parallel subgroups
   double bytes_sent_so_far() const;
   // ZeRO-1: `padded` (R * shard_chunk_) holds this rank's chunk; afterwards every rank's chunk,
@@ -181,6 +189,7 @@ class Trainer {
   int64_t expert_rank_ = 0;  // this rank's position in its expert-parallel group
   std::vector<std::pair<int64_t, int64_t>> expert_segments_;  // (offset, numel) of the stacked expert tensors in the arena
   Transformer model_{nullptr};
+  std::unique_ptr<ShardedModelState> sharded_state_;  // data_parallel_sharding optim_grads | optim_grads_params
   DataLoader data_;
   ModelSize size_;
   double peak_tflops_ = 0;      // for perf/mfu; 0 = unknown

@@ -106,7 +106,7 @@ Trainer::Trainer(Config config)
   build_flat_buffers();
   build_expert_parallel();
   perf_startup_mark("to device + flat buffers");
-  if (device_.is_cpu()) host_allocations_watch(static_cast<size_t>(flat_grads_.numel()) * sizeof(float));
+  if (device_.is_cpu()) host_allocations_watch(static_cast<size_t>(step_grads().numel()) * sizeof(float));
   const std::string name = device_name(device_);
   peak_tflops_ = config_.peak_tflops_per_device > 0 ? config_.peak_tflops_per_device
                                                     : device_known_peak_tflops(name, config_.dtype);
@@ -316,6 +316,7 @@ MetricValues Trainer::evaluate(int64_t index) {
     eval_data_ = std::make_unique<DataLoader>(c, dist_.rank, std::move(source));
   }
   torch::NoGradGuard no_grad;
+  if (sharded_state_) sharded_state_->params_ensure();  // the decoder layers gather as they run
   // The same quantity as learning/lm_loss in per-token mode: the token-weighted mean of CE plus
   // the z-loss term (the loss term being optimized); eval/z_loss is that z part, and perplexity
   // is of the cross-entropy alone.

@@ -1,0 +1,234 @@
+// Sharded data parallelism above ZeRO-1 (see sharding.h): the unit layout, the per-layer
+// gathers and gradient reductions, and the conversions between shards and the full arena.
+#include "trainer/train/sharding.h"
+
+#include <algorithm>
+#include <csignal>
+
+#include <spdlog/spdlog.h>
+
+#include "trainer/train/train.h"
+
+namespace trainer {
+namespace {
+
+// The unit of a parameter: 0 for the embedding, 1 + i for decoder layer i (not an MTP block), the
+// last index for everything else.
+size_t unit_of(const std::string& name, int64_t decoder_layers) {
+  const std::string layers = "model.layers.";
+  if (name.rfind("model.embed_tokens.", 0) == 0) return 0;
+  if (name.rfind(layers, 0) == 0) {
+    const int64_t i = std::stoll(name.substr(layers.size(), name.find('.', layers.size()) - layers.size()));
+    if (i < decoder_layers) return static_cast<size_t>(i) + 1;
+  }
+  return static_cast<size_t>(decoder_layers) + 1;
+}
+
+}  // namespace
+
+ShardedModelState::ShardedModelState(Transformer model, Communicator& comm, const Config& config,
+                                     const torch::Device& device)
+    : model_(std::move(model)),
+      comm_(comm),
+      bucket_elements_(std::max<int64_t>(1, config.gradient_bucket_size_mb * (1 << 20) / 4)),
+      params_sharded_(config.data_parallel_sharding == "optim_grads_params") {
+  const int64_t R = comm_.world_size(), rank = comm_.rank();
+  const int64_t layers = model_->model->num_decoder_layers;
+  units_.resize(static_cast<size_t>(layers) + 2);
+  units_.front().name = "model.embed_tokens";
+  for (int64_t i = 0; i < layers; ++i) {
+    units_[static_cast<size_t>(i) + 1].name = "model.layers." + std::to_string(i);
+    units_[static_cast<size_t>(i) + 1].layer = i;
+  }
+  units_.back().name = "the rest (MTP blocks, final norm, head)";
+  // Units are contiguous runs of the arena because named_parameters() lists modules in order.
+  const auto named = model_->named_parameters();
+  std::vector<size_t> unit_index;
+  for (const auto& item : named) {
+    const size_t u = unit_of(item.key(), layers);
+    TORCH_CHECK(unit_index.empty() || u >= unit_index.back(), "sharding: parameter ", item.key(), " is out of unit order");
+    unit_index.push_back(u);
+    units_[u].numel += item.value().numel();
+  }
+  int64_t begin = 0, shard = 0, largest_layer = 0;
+  for (auto& unit : units_) {
+    unit.begin = begin;
+    unit.part = (unit.numel + R - 1) / R;
+    unit.shard_offset = shard;
+    unit.own = std::clamp<int64_t>(unit.numel - rank * unit.part, 0, unit.part);
+    begin += unit.numel;
+    shard += unit.part;
+    if (unit.layer >= 0) largest_layer = std::max(largest_layer, R * unit.part);
+  }
+  total_ = begin;
+  rank_ = rank;
+
+  const auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(device);
+  param_shard = torch::zeros({shard}, opts);
+  grad_shard = torch::zeros({shard}, opts);
+  outer_rest_offset_ = R * units_.front().part;
+  outer_grads_ = torch::zeros({outer_rest_offset_ + R * units_.back().part}, opts);
+  layer_grads_ = torch::zeros({largest_layer}, opts);
+  if (params_sharded_) {
+    outer_params_ = torch::zeros_like(outer_grads_);
+    layer_params_ = torch::zeros({largest_layer}, opts);
+  } else {
+    arena = torch::zeros({total_}, opts);
+  }
+
+  torch::NoGradGuard no_grad;
+  int64_t offset = 0;
+  for (size_t i = 0; i < named.size(); ++i) {
+    auto p = named[i].value();
+    const ShardUnit& unit = units_[unit_index[i]];
+    const int64_t n = p.numel();
+    const bool outer = unit.layer < 0;
+    // This rank's part of the unit that lies in this parameter.
+    const int64_t part_begin = unit.begin + rank * unit.part;
+    const int64_t lo = std::max(offset, part_begin), hi = std::min(offset + n, part_begin + unit.own);
+    if (lo < hi)
+      param_shard.narrow(0, unit.shard_offset + lo - part_begin, hi - lo).copy_(p.reshape({-1}).narrow(0, lo - offset, hi - lo));
+    const int64_t in_unit = offset - unit.begin;
+    const int64_t outer_at = (&unit == &units_.back() ? outer_rest_offset_ : 0) + in_unit;
+    torch::Tensor view;
+    if (!params_sharded_)
+      view = arena.narrow(0, offset, n);
+    else
+      view = outer ? outer_params_.narrow(0, outer_at, n) : layer_params_.narrow(0, in_unit, n);
+    if (!params_sharded_ || outer) view.copy_(p.reshape({-1}));  // a layer's values arrive with its gather
+    p.set_data(view.view(p.sizes()));
+    p.mutable_grad() = (outer ? outer_grads_.narrow(0, outer_at, n) : layer_grads_.narrow(0, in_unit, n)).view(p.sizes());
+    offset += n;
+  }
+  model_->model->layer_hooks = this;
+  spdlog::info("data_parallel_sharding={}: {} units over {} ranks; this rank holds {:.1f} MiB of each of parameters, "
+               "gradients and the two AdamW moments ({:.1f} MiB without sharding)",
+               config.data_parallel_sharding, units_.size(), R, 4.0 * static_cast<double>(shard) / (1 << 20),
+               4.0 * static_cast<double>(total_) / (1 << 20));
+}
+
+ShardedModelState::~ShardedModelState() { model_->model->layer_hooks = nullptr; }
+
+int64_t ShardedModelState::padding_elements() const { return comm_.world_size() * param_shard.numel() - total_; }
+
+void ShardedModelState::gather_unit(const ShardUnit& unit, const torch::Tensor& shard, torch::Tensor padded,
+                                    const std::string& what) {
+  const int64_t R = comm_.world_size();
+  const int64_t slice = std::max<int64_t>(1, bucket_elements_ / R);
+  for (int64_t offset = 0; offset < unit.part; offset += slice) {
+    const int64_t n = std::min(slice, unit.part - offset);
+    std::vector<torch::Tensor> parts;
+    for (int64_t r = 0; r < R; ++r) parts.push_back(padded.narrow(0, r * unit.part + offset, n));
+    parts[static_cast<size_t>(rank_)].copy_(shard.narrow(0, unit.shard_offset + offset, n));
+    comm_.all_gather(parts, what + " of " + unit.name + " (all-gather at element " + std::to_string(offset) + ")");
+  }
+}
+
+// Without a reduce-scatter in Gloo (LibTorch 1.13) the unit is all-reduced bucket by bucket and
+// each rank keeps its part: 2 (R-1)/R x 4 numel bytes sent instead of (R-1)/R x 4 numel.
+void ShardedModelState::reduce_unit(const ShardUnit& unit, torch::Tensor padded) {
+  for (int64_t offset = 0; offset < unit.numel; offset += bucket_elements_) {
+    auto view = padded.narrow(0, offset, std::min(bucket_elements_, unit.numel - offset));
+    comm_.all_reduce_sum(view, "the gradient of " + unit.name + " at element " + std::to_string(offset));
+  }
+  grad_shard.narrow(0, unit.shard_offset, unit.part).add_(padded.narrow(0, rank_ * unit.part, unit.part));
+  padded.zero_();
+}
+
+void ShardedModelState::step_begin() {
+  grad_shard.zero_();
+  outer_grads_.zero_();
+  layer_grads_.zero_();
+  params_ensure();
+}
+
+void ShardedModelState::params_ensure() {
+  if (!params_sharded_ || !outer_stale_) return;
+  torch::NoGradGuard no_grad;
+  const int64_t R = comm_.world_size();
+  gather_unit(units_.front(), param_shard, outer_params_.narrow(0, 0, R * units_.front().part), "the parameters");
+  gather_unit(units_.back(), param_shard, outer_params_.narrow(0, outer_rest_offset_, R * units_.back().part),
+              "the parameters");
+  outer_stale_ = false;
+}
+
+void ShardedModelState::step_reduce_outer() {
+  torch::NoGradGuard no_grad;
+  const int64_t R = comm_.world_size();
+  reduce_unit(units_.front(), outer_grads_.narrow(0, 0, R * units_.front().part));
+  reduce_unit(units_.back(), outer_grads_.narrow(0, outer_rest_offset_, R * units_.back().part));
+}
+
+void ShardedModelState::params_updated() {
+  if (params_sharded_) {
+    outer_stale_ = true;
+    return;
+  }
+  torch::NoGradGuard no_grad;
+  const int64_t R = comm_.world_size();
+  int64_t largest = 0;
+  for (const auto& unit : units_) largest = std::max(largest, R * unit.part);
+  if (!unit_buffer_.defined() || unit_buffer_.numel() < largest) unit_buffer_ = torch::empty({largest}, param_shard.options());
+  for (const auto& unit : units_) {
+    gather_unit(unit, param_shard, unit_buffer_.narrow(0, 0, R * unit.part), "the updated parameters");
+    arena.narrow(0, unit.begin, unit.numel).copy_(unit_buffer_.narrow(0, 0, unit.numel));
+  }
+}
+
+void ShardedModelState::decoder_layer_gather(int64_t layer) {
+  if (!params_sharded_) return;
+  if (kill_in_next_layer_gather) std::raise(SIGKILL);
+  torch::NoGradGuard no_grad;
+  const ShardUnit& unit = layer_unit(layer);
+  gather_unit(unit, param_shard, layer_params_.narrow(0, 0, comm_.world_size() * unit.part), "the parameters");
+}
+
+void ShardedModelState::decoder_layer_grads_ready(int64_t layer) {
+  torch::NoGradGuard no_grad;
+  const ShardUnit& unit = layer_unit(layer);
+  reduce_unit(unit, layer_grads_.narrow(0, 0, comm_.world_size() * unit.part));
+}
+
+torch::Tensor ShardedModelState::norm(const torch::Tensor& shard) {
+  auto sum_of_squares = flat_buffer_norm(shard).square().reshape({1});
+  comm_.all_reduce_sum(sum_of_squares, "the sharded part of a norm");
+  return sum_of_squares[0].sqrt();
+}
+
+torch::Tensor ShardedModelState::count_zeros(const torch::Tensor& shard) {
+  auto zeros = flat_buffer_count_zeros(shard).reshape({1});
+  comm_.all_reduce_sum(zeros, "the sharded part of a zero count");
+  return zeros[0] - padding_elements();
+}
+
+torch::Tensor ShardedModelState::gather_to_host(const torch::Tensor& shard, const std::string& what) {
+  torch::NoGradGuard no_grad;
+  const int64_t R = comm_.world_size();
+  int64_t largest = 0;
+  for (const auto& unit : units_) largest = std::max(largest, R * unit.part);
+  auto buffer = torch::empty({largest}, shard.options());  // one unit at a time on the device
+  auto out = torch::empty({total_}, torch::kFloat32);
+  for (const auto& unit : units_) {
+    gather_unit(unit, shard, buffer.narrow(0, 0, R * unit.part), what);
+    out.narrow(0, unit.begin, unit.numel).copy_(buffer.narrow(0, 0, unit.numel));
+  }
+  return out;
+}
+
+torch::Tensor ShardedModelState::shard_of(const torch::Tensor& full) const {
+  auto out = torch::zeros({param_shard.numel()}, full.options());
+  for (const auto& unit : units_)
+    if (unit.own > 0) out.narrow(0, unit.shard_offset, unit.own).copy_(full.narrow(0, unit.begin + rank_ * unit.part, unit.own));
+  return out;
+}
+
+void ShardedModelState::params_load(const torch::Tensor& full) {
+  torch::NoGradGuard no_grad;
+  param_shard.copy_(shard_of(full));
+  if (params_sharded_)
+    outer_stale_ = true;
+  else
+    arena.copy_(full);
+}
+
+}  // namespace trainer

@@ -1,0 +1,101 @@
+// Sharded data parallelism above ZeRO-1: data_parallel_sharding = optim_grads (ZeRO-2) and
+// optim_grads_params (ZeRO-3 / FSDP), docs/distributed.md.
+//
+// The parameter arena (named_parameters order, P elements) is cut into units: the embedding,
+// each decoder layer, and "the rest" (MTP blocks, final norm, head). Each unit's elements are
+// split into R equal parts (the last zero-padded), and rank r holds part r of every unit. The shard
+// buffers (parameters, reduced gradients, AdamW moments) are this rank's parts concatenated in unit
+// order, S = sum over units of ceil(numel / R) elements. Gradients of a decoder layer are reduced
+// right after that layer's backward (every micro-batch), into the gradient shard; the outer units
+// (embedding, rest) accumulate locally over the step's micro-batches and are reduced once.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "trainer/config/config.h"
+#include "trainer/dist/dist.h"
+#include "trainer/model/model.h"
+
+namespace trainer {
+
+struct ShardUnit {
+  std::string name;          // "model.embed_tokens", "model.layers.3", or "the rest (MTP, final norm, head)"
+  int64_t begin = 0;         // its first element in the arena
+  int64_t numel = 0;         // its elements
+  int64_t part = 0;          // ceil(numel / R): each rank's part; the parts past numel are zeros
+  int64_t shard_offset = 0;  // where this rank's part starts in the shard buffers
+  int64_t layer = -1;        // its decoder layer, -1 for the outer units
+  int64_t own = 0;           // elements of this rank's part inside the unit (part, fewer, or 0)
+};
+
+class ShardedModelState : public DecoderLayerHooks {
+ public:
+  // Moves the model's parameters (full, built on `device`) into the sharded layout, points every
+  // parameter and .grad at its buffers, and registers itself as the decoder stack's layer hooks.
+  ShardedModelState(Transformer model, Communicator& comm, const Config& config, const torch::Device& device);
+  ~ShardedModelState() override;
+
+  bool params_sharded() const { return params_sharded_; }  // optim_grads_params
+  const std::vector<ShardUnit>& units() const { return units_; }
+  int64_t total_params() const { return total_; }                // P
+  int64_t padding_elements() const;                              // R * S - P: the zeros of every rank's shards
+
+  torch::Tensor param_shard;  // (S) fp32: this rank's parts of the parameters; AdamW updates them
+  torch::Tensor grad_shard;   // (S) fp32: the gradient of those parts, summed over ranks and micro-batches
+  torch::Tensor arena;        // (P) fp32: every parameter a view (optim_grads); undefined with optim_grads_params
+
+  // The step's phases: zero the gradients and make the outer units' parameters current; reduce the
+  // outer units' gradients after the last micro-batch; bring the parameters up to date after AdamW
+  // changed param_shard (optim_grads: every unit gathered into the arena; optim_grads_params: the
+  // outer units are gathered again before the next forward, the layers before each of theirs).
+  void step_begin();
+  void step_reduce_outer();
+  void params_updated();
+  void params_ensure();  // before a forward outside a step (evaluation, logits)
+  bool kill_in_next_layer_gather = false;  // debug_kill_rank_before_parameter_gather under optim_grads_params
+
+  // fp64 L2 norm / int64 zero count of a shard-shaped buffer over all ranks (padding excluded).
+  torch::Tensor norm(const torch::Tensor& shard);
+  torch::Tensor count_zeros(const torch::Tensor& shard);
+  // (P) host tensor in arena order from a shard-shaped buffer, gathered unit by unit (a collective).
+  torch::Tensor gather_to_host(const torch::Tensor& shard, const std::string& what);
+  // This rank's (S) shard of a (P) arena-ordered tensor, on `full`'s device.
+  torch::Tensor shard_of(const torch::Tensor& full) const;
+  // Parameters from a (P) arena-ordered tensor (a restore).
+  void params_load(const torch::Tensor& full);
+
+  void decoder_layer_gather(int64_t layer) override;
+  void decoder_layer_grads_ready(int64_t layer) override;
+  bool decoder_layer_rerun() const override { return params_sharded_; }
+
+ private:
+  // Fills `padded` (R * part) with the whole unit from every rank's part of `shard` (bucketed
+  // in-place all-gathers: each round R x bucket elements).
+  void gather_unit(const ShardUnit& unit, const torch::Tensor& shard, torch::Tensor padded, const std::string& what);
+  // Sums `padded` (R * part, the unit's gradient in its first numel) over the ranks and adds this
+  // rank's part into grad_shard; zeroes `padded` for the next use.
+  void reduce_unit(const ShardUnit& unit, torch::Tensor padded);
+  const ShardUnit& layer_unit(int64_t layer) const { return units_[static_cast<size_t>(layer) + 1]; }
+
+  Transformer model_;
+  Communicator& comm_;
+  int64_t rank_ = 0;
+  int64_t bucket_elements_;
+  bool params_sharded_;
+  int64_t total_ = 0;
+  std::vector<ShardUnit> units_;  // embedding, the decoder layers in order, the rest
+  // Gathered parameters (optim_grads_params): the outer units, each padded to R parts, valid for
+  // a step; and one decoder layer's, which every layer's parameters view (valid after its gather).
+  torch::Tensor outer_params_, layer_params_;
+  bool outer_stale_ = false;
+  // Local gradients before their reduction: the outer units' (R * part each, the step's
+  // micro-batches summed), and one decoder layer's (every layer's .grad views it).
+  torch::Tensor outer_grads_, layer_grads_;
+  int64_t outer_rest_offset_ = 0;
+  torch::Tensor unit_buffer_;  // optim_grads: the largest unit, padded; a unit's all-gather lands here first  // where the rest's padded buffer starts in outer_params_ / outer_grads_
+};
+
+}  // namespace trainer
