@@ -117,17 +117,22 @@ TEST_CASE("config errors name the key and exit with code 2", "[config]") {
     CHECK(e.exit_code() == kExitUsage);
     CHECK_THAT(e.what(), Catch::Contains("base_num_kv_heads") && Catch::Contains("base_num_query_heads"));
   }
-  SECTION("sharding levels: the old boolean is read as optim, contradictions and unbuilt levels are refused") {
+  SECTION("sharding levels: the old boolean is read as optim; contradictions and ZeRO-3 without full remat are refused") {
     CHECK(tiny_config({"shard_optimizer_over_data=true"}).data_parallel_sharding == "optim");
     CHECK(tiny_config({"data_parallel_sharding=optim"}).shard_optimizer_over_data);
     CHECK_FALSE(tiny_config({}).shard_optimizer_over_data);
     const Error both = load_error({"shard_optimizer_over_data=true", "data_parallel_sharding=optim_grads_params"});
     CHECK(both.exit_code() == kExitUsage);
     CHECK_THAT(both.what(), Catch::Contains("shard_optimizer_over_data") && Catch::Contains("data_parallel_sharding"));
-    for (const std::string level : {"optim_grads", "optim_grads_params"}) {
-      const Error e = load_error({"data_parallel_sharding=" + level});
+    CHECK(tiny_config({"data_parallel_sharding=optim_grads"}).data_parallel_sharding == "optim_grads");
+    CHECK(tiny_config({"data_parallel_sharding=optim_grads", "remat_policy=minimal"}).remat_policy == "minimal");
+    CHECK(tiny_config({"data_parallel_sharding=optim_grads_params", "remat_policy=full"}).data_parallel_sharding ==
+          "optim_grads_params");
+    for (const std::string remat : {"none", "minimal"}) {
+      const Error e = load_error({"data_parallel_sharding=optim_grads_params", "remat_policy=" + remat});
       CHECK(e.exit_code() == kExitUsage);
-      CHECK_THAT(e.what(), Catch::Contains("data_parallel_sharding=" + level) && Catch::Contains("not implemented"));
+      CHECK_THAT(e.what(), Catch::Contains("data_parallel_sharding=optim_grads_params needs remat_policy=full") &&
+                               Catch::Contains("remat_policy=" + remat));
     }
     CHECK_THAT(load_error({"remat_policy=some"}).what(), Catch::Contains("remat_policy") && Catch::Contains("none, full, minimal"));
   }

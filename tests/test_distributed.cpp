@@ -54,6 +54,23 @@ std::vector<nlohmann::json> metrics_of(const std::string& run) {
   return out;
 }
 
+// The largest |a - b| over every weight of two runs' checkpoints at `step`; the checkpoints must
+// hold the same tensors.
+double largest_weight_difference(const std::string& run_a, const std::string& run_b, int step) {
+  const auto wa = safetensors_read(kOut + "/" + run_a + "/checkpoints/" + std::to_string(step) + "/model.safetensors");
+  const auto wb = safetensors_read(kOut + "/" + run_b + "/checkpoints/" + std::to_string(step) + "/model.safetensors");
+  REQUIRE(wa.tensors.size() == wb.tensors.size());
+  double worst = 0;
+  for (const auto& [name, ta] : wa.tensors) {
+    const auto& tb = wb.tensors.at(name);
+    REQUIRE(ta.nbytes == tb.nbytes);
+    const auto* x = reinterpret_cast<const float*>(wa.data.data() + ta.offset);
+    const auto* y = reinterpret_cast<const float*>(wb.data.data() + tb.offset);
+    for (size_t j = 0; j < ta.nbytes / 4; ++j) worst = std::max(worst, static_cast<double>(std::abs(x[j] - y[j])));
+  }
+  return worst;
+}
+
 }  // namespace
 
 TEST_CASE("the launcher environment is resolved in one place", "[dist]") {
@@ -343,17 +360,7 @@ TEST_CASE("ZeRO-1 at R=4 (a padded parameter arena) equals one process with the 
         CHECK(a[i][name].get<double>() == Approx(b[i][name].get<double>()).epsilon(1e-5));
     }
     // The final weights, tensor by tensor (sums taken in another order: float tolerance).
-    const auto wa = safetensors_read(kOut + "/" + four + "/checkpoints/3/model.safetensors");
-    const auto wb = safetensors_read(kOut + "/" + one + "/checkpoints/3/model.safetensors");
-    REQUIRE(wa.tensors.size() == wb.tensors.size());
-    double worst = 0;
-    for (const auto& [name, ta] : wa.tensors) {
-      const auto& tb = wb.tensors.at(name);
-      REQUIRE(ta.nbytes == tb.nbytes);
-      const auto* x = reinterpret_cast<const float*>(wa.data.data() + ta.offset);
-      const auto* y = reinterpret_cast<const float*>(wb.data.data() + tb.offset);
-      for (size_t j = 0; j < ta.nbytes / 4; ++j) worst = std::max(worst, static_cast<double>(std::abs(x[j] - y[j])));
-    }
+    const double worst = largest_weight_difference(four, one, 3);
     INFO("largest weight difference " << worst);
     // With adam_eps = 1e-8, AdamW's m / sqrt(v) turns the rounding difference of a near-zero
     // gradient element (sums in another order) into an O(lr) change of its update: 3.8e-5 on
@@ -362,6 +369,97 @@ TEST_CASE("ZeRO-1 at R=4 (a padded parameter arena) equals one process with the 
     // rounding.
     CHECK(worst < 1e-6);
   }
+}
+
+TEST_CASE("sharded levels (optim_grads, optim_grads_params) at R=2 and R=4 equal one process", "[dist][cli][sharding]") {
+  // R x K = 4 samples per step: R=2 x K=2 and R=4 x K=1 against R=1 x K=4, in both normalization
+  // modes, on a MoE + MTP model with aux losses. Each decoder layer's gradient is reduced after its
+  // backward in every micro-batch (and with optim_grads_params its weights are gathered before its
+  // forward and again before its rerun in backward); the embedding's and the rest's once per step.
+  for (const std::string per_token : {"true", "false"}) {
+    const std::string common = "model_name=moe-tiny override_model_config=true mtp_num_layers=1 load_balance_loss_weight=0.1 "
+                               "max_target_length=16 per_device_batch_size=1 steps=3 warmup_steps_fraction=0 "
+                               "learning_rate=0.01 synthetic_min_valid_fraction=0.3 learning_rate_schedule_steps=4 "
+                               "adam_eps=0.01 log_num_zeros_in_grad=true calculate_per_token_loss=" + per_token +
+                               " base_output_directory=" + kOut + " ";
+    const std::string one = "shard-r1-" + per_token;
+    REQUIRE(run_trainer(common + "gradient_accumulation_steps=4 run_name=" + one).exit_code == 0);
+    const auto b = metrics_of(one);
+    REQUIRE(b.size() == 3);
+    for (const std::string level : {"optim_grads", "optim_grads_params"}) {
+      for (const auto& [ranks, K] : std::vector<std::pair<int, int>>{{2, 2}, {4, 1}}) {
+        INFO(level << " R=" << ranks << " K=" << K << " calculate_per_token_loss=" << per_token);
+        const std::string run = "shard-" + level + "-r" + std::to_string(ranks) + "-" + per_token;
+        const auto result = mpirun(ranks, common + "data_parallel_sharding=" + level + " remat_policy=full "
+                                   "gradient_accumulation_steps=" + std::to_string(K) + " run_name=" + run);
+        INFO(result.output);
+        REQUIRE(result.exit_code == 0);
+        CHECK_THAT(result.output, Catch::Contains("data_parallel_sharding=" + level + ": 5 units over " +
+                                                  std::to_string(ranks) + " ranks"));
+        const auto a = metrics_of(run);
+        REQUIRE(a.size() == 3);
+        for (size_t i = 0; i < 3; ++i) {
+          INFO("step " << i);
+          for (const char* name : {"learning/loss", "learning/lm_loss", "learning/moe_lb_loss", "learning/mtp_loss",
+                                   "learning/raw_grad_norm", "learning/param_norm"})
+            CHECK(a[i][name].get<double>() == Approx(b[i][name].get<double>()).epsilon(1e-5));
+          // Exact zeros (experts no token chose, unused embedding rows) are the same elements; the
+          // padding of the last parts is not counted.
+          CHECK(a[i]["learning/num_zeros"] == b[i]["learning/num_zeros"]);
+        }
+        const double worst = largest_weight_difference(run, one, 3);
+        INFO("largest weight difference " << worst);
+        CHECK(worst < 1e-6);
+      }
+    }
+  }
+}
+
+TEST_CASE("a checkpoint of R=4 optim_grads_params resumes at R=2 optim_grads and at R=1 none", "[dist][cli][sharding][checkpoint]") {
+  // Checkpoints hold the whole model and optimizer state under HF names, gathered unit by unit, so
+  // any level and world size restores them by keeping its own parts. Both continuations equal an
+  // uninterrupted one-process run of the same global batch (to float tolerance: sums in another order).
+  const std::string common = "model_name=moe-tiny max_target_length=16 per_device_batch_size=1 warmup_steps_fraction=0 "
+                             "learning_rate=0.01 synthetic_min_valid_fraction=0.3 learning_rate_schedule_steps=4 "
+                             "adam_eps=0.01 base_output_directory=" + kOut + " ";
+  for (const std::string run : {"reshard-straight", "reshard-a", "reshard-b"}) fs::remove_all(kOut + "/" + run);
+  REQUIRE(run_trainer(common + "gradient_accumulation_steps=4 steps=4 run_name=reshard-straight").exit_code == 0);
+  const auto first = mpirun(4, common + "data_parallel_sharding=optim_grads_params remat_policy=full "
+                                        "gradient_accumulation_steps=1 steps=2 run_name=reshard-a");
+  INFO(first.output);
+  REQUIRE(first.exit_code == 0);
+  fs::copy(kOut + "/reshard-a", kOut + "/reshard-b", fs::copy_options::recursive);
+  const auto two = mpirun(2, common + "data_parallel_sharding=optim_grads gradient_accumulation_steps=2 steps=4 run_name=reshard-a");
+  INFO(two.output);
+  REQUIRE(two.exit_code == 0);
+  CHECK_THAT(two.output, Catch::Contains("resumed from checkpoint"));
+  REQUIRE(run_trainer(common + "gradient_accumulation_steps=4 steps=4 run_name=reshard-b").exit_code == 0);
+  const auto straight = metrics_of("reshard-straight");
+  REQUIRE(straight.size() == 4);
+  for (const std::string run : {"reshard-a", "reshard-b"}) {
+    const auto resumed = metrics_of(run);
+    REQUIRE(resumed.size() == 4);
+    for (size_t i = 0; i < 4; ++i) {
+      INFO(run << " step " << i);
+      for (const char* name : {"learning/loss", "learning/raw_grad_norm", "learning/param_norm"})
+        CHECK(resumed[i][name].get<double>() == Approx(straight[i][name].get<double>()).epsilon(1e-5));
+    }
+    CHECK(largest_weight_difference(run, "reshard-straight", 4) < 1e-6);
+  }
+}
+
+TEST_CASE("a rank killed in a decoder layer's parameter all-gather makes the other exit 5 naming the layer",
+          "[dist][cli][sharding]") {
+  // optim_grads_params: rank 1 SIGKILLs itself at its first decoder-layer gather after step 1's
+  // update, so rank 0 is inside the all-gather of model.layers.0's parameters when its peer is gone.
+  const int code = launch_two_ranks_and_lose_one(
+      "dead-layer-gather",
+      {"model_name=test-tiny", "max_target_length=16", "steps=100000", "checkpoint_period=100000",
+       "data_parallel_sharding=optim_grads_params", "remat_policy=full", "debug_kill_rank_before_parameter_gather=1"},
+      false);
+  CHECK(code == 5);
+  CHECK_THAT(read_file(kOut + "-dead-layer-gather-0.log"),
+             Catch::Contains("rank 0 of 2: all_gather of the parameters of model.layers.0 (all-gather at element 0) failed"));
 }
 
 TEST_CASE("evaluation under data parallelism, with EOD masks, equals one process", "[dist][cli]") {

@@ -421,6 +421,92 @@ TEST_CASE("memory plan: model state is exactly what the trainer allocates, shard
   CHECK_THROWS(plan_item(gpu, "runtime"));
 }
 
+TEST_CASE("sharded levels at one rank: the shard is the arena in unit order, training equals plain training",
+          "[training][sharding]") {
+  const std::vector<std::string> base = {"model_name=moe-tiny", "override_model_config=true", "mtp_num_layers=1", "load_balance_loss_weight=0.1",
+                                         "gradient_accumulation_steps=2", "per_device_batch_size=1", "adam_eps=0.01", "learning_rate=0.01",
+                                         "warmup_steps_fraction=0"};
+  Trainer plain(tiny_config(base));
+  const int64_t P = plain.flat_params().numel();
+  const auto initial = plain.flat_params().clone();
+  auto plain_out = plain.forward_backward(0);
+  const auto plain_grads = plain.flat_grads().clone();
+  REQUIRE(plain_grads.abs().max().item<double>() > 1e-3);
+  plain.optimizer_update(plain_out);
+  for (int step = 1; step < 3; ++step) plain.train_step(step);
+  REQUIRE((plain.flat_params() - initial).abs().max().item<double>() > 1e-4);  // the weights moved
+
+  for (const auto& level : std::vector<std::vector<std::string>>{{"data_parallel_sharding=optim_grads"},
+                                                                  {"data_parallel_sharding=optim_grads", "remat_policy=minimal"},
+                                                                  {"data_parallel_sharding=optim_grads_params", "remat_policy=full"}}) {
+    auto overrides = base;
+    overrides.insert(overrides.end(), level.begin(), level.end());
+    INFO(level[0] << " " << (level.size() > 1 ? level[1] : ""));
+    Trainer t(tiny_config(overrides));
+    const ShardedModelState* state = t.sharded_state();
+    REQUIRE(state != nullptr);
+    CHECK(t.flat_params().defined() == (level[0] == "data_parallel_sharding=optim_grads"));
+    // The embedding, the 3 decoder layers, the rest; contiguous and covering the arena. One rank
+    // holds the whole of every unit, so its shard is the arena itself.
+    const auto& units = state->units();
+    REQUIRE(units.size() == 5);
+    CHECK(units.front().name == "model.embed_tokens");
+    CHECK(units[2].name == "model.layers.1");
+    int64_t next = 0;
+    for (const auto& unit : units) {
+      CHECK(unit.begin == next);
+      CHECK(unit.part == unit.numel);
+      CHECK(unit.shard_offset == unit.begin);
+      next += unit.numel;
+    }
+    CHECK(next == P);
+    CHECK(state->padding_elements() == 0);
+    CHECK(torch::equal(state->param_shard, initial));
+
+    auto out = t.forward_backward(0);
+    CHECK(metric(t, out, "learning/loss") == Approx(metric(plain, plain_out, "learning/loss")).epsilon(1e-12));
+    INFO("largest gradient difference " << (state->grad_shard - plain_grads).abs().max().item<double>());
+    CHECK(torch::allclose(state->grad_shard, plain_grads, 1e-5, 1e-7));  // minimal remat reorders a few sums
+    // Every decoder layer's gradient was reduced into the shard right after its backward.
+    for (const auto& item : t.model()->named_parameters())
+      if (item.key().rfind("model.layers.0.", 0) == 0) CHECK(item.value().grad().abs().max().item<double>() == 0);
+    t.optimizer_update(out);
+    for (int step = 1; step < 3; ++step) t.train_step(step);
+    CHECK(torch::allclose(state->param_shard, plain.flat_params(), 1e-6, 1e-7));
+    if (t.flat_params().defined()) CHECK(torch::equal(t.flat_params(), state->param_shard));  // gathered back
+  }
+}
+
+TEST_CASE("memory plan: sharded levels count the shard and one unit's buffers, as the trainer allocates", "[training][memory]") {
+  for (const std::string level : {"optim_grads", "optim_grads_params"}) {
+    INFO(level);
+    const Config c = tiny_config({"model_name=moe-tiny", "mtp_num_layers=1", "data_parallel_sharding=" + level,
+                                  "remat_policy=full"});
+    Trainer t(c);
+    const auto& units = t.sharded_state()->units();
+    const double P = static_cast<double>(t.sharded_state()->total_params());
+    // At R = 4 a unit of n elements keeps ceil(n / 4) on each rank; the unreduced (and, for
+    // optim_grads_params, gathered) buffers are the embedding's and the rest's padded to 4 parts,
+    // plus the largest decoder layer's.
+    for (const double R : {1.0, 4.0}) {
+      double S = 0, layer = 0, widest = 0;
+      for (const auto& unit : units) {
+        const double part = std::ceil(static_cast<double>(unit.numel) / R);
+        S += part;
+        if (unit.layer >= 0) layer = std::max(layer, R * part);
+        widest = std::max(widest, R * part);
+      }
+      const double outer = R * (std::ceil(static_cast<double>(units.front().numel) / R) +
+                                std::ceil(static_cast<double>(units.back().numel) / R));
+      const MemoryPlan plan = memory_plan(c, {static_cast<int64_t>(R), 1, false, false});
+      CHECK(plan_item(plan, "weights") == (level == "optim_grads" ? 4 * (P + S + widest) : 4 * (S + outer + layer)));
+      CHECK(plan_item(plan, "gradients") == 4 * (S + outer + layer));
+      CHECK(plan_item(plan, "optimizer") == 12 * S);
+      if (R == 1) CHECK(S == P);
+    }
+  }
+}
+
 TEST_CASE("memory plan: activations scale with the micro-batch, not with K", "[training][memory]") {
   const auto activations = [](std::vector<std::string> overrides) {
     overrides.push_back("model_name=default");

@@ -156,15 +156,46 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   MemoryPlan plan;
   const std::string params = "P = " + count_text(P) + (c.expert_parallelism > 1 ? " (this rank's share of the experts)" : "");
   const bool zero1 = c.data_parallel_sharding == "optim" && ctx.world_size > 1;
-  const double shard = zero1 ? std::ceil(P / static_cast<double>(ctx.world_size)) : P;
-  const double padded = zero1 ? shard * static_cast<double>(ctx.world_size) : P;  // the arena, R equal chunks
-  add(plan, "weights (fp32 flat buffer)", 4 * padded,
-      params + " x 4 B" + (padded > P ? " (padded to " + count_text(padded) + ": R equal chunks)" : std::string()));
-  add(plan, "gradients (fp32 flat buffer)", 4 * P, params + " x 4 B, accumulated in place over K micro-batches");
+  const bool zero2 = c.data_parallel_sharding == "optim_grads", zero3 = c.data_parallel_sharding == "optim_grads_params";
   const double adam_per_element = ctx.cuda ? 8 : 12;  // m, v (+ the unfused update's denominator)
-  add(plan, "optimizer state (AdamW)", adam_per_element * shard,
-      std::string(ctx.cuda ? "m, v" : "m, v, update workspace") + " x 4 B over " + count_text(shard) + " elements" +
-          (zero1 ? " (ZeRO-1: 1/" + std::to_string(ctx.world_size) + " of P)" : ""));
+  const std::string adam_detail = std::string(ctx.cuda ? "m, v" : "m, v, update workspace") + " x 4 B over ";
+  if (zero2 || zero3) {
+    // trainer/train/sharding.h: units (the embedding, each decoder layer, the rest), each split in
+    // R parts of ceil(n / R); S = this rank's parts. Gradients reduce per layer, so only one layer's
+    // full gradient (and, with optim_grads_params, one layer's gathered weights) exists at a time.
+    const double R = static_cast<double>(ctx.world_size);
+    const auto part = [&](double n) { return std::ceil(n / R); };
+    const double embed = s.V * s.D, rest = static_cast<double>(size.mtp_params) + s.D + (c.logits_via_embedding ? 0 : s.V * s.D);
+    const double dense_layer = static_cast<double>(size.per_layer_params);
+    const double moe_layer = moe_layers > 0 ? (P - embed - rest - static_cast<double>(dense_layers) * dense_layer) /
+                                                  static_cast<double>(moe_layers)
+                                            : 0;
+    const double S = part(embed) + part(rest) + static_cast<double>(dense_layers) * part(dense_layer) +
+                     static_cast<double>(moe_layers) * part(moe_layer);
+    const double layer = R * std::max(dense_layers > 0 ? part(dense_layer) : 0.0, moe_layers > 0 ? part(moe_layer) : 0.0);
+    const double outer = R * (part(embed) + part(rest));
+    const std::string shard_text = count_text(S) + " elements (this rank's 1/" + std::to_string(ctx.world_size) + " of every unit)";
+    if (zero2)
+      add(plan, "weights (fp32 flat buffer + shard)", 4 * (P + S + std::max({layer, R * part(embed), R * part(rest)})),
+          params + " x 4 B, the AdamW shard of " + shard_text + ", and the largest unit's gather buffer");
+    else
+      add(plan, "weights (fp32 shard + gathered units)", 4 * (S + outer + layer),
+          "the shard of " + shard_text + ", the embedding and the rest (MTP, norm, head) gathered for the step, "
+          "one decoder layer gathered at a time");
+    add(plan, "gradients (fp32 shard + unreduced units)", 4 * (S + outer + layer),
+        "the reduced shard, the embedding's and the rest's local sums over K micro-batches, one decoder layer's "
+        "until its reduction");
+    add(plan, "optimizer state (AdamW)", adam_per_element * S, adam_detail + "the shard");
+  } else {
+    const double shard = zero1 ? std::ceil(P / static_cast<double>(ctx.world_size)) : P;
+    const double padded = zero1 ? shard * static_cast<double>(ctx.world_size) : P;  // the arena, R equal chunks
+    add(plan, "weights (fp32 flat buffer)", 4 * padded,
+        params + " x 4 B" + (padded > P ? " (padded to " + count_text(padded) + ": R equal chunks)" : std::string()));
+    add(plan, "gradients (fp32 flat buffer)", 4 * P, params + " x 4 B, accumulated in place over K micro-batches");
+    add(plan, "optimizer state (AdamW)", adam_per_element * shard,
+        adam_detail + count_text(shard) + " elements" +
+            (zero1 ? " (ZeRO-1: 1/" + std::to_string(ctx.world_size) + " of P)" : ""));
+  }
   plan.model_state_bytes = plan.total_bytes;
 
   // Weight copies kept for backward. Under remat_policy=full a decoder layer's copies are made
@@ -232,10 +263,10 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   const double data = 2.0 * static_cast<double>(c.gradient_accumulation_steps + 2) * s.T * (5 * 8 + 4);
   add(plan, "data buffers", data, "prefetched micro-batches, host and device copies");
   if (!ctx.cuda && c.enable_checkpointing) {
-    // A save snapshots the weights and this rank's optimizer state to host memory. Asynchronous
-    // saves hold it while training goes on; synchronous ones only between steps, when the
-    // activations are gone, so then only the excess over the activations counts.
-    const double snapshot = 4 * P + 8 * shard;
+    // A save snapshots the weights and the whole optimizer state (every sharding level gathers
+    // it) to host memory. Asynchronous saves hold it while training goes on; synchronous ones only
+    // between steps, when the activations are gone, so then only the excess over them counts.
+    const double snapshot = 12 * P;
     const double counted = c.async_checkpointing ? snapshot : std::max(0.0, snapshot - activations - transient);
     add(plan, "checkpoint snapshot", counted,
         std::string(c.async_checkpointing ? "async saves: " : "synchronous saves, beyond the activations: ") +
@@ -337,6 +368,13 @@ std::vector<std::string> memory_plan_suggestions(const Config& config, const Mem
     Config c = config;
     c.data_parallel_sharding = "optim";
     try_config(c, "data_parallel_sharding=optim (ZeRO-1 over " + std::to_string(context.world_size) + " ranks)");
+  }
+  if (context.world_size > 1 && config.data_parallel_sharding != "optim_grads_params") {
+    Config c = config;
+    c.data_parallel_sharding = "optim_grads_params";
+    c.remat_policy = "full";
+    try_config(c, "data_parallel_sharding=optim_grads_params remat_policy=full (ZeRO-3 over " +
+                      std::to_string(context.world_size) + " ranks)");
   }
   if (config.dtype == "float32") {
     Config c = config;
