@@ -176,8 +176,8 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
     const double outer = R * (part(embed) + part(rest));
     const std::string shard_text = count_text(S) + " elements (this rank's 1/" + std::to_string(ctx.world_size) + " of every unit)";
     if (zero2)
-      add(plan, "weights (fp32 flat buffer + shard)", 4 * (P + S + std::max({layer, R * part(embed), R * part(rest)})),
-          params + " x 4 B, the AdamW shard of " + shard_text + ", and the largest unit's gather buffer");
+      add(plan, "weights (fp32 flat buffer)", 4 * (P + std::max({layer, R * part(embed), R * part(rest)})),
+          params + " x 4 B (AdamW updates this rank's " + shard_text + " in place) and the largest unit's gather buffer");
     else
       add(plan, "weights (fp32 shard + gathered units)", 4 * (S + outer + layer),
           "the shard of " + shard_text + ", the embedding and the rest (MTP, norm, head) gathered for the step, "

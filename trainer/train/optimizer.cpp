@@ -39,7 +39,7 @@ void Trainer::build_flat_buffers() {
     sharded_state_ = std::make_unique<ShardedModelState>(model_, *comm_, config_, device_);
     flat_params_ = sharded_state_->arena;  // undefined with optim_grads_params
     shard_begin_ = 0;
-    shard_end_ = shard_chunk_ = sharded_state_->param_shard.numel();
+    shard_end_ = shard_chunk_ = sharded_state_->grad_shard.numel();
   } else {
     // With ZeRO-1 the parameter arena is padded to R equal chunks (at most R - 1 extra zeros),
     // so each rank's chunk is a view the all-gather fills in place; the parameters view the first
@@ -132,20 +132,29 @@ void Trainer::optimizer_update(StepOutput& out) {
     const double bias1 = 1.0 - std::pow(c.adam_b1, t);
     const double bias2 = 1.0 - std::pow(c.adam_b2, t);
     const double lr = out.learning_rate;
-    const int64_t n = shard_end_ - shard_begin_;
-    const auto grads = sharded_state_ ? sharded_state_->grad_shard : flat_grads_.narrow(0, shard_begin_, n);
-    auto params = sharded_state_ ? sharded_state_->param_shard : flat_params_.narrow(0, shard_begin_, n);
-    if (adam_step_.defined()) {  // CUDA: the same formula in one kernel (bias terms from t on the device)
-      adam_step_.fill_(t);
-      compat::fused_adamw(params, grads, adam_m_, adam_v_, adam_step_, lr, c.adam_b1, c.adam_b2, c.adam_weight_decay,
-                          c.adam_eps);
-    } else {
-      adam_m_.lerp_(grads, 1.0 - c.adam_b1);
-      adam_v_.mul_(c.adam_b2).addcmul_(grads, grads, 1.0 - c.adam_b2);
-      torch::sqrt_out(adam_scratch_, adam_v_);
-      adam_scratch_.div_(std::sqrt(bias2)).add_(c.adam_eps);
-      params.mul_(1.0 - lr * c.adam_weight_decay);
-      params.addcdiv_(adam_m_, adam_scratch_, -lr / bias1);
+    // The shard as segments: params pair with the gradient and moments at [offset, + numel). One
+    // segment except for optim_grads, whose parts of each unit are views of the arena.
+    std::vector<ShardedModelState::Segment> segments;
+    if (sharded_state_)
+      segments = sharded_state_->param_segments();
+    else
+      segments.push_back({flat_params_.narrow(0, shard_begin_, shard_end_ - shard_begin_), 0});
+    if (adam_step_.defined()) adam_step_.fill_(t);  // CUDA: bias terms from t on the device
+    for (auto& [params, offset] : segments) {
+      const int64_t n = params.numel();
+      const auto grads = sharded_state_ ? sharded_state_->grad_shard.narrow(0, offset, n) : flat_grads_.narrow(0, shard_begin_, n);
+      auto m = adam_m_.narrow(0, offset, n), v = adam_v_.narrow(0, offset, n);
+      if (adam_step_.defined()) {  // CUDA: the same formula in one kernel
+        compat::fused_adamw(params, grads, m, v, adam_step_, lr, c.adam_b1, c.adam_b2, c.adam_weight_decay, c.adam_eps);
+      } else {
+        auto denominator = adam_scratch_.narrow(0, offset, n);
+        m.lerp_(grads, 1.0 - c.adam_b1);
+        v.mul_(c.adam_b2).addcmul_(grads, grads, 1.0 - c.adam_b2);
+        torch::sqrt_out(denominator, v);
+        denominator.div_(std::sqrt(bias2)).add_(c.adam_eps);
+        params.mul_(1.0 - lr * c.adam_weight_decay);
+        params.addcdiv_(m, denominator, -lr / bias1);
+      }
     }
     if (c.debug_kill_rank_before_parameter_gather == comm_->rank() && out.step == 1) {
       if (sharded_state_ && sharded_state_->params_sharded())
@@ -160,7 +169,7 @@ void Trainer::optimizer_update(StepOutput& out) {
   update_expert_bias(out, /*apply=*/!skip);
   out.step_skipped = skip;
   // A collective with expert parallelism or sharding.
-  out.param_norm = sharded_state_ ? sharded_state_->norm(sharded_state_->param_shard) : arena_norm(flat_params_);
+  out.param_norm = sharded_state_ ? sharded_state_->params_norm() : arena_norm(flat_params_);
   out.collectives += collectives_so_far() - collectives_before;  // the ZeRO-1 gather, the norm's sum
   out.collective_bytes += bytes_sent_so_far() - bytes_before;
 }

@@ -71,7 +71,7 @@ CheckpointContents Trainer::snapshot(int64_t completed_steps) {
   CheckpointContents c;
   // One copy per flat buffer; the named tensors are views into those copies.
   // Sharded levels gather every unit to a host copy of the arena (docs/checkpoints.md).
-  const auto params = sharded_state_ ? sharded_state_->gather_to_host(sharded_state_->param_shard, "the parameters")
+  const auto params = sharded_state_ ? sharded_state_->params_to_host()
                                      : flat_params_.to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
   // (P) full moments on the host; with ZeRO-1 assembled from every rank (a collective) through a
   // transient padded buffer laid out as the parameter arena, in which this rank fills its chunk.

@@ -64,12 +64,12 @@ ShardedModelState::ShardedModelState(Transformer model, Communicator& comm, cons
   rank_ = rank;
 
   const auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(device);
-  param_shard = torch::zeros({shard}, opts);
   grad_shard = torch::zeros({shard}, opts);
   outer_rest_offset_ = R * units_.front().part;
   outer_grads_ = torch::zeros({outer_rest_offset_ + R * units_.back().part}, opts);
   layer_grads_ = torch::zeros({largest_layer}, opts);
   if (params_sharded_) {
+    param_shard = torch::zeros({shard}, opts);
     outer_params_ = torch::zeros_like(outer_grads_);
     layer_params_ = torch::zeros({largest_layer}, opts);
   } else {
@@ -83,10 +83,10 @@ ShardedModelState::ShardedModelState(Transformer model, Communicator& comm, cons
     const ShardUnit& unit = units_[unit_index[i]];
     const int64_t n = p.numel();
     const bool outer = unit.layer < 0;
-    // This rank's part of the unit that lies in this parameter.
+    // optim_grads_params: this rank's part of the unit that lies in this parameter, into the shard.
     const int64_t part_begin = unit.begin + rank * unit.part;
     const int64_t lo = std::max(offset, part_begin), hi = std::min(offset + n, part_begin + unit.own);
-    if (lo < hi)
+    if (params_sharded_ && lo < hi)
       param_shard.narrow(0, unit.shard_offset + lo - part_begin, hi - lo).copy_(p.reshape({-1}).narrow(0, lo - offset, hi - lo));
     const int64_t in_unit = offset - unit.begin;
     const int64_t outer_at = (&unit == &units_.back() ? outer_rest_offset_ : 0) + in_unit;
@@ -109,9 +109,25 @@ ShardedModelState::ShardedModelState(Transformer model, Communicator& comm, cons
 
 ShardedModelState::~ShardedModelState() { model_->model->layer_hooks = nullptr; }
 
-int64_t ShardedModelState::padding_elements() const { return comm_.world_size() * param_shard.numel() - total_; }
+int64_t ShardedModelState::padding_elements() const { return comm_.world_size() * grad_shard.numel() - total_; }
 
-void ShardedModelState::gather_unit(const ShardUnit& unit, const torch::Tensor& shard, torch::Tensor padded,
+std::vector<ShardedModelState::Segment> ShardedModelState::param_segments() const {
+  if (params_sharded_) return {{param_shard, 0}};
+  std::vector<Segment> out;
+  for (const auto& unit : units_)
+    if (unit.own > 0) out.push_back({arena_part(unit), unit.shard_offset});
+  return out;
+}
+
+torch::Tensor ShardedModelState::params_norm() {
+  return params_sharded_ ? norm(param_shard) : flat_buffer_norm(arena);
+}
+
+torch::Tensor ShardedModelState::params_to_host() {
+  return params_sharded_ ? gather_to_host(param_shard, "the parameters") : arena.to(torch::kCPU, false, true);
+}
+
+void ShardedModelState::gather_unit(const ShardUnit& unit, const torch::Tensor& own, torch::Tensor padded,
                                     const std::string& what) {
   const int64_t R = comm_.world_size();
   const int64_t slice = std::max<int64_t>(1, bucket_elements_ / R);
@@ -119,7 +135,10 @@ void ShardedModelState::gather_unit(const ShardUnit& unit, const torch::Tensor& 
     const int64_t n = std::min(slice, unit.part - offset);
     std::vector<torch::Tensor> parts;
     for (int64_t r = 0; r < R; ++r) parts.push_back(padded.narrow(0, r * unit.part + offset, n));
-    parts[static_cast<size_t>(rank_)].copy_(shard.narrow(0, unit.shard_offset + offset, n));
+    auto& mine = parts[static_cast<size_t>(rank_)];
+    const int64_t have = std::clamp<int64_t>(own.numel() - offset, 0, n);
+    if (have > 0) mine.narrow(0, 0, have).copy_(own.narrow(0, offset, have));
+    if (have < n) mine.narrow(0, have, n - have).zero_();
     comm_.all_gather(parts, what + " of " + unit.name + " (all-gather at element " + std::to_string(offset) + ")");
   }
 }
@@ -146,9 +165,10 @@ void ShardedModelState::params_ensure() {
   if (!params_sharded_ || !outer_stale_) return;
   torch::NoGradGuard no_grad;
   const int64_t R = comm_.world_size();
-  gather_unit(units_.front(), param_shard, outer_params_.narrow(0, 0, R * units_.front().part), "the parameters");
-  gather_unit(units_.back(), param_shard, outer_params_.narrow(0, outer_rest_offset_, R * units_.back().part),
+  gather_unit(units_.front(), own_part(units_.front(), param_shard), outer_params_.narrow(0, 0, R * units_.front().part),
               "the parameters");
+  gather_unit(units_.back(), own_part(units_.back(), param_shard),
+              outer_params_.narrow(0, outer_rest_offset_, R * units_.back().part), "the parameters");
   outer_stale_ = false;
 }
 
@@ -168,9 +188,9 @@ void ShardedModelState::params_updated() {
   const int64_t R = comm_.world_size();
   int64_t largest = 0;
   for (const auto& unit : units_) largest = std::max(largest, R * unit.part);
-  if (!unit_buffer_.defined() || unit_buffer_.numel() < largest) unit_buffer_ = torch::empty({largest}, param_shard.options());
+  if (!unit_buffer_.defined() || unit_buffer_.numel() < largest) unit_buffer_ = torch::empty({largest}, arena.options());
   for (const auto& unit : units_) {
-    gather_unit(unit, param_shard, unit_buffer_.narrow(0, 0, R * unit.part), "the updated parameters");
+    gather_unit(unit, arena_part(unit), unit_buffer_.narrow(0, 0, R * unit.part), "the updated parameters");
     arena.narrow(0, unit.begin, unit.numel).copy_(unit_buffer_.narrow(0, 0, unit.numel));
   }
 }
@@ -180,7 +200,8 @@ void ShardedModelState::decoder_layer_gather(int64_t layer) {
   if (kill_in_next_layer_gather) std::raise(SIGKILL);
   torch::NoGradGuard no_grad;
   const ShardUnit& unit = layer_unit(layer);
-  gather_unit(unit, param_shard, layer_params_.narrow(0, 0, comm_.world_size() * unit.part), "the parameters");
+  gather_unit(unit, own_part(unit, param_shard), layer_params_.narrow(0, 0, comm_.world_size() * unit.part),
+              "the parameters");
 }
 
 void ShardedModelState::decoder_layer_grads_ready(int64_t layer) {
@@ -209,14 +230,14 @@ torch::Tensor ShardedModelState::gather_to_host(const torch::Tensor& shard, cons
   auto buffer = torch::empty({largest}, shard.options());  // one unit at a time on the device
   auto out = torch::empty({total_}, torch::kFloat32);
   for (const auto& unit : units_) {
-    gather_unit(unit, shard, buffer.narrow(0, 0, R * unit.part), what);
+    gather_unit(unit, own_part(unit, shard), buffer.narrow(0, 0, R * unit.part), what);
     out.narrow(0, unit.begin, unit.numel).copy_(buffer.narrow(0, 0, unit.numel));
   }
   return out;
 }
 
 torch::Tensor ShardedModelState::shard_of(const torch::Tensor& full) const {
-  auto out = torch::zeros({param_shard.numel()}, full.options());
+  auto out = torch::zeros({grad_shard.numel()}, full.options());
   for (const auto& unit : units_)
     if (unit.own > 0) out.narrow(0, unit.shard_offset, unit.own).copy_(full.narrow(0, unit.begin + rank_ * unit.part, unit.own));
   return out;
@@ -224,11 +245,12 @@ torch::Tensor ShardedModelState::shard_of(const torch::Tensor& full) const {
 
 void ShardedModelState::params_load(const torch::Tensor& full) {
   torch::NoGradGuard no_grad;
-  param_shard.copy_(shard_of(full));
-  if (params_sharded_)
+  if (params_sharded_) {
+    param_shard.copy_(shard_of(full));
     outer_stale_ = true;
-  else
+  } else {
     arena.copy_(full);
+  }
 }
 
 }  // namespace trainer

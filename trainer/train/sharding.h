@@ -43,9 +43,21 @@ class ShardedModelState : public DecoderLayerHooks {
   int64_t total_params() const { return total_; }                // P
   int64_t padding_elements() const;                              // R * S - P: the zeros of every rank's shards
 
-  torch::Tensor param_shard;  // (S) fp32: this rank's parts of the parameters; AdamW updates them
+  torch::Tensor param_shard;  // (S) fp32: this rank's parts of the parameters (optim_grads_params; undefined with
+                              // optim_grads, whose parts are views of the arena: param_segments)
   torch::Tensor grad_shard;   // (S) fp32: the gradient of those parts, summed over ranks and micro-batches
   torch::Tensor arena;        // (P) fp32: every parameter a view (optim_grads); undefined with optim_grads_params
+
+  // This rank's parameter elements as AdamW sees them: each segment's `params` pairs with
+  // grad_shard (and the moments) at [offset, offset + params.numel()). One segment, the whole
+  // param_shard, with optim_grads_params; one per unit, a view of the arena, with optim_grads.
+  struct Segment {
+    torch::Tensor params;
+    int64_t offset = 0;
+  };
+  std::vector<Segment> param_segments() const;
+  torch::Tensor params_norm();    // fp64 L2 norm of all parameters (a collective with optim_grads_params)
+  torch::Tensor params_to_host(); // (P) host copy in arena order (a collective with optim_grads_params)
 
   // The step's phases: zero the gradients and make the outer units' parameters current; reduce the
   // outer units' gradients after the last micro-batch; bring the parameters up to date after AdamW
@@ -72,9 +84,16 @@ class ShardedModelState : public DecoderLayerHooks {
   bool decoder_layer_rerun() const override { return params_sharded_; }
 
  private:
-  // Fills `padded` (R * part) with the whole unit from every rank's part of `shard` (bucketed
-  // in-place all-gathers: each round R x bucket elements).
-  void gather_unit(const ShardUnit& unit, const torch::Tensor& shard, torch::Tensor padded, const std::string& what);
+  // Fills `padded` (R * part) with the whole unit from every rank's part, this rank's being `own`
+  // (its first `part` or fewer elements; the rest of the part is zeros). Bucketed in-place
+  // all-gathers: each round R x bucket elements.
+  void gather_unit(const ShardUnit& unit, const torch::Tensor& own, torch::Tensor padded, const std::string& what);
+  torch::Tensor own_part(const ShardUnit& unit, const torch::Tensor& shard) const {
+    return shard.narrow(0, unit.shard_offset, unit.part);
+  }
+  torch::Tensor arena_part(const ShardUnit& unit) const {  // optim_grads: this rank's part, in the arena
+    return arena.narrow(0, unit.begin + rank_ * unit.part, unit.own);
+  }
   // Sums `padded` (R * part, the unit's gradient in its first numel) over the ranks and adds this
   // rank's part into grad_shard; zeroes `padded` for the next use.
   void reduce_unit(const ShardUnit& unit, torch::Tensor padded);
