@@ -54,21 +54,27 @@ std::vector<nlohmann::json> metrics_of(const std::string& run) {
   return out;
 }
 
-// The largest |a - b| over every weight of two runs' checkpoints at `step`; the checkpoints must
-// hold the same tensors.
-double largest_weight_difference(const std::string& run_a, const std::string& run_b, int step) {
-  const auto wa = safetensors_read(kOut + "/" + run_a + "/checkpoints/" + std::to_string(step) + "/model.safetensors");
-  const auto wb = safetensors_read(kOut + "/" + run_b + "/checkpoints/" + std::to_string(step) + "/model.safetensors");
-  REQUIRE(wa.tensors.size() == wb.tensors.size());
+// Largest absolute difference between two safetensors files' tensors of the same names; the
+// names must be the same set.
+double largest_weight_difference(const std::string& a_path, const std::string& b_path) {
+  const auto a = safetensors_read(a_path), b = safetensors_read(b_path);
+  REQUIRE(a.tensors.size() == b.tensors.size());
   double worst = 0;
-  for (const auto& [name, ta] : wa.tensors) {
-    const auto& tb = wb.tensors.at(name);
+  for (const auto& [name, ta] : a.tensors) {
+    INFO(name);
+    REQUIRE(b.tensors.count(name) == 1);
+    const auto& tb = b.tensors.at(name);
     REQUIRE(ta.nbytes == tb.nbytes);
-    const auto* x = reinterpret_cast<const float*>(wa.data.data() + ta.offset);
-    const auto* y = reinterpret_cast<const float*>(wb.data.data() + tb.offset);
+    const auto* x = reinterpret_cast<const float*>(a.data.data() + ta.offset);
+    const auto* y = reinterpret_cast<const float*>(b.data.data() + tb.offset);
     for (size_t j = 0; j < ta.nbytes / 4; ++j) worst = std::max(worst, static_cast<double>(std::abs(x[j] - y[j])));
   }
   return worst;
+}
+
+// The model file of a run's checkpoint at `step`.
+std::string checkpoint_model(const std::string& run, int step) {
+  return kOut + "/" + run + "/checkpoints/" + std::to_string(step) + "/model.safetensors";
 }
 
 }  // namespace
@@ -360,7 +366,7 @@ TEST_CASE("ZeRO-1 at R=4 (a padded parameter arena) equals one process with the 
         CHECK(a[i][name].get<double>() == Approx(b[i][name].get<double>()).epsilon(1e-5));
     }
     // The final weights, tensor by tensor (sums taken in another order: float tolerance).
-    const double worst = largest_weight_difference(four, one, 3);
+    const double worst = largest_weight_difference(checkpoint_model(four, 3), checkpoint_model(one, 3));
     INFO("largest weight difference " << worst);
     // With adam_eps = 1e-8, AdamW's m / sqrt(v) turns the rounding difference of a near-zero
     // gradient element (sums in another order) into an O(lr) change of its update: 3.8e-5 on
@@ -407,7 +413,7 @@ TEST_CASE("sharded levels (optim_grads, optim_grads_params) at R=2 and R=4 equal
           // padding of the last parts is not counted.
           CHECK(a[i]["learning/num_zeros"] == b[i]["learning/num_zeros"]);
         }
-        const double worst = largest_weight_difference(run, one, 3);
+        const double worst = largest_weight_difference(checkpoint_model(run, 3), checkpoint_model(one, 3));
         INFO("largest weight difference " << worst);
         CHECK(worst < 1e-6);
       }
@@ -444,7 +450,7 @@ TEST_CASE("a checkpoint of R=4 optim_grads_params resumes at R=2 optim_grads and
       for (const char* name : {"learning/loss", "learning/raw_grad_norm", "learning/param_norm"})
         CHECK(resumed[i][name].get<double>() == Approx(straight[i][name].get<double>()).epsilon(1e-5));
     }
-    CHECK(largest_weight_difference(run, "reshard-straight", 4) < 1e-6);
+    CHECK(largest_weight_difference(checkpoint_model(run, 4), checkpoint_model("reshard-straight", 4)) < 1e-6);
   }
 }
 
@@ -576,24 +582,6 @@ TEST_CASE("a config resolved for another world size is refused, also by a single
 
 namespace {
 
-// Largest absolute difference between two safetensors files' tensors of the same names; the
-// names must be the same set.
-double largest_weight_difference(const std::string& a_path, const std::string& b_path) {
-  const auto a = safetensors_read(a_path), b = safetensors_read(b_path);
-  REQUIRE(a.tensors.size() == b.tensors.size());
-  double worst = 0;
-  for (const auto& [name, ta] : a.tensors) {
-    INFO(name);
-    REQUIRE(b.tensors.count(name) == 1);
-    const auto& tb = b.tensors.at(name);
-    REQUIRE(ta.nbytes == tb.nbytes);
-    const auto* x = reinterpret_cast<const float*>(a.data.data() + ta.offset);
-    const auto* y = reinterpret_cast<const float*>(b.data.data() + tb.offset);
-    for (size_t j = 0; j < ta.nbytes / 4; ++j) worst = std::max(worst, static_cast<double>(std::abs(x[j] - y[j])));
-  }
-  return worst;
-}
-
 // The expert-selection bias buffers of a model file, by name, as raw bytes.
 std::map<std::string, std::string> expert_bias_bytes(const std::string& path) {
   const auto file = safetensors_read(path);
@@ -650,14 +638,13 @@ TEST_CASE("expert parallelism: R=2 with EP=2 equals R=2 with EP=1 and R=1, both 
         CHECK(a[i]["learning/num_zeros"].get<double>() > 1000);
       }
       // Checkpoints hold every expert under its HF name whatever the EP size: the same names.
-      const auto final_model = [&](const std::string& run) { return kOut + "/" + run + "/checkpoints/3/model.safetensors"; };
-      const double worst = largest_weight_difference(final_model(ep2), final_model(ep1));
+      const double worst = largest_weight_difference(checkpoint_model(ep2, 3), checkpoint_model(ep1, 3));
       INFO("largest weight difference EP=2 vs EP=1: " << worst);
       CHECK(worst < 1e-6);
-      CHECK(largest_weight_difference(final_model(ep2), final_model(one)) < 1e-6);
+      CHECK(largest_weight_difference(checkpoint_model(ep2, 3), checkpoint_model(one, 3)) < 1e-6);
       // The selection bias moves by +-rate from the global load: the same decisions, bit for bit.
-      const auto bias = expert_bias_bytes(final_model(ep2));
-      CHECK(bias == expert_bias_bytes(final_model(ep1)));
+      const auto bias = expert_bias_bytes(checkpoint_model(ep2, 3));
+      CHECK(bias == expert_bias_bytes(checkpoint_model(ep1, 3)));
       if (model == "ling2-tiny") CHECK_FALSE(bias.empty());
     }
 }
@@ -680,13 +667,47 @@ TEST_CASE("expert parallelism at R=4 (two groups of 2) equals one process with t
       INFO("step " << i << " " << name);
       CHECK(a[i][name].get<double>() == Approx(b[i][name].get<double>()).epsilon(1e-5));
     }
-  CHECK(largest_weight_difference(kOut + "/ep2-r4/checkpoints/3/model.safetensors",
-                                  kOut + "/ep2-r4-one/checkpoints/3/model.safetensors") < 1e-6);
+  CHECK(largest_weight_difference(checkpoint_model("ep2-r4", 3), checkpoint_model("ep2-r4-one", 3)) < 1e-6);
   // Per step and rank (K = 1, moe-tiny: MoE layers 1 and 2, one gradient bucket): 2 layers x 3
   // exchanges forward (counts, rows out, rows back) + 2 x 2 backward = 10; the gradient in 5 runs
   // (3 dense over all ranks, each MoE layer's experts over its 2 replicas); the step's scalars;
   // the expert parts of the gradient norm, the zero count and the parameter norm: 3.
   for (const auto& m : a) CHECK(m["perf/collectives_per_step"].get<int64_t>() == 10 + 5 + 1 + 3);
+}
+
+TEST_CASE("expert parallelism with remat_policy full and minimal equals EP=1 without recomputation", "[dist][cli][moe]") {
+  // A rerun MoE layer exchanges its rows again in backward; every rank reruns the layers in the
+  // same order, so the exchanges pair up, and the statistics of the rerun are not counted twice.
+  const std::string common = "model_name=ling2-tiny override_model_config=true max_target_length=16 per_device_batch_size=1 "
+                             "steps=3 warmup_steps_fraction=0 learning_rate=0.01 synthetic_min_valid_fraction=0.3 "
+                             "learning_rate_schedule_steps=4 load_balance_loss_weight=0.1 routed_bias_update_rate=0.01 "
+                             "adam_eps=0.01 base_output_directory=" + kOut + " ";  // adam_eps: see the EP test above
+  for (const auto& run : {"ep-remat-reference", "ep-remat-full", "ep-remat-minimal"}) fs::remove_all(kOut + "/" + run);
+  REQUIRE(mpirun(2, common + "run_name=ep-remat-reference").exit_code == 0);
+  const auto reference = metrics_of("ep-remat-reference");
+  std::map<std::string, std::vector<nlohmann::json>> runs;
+  for (const std::string remat : {"full", "minimal"}) {
+    INFO("remat_policy=" << remat);
+    const std::string run = "ep-remat-" + remat;
+    const auto result = mpirun(2, common + "expert_parallelism=2 remat_policy=" + remat + " run_name=" + run);
+    INFO(result.output);
+    REQUIRE(result.exit_code == 0);
+    runs[remat] = metrics_of(run);
+    REQUIRE(runs[remat].size() == 3);
+    for (size_t i = 0; i < 3; ++i)
+      for (const char* name : {"learning/loss", "learning/moe_lb_loss", "learning/mtp_loss", "learning/raw_grad_norm",
+                               "learning/param_norm", "moe/router_probs_std", "moe/expert_load_max_over_mean"}) {
+        INFO("step " << i << " " << name);
+        CHECK(runs[remat][i][name].get<double>() == Approx(reference[i][name].get<double>()).epsilon(1e-6));
+      }
+    CHECK(largest_weight_difference(checkpoint_model(run, 3), checkpoint_model("ep-remat-reference", 3)) < 1e-6);
+    CHECK(expert_bias_bytes(checkpoint_model(run, 3)) == expert_bias_bytes(checkpoint_model("ep-remat-reference", 3)));
+  }
+  // Full recomputation reruns ling2-tiny's 2 decoder MoE layers, each repeating its 3 forward
+  // exchanges; minimal recomputes only elementwise ops inside a layer (no exchange).
+  for (size_t i = 0; i < 3; ++i)
+    CHECK(runs["full"][i]["perf/collectives_per_step"].get<int64_t>() ==
+          runs["minimal"][i]["perf/collectives_per_step"].get<int64_t>() + 2 * 3);
 }
 
 TEST_CASE("a checkpoint written with EP=2 resumes with EP=1, and one written with EP=1 with EP=2", "[dist][cli][moe][checkpoint]") {

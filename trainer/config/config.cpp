@@ -202,7 +202,6 @@ std::vector<std::string> validation_errors(const Config& c) {
             ep + " must divide num_experts (" + std::to_string(c.num_experts) + ") of a MoE model");
     require(c.data_parallel_sharding == "none",
             ep + " with data_parallel_sharding=" + c.data_parallel_sharding + " is not implemented yet");
-    require(c.remat_policy == "none", ep + " with remat_policy=" + c.remat_policy + " is not implemented yet");
   }
   require(c.z_loss_multiplier >= 0, "z_loss_multiplier must be >= 0");
   require(c.learning_rate >= 0, "learning_rate must be >= 0");
