@@ -501,7 +501,7 @@ TEST_CASE("memory plan: sharded levels count the shard and one unit's buffers, a
       const double outer = R * (std::ceil(static_cast<double>(units.front().numel) / R) +
                                 std::ceil(static_cast<double>(units.back().numel) / R));
       const MemoryPlan plan = memory_plan(c, {static_cast<int64_t>(R), 1, false, false});
-      CHECK(plan_item(plan, "weights") == (level == "optim_grads" ? 4 * (P + widest) : 4 * (S + outer + layer)));
+      CHECK(plan_item(plan, "weights") == (level == "optim_grads" ? 4 * (P + widest) : 4 * (S + outer + 2 * layer)));
       CHECK(plan_item(plan, "gradients") == 4 * (S + outer + layer));
       CHECK(plan_item(plan, "optimizer") == 12 * S);
       if (R == 1) CHECK(S == P);

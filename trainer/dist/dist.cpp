@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <cstdlib>
 
 #include <spdlog/spdlog.h>
@@ -33,6 +34,11 @@ namespace {
 
 Error dist_error(const std::string& message) { return Error(kExitDistributed, message); }
 
+class FinishedCollective : public PendingCollective {
+ public:
+  void wait() override {}
+};
+
 
 class LocalCommunicator : public Communicator {
  public:
@@ -53,6 +59,41 @@ class LocalCommunicator : public Communicator {
 
 #if TRAINER_WITH_GLOO || TRAINER_WITH_NCCL
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+// A c10d work in flight; `fail` turns its exception into the caller's trainer::Error. WorkPtr is
+// what the group's collectives return (ProcessGroup::Work in LibTorch 1.13, c10d::Work in 2.x).
+template <class WorkPtr>
+class C10dPending : public PendingCollective {
+ public:
+  C10dPending(WorkPtr work, std::chrono::milliseconds timeout,
+              std::function<Error(const std::string&)> fail, std::vector<std::vector<at::Tensor>> outputs,
+              std::vector<at::Tensor> inputs)
+      : work_(std::move(work)), timeout_(timeout), fail_(std::move(fail)), outputs_(std::move(outputs)),
+        inputs_(std::move(inputs)) {}
+  ~C10dPending() override {
+    try {
+      wait();
+    } catch (...) {
+    }
+  }
+  void wait() override {
+    if (!work_) return;
+    auto work = std::move(work_);
+    work_.reset();
+    try {
+      work->wait(timeout_);
+    } catch (const std::exception& e) {
+      throw fail_(first_line(e.what()));
+    }
+  }
+
+ private:
+  WorkPtr work_;
+  std::chrono::milliseconds timeout_;
+  std::function<Error(const std::string&)> fail_;
+  std::vector<std::vector<at::Tensor>> outputs_;  // kept alive until the work is done
+  std::vector<at::Tensor> inputs_;
+};
 
 // A c10d process group (ProcessGroupGloo or ProcessGroupNCCL) over a TCPStore. Both groups
 // share the allreduce/wait interface in LibTorch 1.13 and 2.x, so one template serves both.
@@ -137,6 +178,23 @@ class C10dCommunicator : public Communicator {
     }
     ++collectives_;
     bytes_sent_ += static_cast<double>(world_ - 1) * static_cast<double>(parts[0].numel() * parts[0].element_size());
+  }
+  std::unique_ptr<PendingCollective> all_gather_start(std::vector<torch::Tensor>& parts, const std::string& what) override {
+    TORCH_CHECK(static_cast<int64_t>(parts.size()) == world_, "all_gather_start: one part per rank");
+    std::vector<std::vector<at::Tensor>> outputs{parts};
+    std::vector<at::Tensor> inputs{parts[static_cast<size_t>(rank_)]};
+    const std::string failed = who() + ": all_gather of " + what + " failed (a peer rank died or hung; timeout " +
+                               std::to_string(timeout_.count() / 1000) + " s): ";
+    auto fail = [failed](const std::string& reason) { return dist_error(failed + reason); };
+    decltype(group_->allgather(outputs, inputs)) work;
+    try {
+      work = group_->allgather(outputs, inputs);
+    } catch (const std::exception& e) {
+      throw fail(first_line(e.what()));
+    }
+    ++collectives_;
+    bytes_sent_ += static_cast<double>(world_ - 1) * static_cast<double>(parts[0].numel() * parts[0].element_size());
+    return std::make_unique<C10dPending<decltype(work)>>(std::move(work), timeout_, std::move(fail), std::move(outputs), std::move(inputs));
   }
   void all_to_all(torch::Tensor& output, const torch::Tensor& input, const std::vector<int64_t>& output_splits,
                   const std::vector<int64_t>& input_splits, const std::string& what) override {
@@ -268,6 +326,12 @@ std::pair<std::string, int> rendezvous_via_mpi(const DistEnv& env) {
 }
 
 }  // namespace
+
+std::unique_ptr<PendingCollective> Communicator::all_gather_start(std::vector<torch::Tensor>& parts,
+                                                                 const std::string& what) {
+  all_gather(parts, what);
+  return std::make_unique<FinishedCollective>();
+}
 
 std::string dist_backend_resolve(const std::string& requested, const torch::Device& device) {
   if (requested != "auto") return requested;

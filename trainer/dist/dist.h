@@ -12,6 +12,14 @@
 
 namespace trainer {
 
+// A collective started without waiting (Communicator::all_gather_start). wait() finishes it, with
+// the same timeout and errors as the blocking call; the destructor of an unfinished one waits too.
+class PendingCollective {
+ public:
+  virtual ~PendingCollective() = default;
+  virtual void wait() = 0;
+};
+
 // Collectives of one data-parallel group. With one process every call is a no-op. Every
 // collective waits at most `timeout_seconds`; a failure or timeout throws trainer::Error with
 // exit code 5 naming the operation and this rank.
@@ -26,6 +34,9 @@ class Communicator {
   // parts[rank()] holds this rank's data on entry, and every part holds its rank's data on return.
   // The parts may be views of one buffer (the ZeRO-1 parameter arena), so nothing is copied twice.
   virtual void all_gather(std::vector<torch::Tensor>& parts, const std::string& what) = 0;
+  // all_gather started, not finished: the parts must stay untouched until wait() returns. Ranks
+  // start their collectives in the same order (the prefetch of the next decoder layer's weights).
+  virtual std::unique_ptr<PendingCollective> all_gather_start(std::vector<torch::Tensor>& parts, const std::string& what);
   // All-to-all of rows (expert parallelism): input rows [sum(input_splits[<d]), + input_splits[d])
   // go to rank d; output (sum(output_splits) rows, allocated by the caller) receives
   // output_splits[s] rows from rank s, in rank order. Row width and dtype must agree on all ranks.

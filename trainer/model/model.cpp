@@ -72,7 +72,7 @@ class Recompute : public torch::autograd::Function<Recompute> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 c10::intrusive_ptr<RecomputeClosure> closure, at::TensorList inputs) {
-    if (closure->hooks.before_run) closure->hooks.before_run();
+    if (closure->hooks.before_run) closure->hooks.before_run(/*backward=*/false);
     std::vector<torch::Tensor> outputs;
     if (closure->hooks.rerun) {
       ctx->save_for_backward(inputs.vec());
@@ -93,7 +93,7 @@ class Recompute : public torch::autograd::Function<Recompute> {
     if (closure->hooks.rerun) {
       for (const auto& saved : ctx->get_saved_variables())
         inputs.push_back(saved.detach().requires_grad_(saved.requires_grad()));
-      if (closure->hooks.before_run) closure->hooks.before_run();
+      if (closure->hooks.before_run) closure->hooks.before_run(/*backward=*/true);
       torch::AutoGradMode record(true);
       compat::AutocastGuard autocast(closure->autocast, closure->cuda);
       outputs = closure->fn(inputs);
@@ -128,7 +128,7 @@ std::vector<torch::Tensor> run_unit(const RecomputeFn& fn, const std::vector<tor
   const bool recording = torch::GradMode::is_enabled() &&
                          std::any_of(inputs.begin(), inputs.end(), [](const torch::Tensor& t) { return t.requires_grad(); });
   if (!recording) {
-    if (hooks.before_run) hooks.before_run();
+    if (hooks.before_run) hooks.before_run(/*backward=*/false);
     return fn(inputs);
   }
   auto closure = c10::make_intrusive<RecomputeClosure>();
@@ -297,7 +297,7 @@ torch::Tensor DecoderStackImpl::forward(const torch::Tensor& embeddings, const B
     UnitHooks hooks;
     if (layer_hooks) {
       hooks.rerun = remat_policy == "full" || layer_hooks->decoder_layer_rerun();
-      hooks.before_run = [hooks_owner = layer_hooks, i] { hooks_owner->decoder_layer_gather(i); };
+      hooks.before_run = [hooks_owner = layer_hooks, i](bool backward) { hooks_owner->decoder_layer_gather(i, backward); };
       hooks.after_backward = [hooks_owner = layer_hooks, i] { hooks_owner->decoder_layer_grads_ready(i); };
     }
     const auto out = run_unit(block, {x}, std::move(hooks));

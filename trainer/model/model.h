@@ -97,26 +97,29 @@ std::vector<torch::Tensor> recompute(const RecomputeFn& fn, const std::vector<to
 
 // A decoder layer as a unit of sharded data parallelism (data_parallel_sharding = optim_grads |
 // optim_grads_params, trainer/train/sharding.h): the stack calls `gather` before every run of
-// layer i (its forward, and its rerun in backward), so that its parameters hold their values, and
+// layer i (its forward, and its rerun in backward: `backward`, when the next layer to run is i - 1),
+// so that its parameters hold their values, and
 // `grads_ready` right after layer i's backward, when its parameters' .grad hold this micro-batch's
 // gradients of the layer and nothing else (the hook reduces them and zeroes .grad).
 class DecoderLayerHooks {
  public:
   virtual ~DecoderLayerHooks() = default;
-  virtual void decoder_layer_gather(int64_t layer) = 0;
+  virtual void decoder_layer_gather(int64_t layer, bool backward) = 0;
   virtual void decoder_layer_grads_ready(int64_t layer) = 0;
   // Whether backward reruns the layer from its input (needed when its parameters are freed after
   // forward); otherwise the layer's autograd graph is kept from forward.
   virtual bool decoder_layer_rerun() const = 0;
 };
 
-// recompute() with hooks: before_run precedes every run of fn; after_backward follows the
+// recompute() with hooks: before_run precedes every run of fn (its argument: the run is the rerun
+// in backward); after_backward follows the
 // backward through fn, once its parameter gradients are accumulated. rerun=false keeps fn's graph
 // from forward instead of rerunning it (the hooks still bracket backward). Without recording,
 // fn runs once after before_run.
 struct UnitHooks {
   bool rerun = true;
-  std::function<void()> before_run, after_backward;
+  std::function<void(bool backward)> before_run;
+  std::function<void()> after_backward;
 };
 std::vector<torch::Tensor> run_unit(const RecomputeFn& fn, const std::vector<torch::Tensor>& inputs, UnitHooks hooks);
 

@@ -179,9 +179,9 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
       add(plan, "weights (fp32 flat buffer)", 4 * (P + std::max({layer, R * part(embed), R * part(rest)})),
           params + " x 4 B (AdamW updates this rank's " + shard_text + " in place) and the largest unit's gather buffer");
     else
-      add(plan, "weights (fp32 shard + gathered units)", 4 * (S + outer + layer),
+      add(plan, "weights (fp32 shard + gathered units)", 4 * (S + outer + 2 * layer),
           "the shard of " + shard_text + ", the embedding and the rest (MTP, norm, head) gathered for the step, "
-          "one decoder layer gathered at a time");
+          "two decoder layers' buffers (one computing, the next one's gather in flight)");
     add(plan, "gradients (fp32 shard + unreduced units)", 4 * (S + outer + layer),
         "the reduced shard, the embedding's and the rest's local sums over K micro-batches, one decoder layer's "
         "until its reduction");

@@ -69,22 +69,29 @@ void Trainer::keep_local_experts(const NamedTensors& targets, const torch::Tenso
 CheckpointContents Trainer::snapshot(int64_t completed_steps) {
   torch::NoGradGuard no_grad;
   CheckpointContents c;
+  // Only rank 0 writes, so only rank 0 keeps host copies; the others take part in the gathers and
+  // return nothing. (With expert parallelism every rank gathers experts from its host copy below.)
+  const bool keep = comm_->rank() == 0 || expert_group_ != nullptr;
   // One copy per flat buffer; the named tensors are views into those copies.
   // Sharded levels gather every unit to a host copy of the arena (docs/checkpoints.md).
-  const auto params = sharded_state_ ? sharded_state_->params_to_host()
-                                     : flat_params_.to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
+  torch::Tensor params;
+  if (sharded_state_)
+    params = sharded_state_->params_to_host(keep);
+  else if (keep)
+    params = flat_params_.to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
   // (P) full moments on the host; with ZeRO-1 assembled from every rank (a collective) through a
   // transient padded buffer laid out as the parameter arena, in which this rank fills its chunk.
   torch::Tensor full = sharded() ? torch::zeros_like(flat_params_padded_) : torch::Tensor();
   const auto host_moments = [&](const torch::Tensor& shard, const std::string& what) {
-    if (sharded_state_) return sharded_state_->gather_to_host(shard, what);
-    if (!sharded()) return shard.to(torch::kCPU, false, true);
+    if (sharded_state_) return sharded_state_->gather_to_host(shard, what, keep);
+    if (!sharded()) return keep ? shard.to(torch::kCPU, false, true) : torch::Tensor();
     full.narrow(0, shard_begin_, shard_end_ - shard_begin_).copy_(shard);
     all_gather_chunks(full, what);
-    return full.narrow(0, 0, flat_params_.numel()).to(torch::kCPU, false, true);
+    return keep ? full.narrow(0, 0, flat_params_.numel()).to(torch::kCPU, false, true) : torch::Tensor();
   };
   const auto m = host_moments(adam_m_, "the AdamW first moments");
   const auto v = host_moments(adam_v_, "the AdamW second moments");
+  if (!keep) return c;
   // With expert parallelism every stacked expert tensor is gathered from the group: a checkpoint
   // holds every expert under its HF name, whatever expert_parallelism wrote it.
   c.model = model_checkpoint_views(arena_views_all_experts(params, "the expert weights"));

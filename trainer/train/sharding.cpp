@@ -71,7 +71,7 @@ ShardedModelState::ShardedModelState(Transformer model, Communicator& comm, cons
   if (params_sharded_) {
     param_shard = torch::zeros({shard}, opts);
     outer_params_ = torch::zeros_like(outer_grads_);
-    layer_params_ = torch::zeros({largest_layer}, opts);
+    for (auto& buffer : layer_params_) buffer = torch::zeros({largest_layer}, opts);
   } else {
     arena = torch::zeros({total_}, opts);
   }
@@ -94,7 +94,7 @@ ShardedModelState::ShardedModelState(Transformer model, Communicator& comm, cons
     if (!params_sharded_)
       view = arena.narrow(0, offset, n);
     else
-      view = outer ? outer_params_.narrow(0, outer_at, n) : layer_params_.narrow(0, in_unit, n);
+      view = outer ? outer_params_.narrow(0, outer_at, n) : layer_params_[unit.layer % 2].narrow(0, in_unit, n);
     if (!params_sharded_ || outer) view.copy_(p.reshape({-1}));  // a layer's values arrive with its gather
     p.set_data(view.view(p.sizes()));
     p.mutable_grad() = (outer ? outer_grads_.narrow(0, outer_at, n) : layer_grads_.narrow(0, in_unit, n)).view(p.sizes());
@@ -123,12 +123,21 @@ torch::Tensor ShardedModelState::params_norm() {
   return params_sharded_ ? norm(param_shard) : flat_buffer_norm(arena);
 }
 
-torch::Tensor ShardedModelState::params_to_host() {
-  return params_sharded_ ? gather_to_host(param_shard, "the parameters") : arena.to(torch::kCPU, false, true);
+torch::Tensor ShardedModelState::params_to_host(bool keep) {
+  if (params_sharded_) return gather_to_host(param_shard, "the parameters", keep);
+  return keep ? arena.to(torch::kCPU, false, true) : torch::Tensor();
 }
 
 void ShardedModelState::gather_unit(const ShardUnit& unit, const torch::Tensor& own, torch::Tensor padded,
                                     const std::string& what) {
+  for (auto& pending : gather_unit_start(unit, own, std::move(padded), what)) pending->wait();
+}
+
+std::vector<std::unique_ptr<PendingCollective>> ShardedModelState::gather_unit_start(const ShardUnit& unit,
+                                                                                     const torch::Tensor& own,
+                                                                                     torch::Tensor padded,
+                                                                                     const std::string& what) {
+  std::vector<std::unique_ptr<PendingCollective>> started;
   const int64_t R = comm_.world_size();
   const int64_t slice = std::max<int64_t>(1, bucket_elements_ / R);
   for (int64_t offset = 0; offset < unit.part; offset += slice) {
@@ -139,8 +148,10 @@ void ShardedModelState::gather_unit(const ShardUnit& unit, const torch::Tensor& 
     const int64_t have = std::clamp<int64_t>(own.numel() - offset, 0, n);
     if (have > 0) mine.narrow(0, 0, have).copy_(own.narrow(0, offset, have));
     if (have < n) mine.narrow(0, have, n - have).zero_();
-    comm_.all_gather(parts, what + " of " + unit.name + " (all-gather at element " + std::to_string(offset) + ")");
+    started.push_back(
+        comm_.all_gather_start(parts, what + " of " + unit.name + " (all-gather at element " + std::to_string(offset) + ")"));
   }
+  return started;
 }
 
 // Without a reduce-scatter in Gloo (LibTorch 1.13) the unit is all-reduced bucket by bucket and
@@ -195,13 +206,29 @@ void ShardedModelState::params_updated() {
   }
 }
 
-void ShardedModelState::decoder_layer_gather(int64_t layer) {
+void ShardedModelState::layer_gather_start(int64_t layer) {
+  const ShardUnit& unit = layer_unit(layer);
+  prefetch_ = gather_unit_start(unit, own_part(unit, param_shard),
+                                layer_params_[layer % 2].narrow(0, 0, comm_.world_size() * unit.part), "the parameters");
+  prefetched_layer_ = layer;
+}
+
+// Layer i's gather overlaps layer i - 1's compute (i + 1's in backward). The buffer it fills,
+// layer_params_[i % 2], last held layer i - 2 (i + 2), whose run has finished: forward runs
+// without recording, and a backward rerun's graph is released before the next layer's hook.
+void ShardedModelState::decoder_layer_gather(int64_t layer, bool backward) {
   if (!params_sharded_) return;
   if (kill_in_next_layer_gather) std::raise(SIGKILL);
   torch::NoGradGuard no_grad;
-  const ShardUnit& unit = layer_unit(layer);
-  gather_unit(unit, own_part(unit, param_shard), layer_params_.narrow(0, 0, comm_.world_size() * unit.part),
-              "the parameters");
+  if (prefetched_layer_ != layer) {
+    for (auto& pending : prefetch_) pending->wait();  // a gather nobody asked for (not expected)
+    layer_gather_start(layer);
+  }
+  for (auto& pending : prefetch_) pending->wait();
+  prefetch_.clear();
+  prefetched_layer_ = -1;
+  const int64_t next = backward ? layer - 1 : layer + 1;
+  if (next >= 0 && next < static_cast<int64_t>(units_.size()) - 2) layer_gather_start(next);
 }
 
 void ShardedModelState::decoder_layer_grads_ready(int64_t layer) {
@@ -222,16 +249,16 @@ torch::Tensor ShardedModelState::count_zeros(const torch::Tensor& shard) {
   return zeros[0] - padding_elements();
 }
 
-torch::Tensor ShardedModelState::gather_to_host(const torch::Tensor& shard, const std::string& what) {
+torch::Tensor ShardedModelState::gather_to_host(const torch::Tensor& shard, const std::string& what, bool keep) {
   torch::NoGradGuard no_grad;
   const int64_t R = comm_.world_size();
   int64_t largest = 0;
   for (const auto& unit : units_) largest = std::max(largest, R * unit.part);
   auto buffer = torch::empty({largest}, shard.options());  // one unit at a time on the device
-  auto out = torch::empty({total_}, torch::kFloat32);
+  auto out = keep ? torch::empty({total_}, torch::kFloat32) : torch::Tensor();
   for (const auto& unit : units_) {
     gather_unit(unit, own_part(unit, shard), buffer.narrow(0, 0, R * unit.part), what);
-    out.narrow(0, unit.begin, unit.numel).copy_(buffer.narrow(0, 0, unit.numel));
+    if (keep) out.narrow(0, unit.begin, unit.numel).copy_(buffer.narrow(0, 0, unit.numel));
   }
   return out;
 }

@@ -57,7 +57,9 @@ class ShardedModelState : public DecoderLayerHooks {
   };
   std::vector<Segment> param_segments() const;
   torch::Tensor params_norm();    // fp64 L2 norm of all parameters (a collective with optim_grads_params)
-  torch::Tensor params_to_host(); // (P) host copy in arena order (a collective with optim_grads_params)
+  // (P) host copy in arena order (a collective with optim_grads_params); undefined when !keep
+  // (a rank that only takes part in the gathers).
+  torch::Tensor params_to_host(bool keep = true);
 
   // The step's phases: zero the gradients and make the outer units' parameters current; reduce the
   // outer units' gradients after the last micro-batch; bring the parameters up to date after AdamW
@@ -72,14 +74,17 @@ class ShardedModelState : public DecoderLayerHooks {
   // fp64 L2 norm / int64 zero count of a shard-shaped buffer over all ranks (padding excluded).
   torch::Tensor norm(const torch::Tensor& shard);
   torch::Tensor count_zeros(const torch::Tensor& shard);
-  // (P) host tensor in arena order from a shard-shaped buffer, gathered unit by unit (a collective).
-  torch::Tensor gather_to_host(const torch::Tensor& shard, const std::string& what);
+  // (P) host tensor in arena order from a shard-shaped buffer, gathered unit by unit (a collective);
+  // with !keep this rank only takes part in the gathers and gets an undefined tensor.
+  torch::Tensor gather_to_host(const torch::Tensor& shard, const std::string& what, bool keep = true);
   // This rank's (S) shard of a (P) arena-ordered tensor, on `full`'s device.
   torch::Tensor shard_of(const torch::Tensor& full) const;
   // Parameters from a (P) arena-ordered tensor (a restore).
   void params_load(const torch::Tensor& full);
 
-  void decoder_layer_gather(int64_t layer) override;
+  // optim_grads_params: waits for layer's gather (started while the previous layer ran, or now),
+  // then starts the gather of the layer that runs next (layer + 1, or layer - 1 in backward).
+  void decoder_layer_gather(int64_t layer, bool backward) override;
   void decoder_layer_grads_ready(int64_t layer) override;
   bool decoder_layer_rerun() const override { return params_sharded_; }
 
@@ -88,6 +93,9 @@ class ShardedModelState : public DecoderLayerHooks {
   // (its first `part` or fewer elements; the rest of the part is zeros). Bucketed in-place
   // all-gathers: each round R x bucket elements.
   void gather_unit(const ShardUnit& unit, const torch::Tensor& own, torch::Tensor padded, const std::string& what);
+  std::vector<std::unique_ptr<PendingCollective>> gather_unit_start(const ShardUnit& unit, const torch::Tensor& own,
+                                                                    torch::Tensor padded, const std::string& what);
+  void layer_gather_start(int64_t layer);  // into layer_params_[layer % 2], as prefetch_
   torch::Tensor own_part(const ShardUnit& unit, const torch::Tensor& shard) const {
     return shard.narrow(0, unit.shard_offset, unit.part);
   }
@@ -107,8 +115,11 @@ class ShardedModelState : public DecoderLayerHooks {
   int64_t total_ = 0;
   std::vector<ShardUnit> units_;  // embedding, the decoder layers in order, the rest
   // Gathered parameters (optim_grads_params): the outer units, each padded to R parts, valid for
-  // a step; and one decoder layer's, which every layer's parameters view (valid after its gather).
-  torch::Tensor outer_params_, layer_params_;
+  // a step; and two decoder layers' (layer i's parameters view layer_params_[i % 2], valid after
+  // its gather), so the next layer's gather can run while this one computes.
+  torch::Tensor outer_params_, layer_params_[2];
+  int64_t prefetched_layer_ = -1;                             // the layer whose gather is in flight
+  std::vector<std::unique_ptr<PendingCollective>> prefetch_;  // its bucketed all-gathers
   bool outer_stale_ = false;
   // Local gradients before their reduction: the outer units' (R * part each, the step's
   // micro-batches summed), and one decoder layer's (every layer's .grad views it).
