@@ -54,28 +54,33 @@ std::vector<nlohmann::json> metrics_of(const std::string& run) {
   return out;
 }
 
-// Largest absolute difference between two safetensors files' tensors of the same names; the
-// names must be the same set.
+// Largest absolute difference between the same-named tensors of two safetensors files, or of two
+// checkpoint directories' models (model.safetensors, or the shards its index lists); the names
+// must be the same set.
 double largest_weight_difference(const std::string& a_path, const std::string& b_path) {
-  const auto a = safetensors_read(a_path), b = safetensors_read(b_path);
-  REQUIRE(a.tensors.size() == b.tensors.size());
+  const auto read = [](const std::string& path) {
+    std::map<std::string, torch::Tensor> named;
+    for (auto& [name, tensor] : fs::is_directory(path) ? hf_read_directory(path) : checkpoint_read_tensors(path))
+      named.emplace(name, tensor);
+    return named;
+  };
+  const auto a = read(a_path), b = read(b_path);
+  REQUIRE(a.size() == b.size());
   double worst = 0;
-  for (const auto& [name, ta] : a.tensors) {
+  for (const auto& [name, ta] : a) {
     INFO(name);
-    REQUIRE(b.tensors.count(name) == 1);
-    const auto& tb = b.tensors.at(name);
-    REQUIRE(ta.nbytes == tb.nbytes);
-    const auto* x = reinterpret_cast<const float*>(a.data.data() + ta.offset);
-    const auto* y = reinterpret_cast<const float*>(b.data.data() + tb.offset);
-    for (size_t j = 0; j < ta.nbytes / 4; ++j) worst = std::max(worst, static_cast<double>(std::abs(x[j] - y[j])));
+    REQUIRE(b.count(name) == 1);
+    REQUIRE(ta.sizes() == b.at(name).sizes());
+    worst = std::max(worst, (ta - b.at(name)).abs().max().item<double>());
   }
   return worst;
 }
 
-// The model file of a run's checkpoint at `step`.
-std::string checkpoint_model(const std::string& run, int step) {
-  return kOut + "/" + run + "/checkpoints/" + std::to_string(step) + "/model.safetensors";
+// A run's checkpoint directory at `step`, and its model file (one writer).
+std::string checkpoint_dir(const std::string& run, int step) {
+  return kOut + "/" + run + "/checkpoints/" + std::to_string(step);
 }
+std::string checkpoint_model(const std::string& run, int step) { return checkpoint_dir(run, step) + "/model.safetensors"; }
 
 }  // namespace
 
@@ -413,7 +418,7 @@ TEST_CASE("sharded levels (optim_grads, optim_grads_params) at R=2 and R=4 equal
           // padding of the last parts is not counted.
           CHECK(a[i]["learning/num_zeros"] == b[i]["learning/num_zeros"]);
         }
-        const double worst = largest_weight_difference(checkpoint_model(run, 3), checkpoint_model(one, 3));
+        const double worst = largest_weight_difference(checkpoint_dir(run, 3), checkpoint_model(one, 3));
         INFO("largest weight difference " << worst);
         CHECK(worst < 1e-6);
       }
@@ -422,8 +427,9 @@ TEST_CASE("sharded levels (optim_grads, optim_grads_params) at R=2 and R=4 equal
 }
 
 TEST_CASE("a checkpoint of R=4 optim_grads_params resumes at R=2 optim_grads and at R=1 none", "[dist][cli][sharding][checkpoint]") {
-  // Checkpoints hold the whole model and optimizer state under HF names, gathered unit by unit, so
-  // any level and world size restores them by keeping its own parts. Both continuations equal an
+  // Each rank writes its own shard of the model and optimizer state (whole tensors under HF names,
+  // about 1/R of them, gathered unit by unit), listed by one index and one manifest, so any level
+  // and world size restores them by name, keeping its own parts. Both continuations equal an
   // uninterrupted one-process run of the same global batch (to float tolerance: sums in another order).
   const std::string common = "model_name=moe-tiny max_target_length=16 per_device_batch_size=1 warmup_steps_fraction=0 "
                              "learning_rate=0.01 synthetic_min_valid_fraction=0.3 learning_rate_schedule_steps=4 "
@@ -434,6 +440,42 @@ TEST_CASE("a checkpoint of R=4 optim_grads_params resumes at R=2 optim_grads and
                                         "gradient_accumulation_steps=1 steps=2 run_name=reshard-a");
   INFO(first.output);
   REQUIRE(first.exit_code == 0);
+  {
+    // The layout: four model and four optimizer files, no rank's holding more than its share plus
+    // one tensor; together exactly the tensors (and bytes) of a one-writer checkpoint.
+    const std::string dir = checkpoint_dir("reshard-a", 2);
+    CHECK_FALSE(fs::exists(dir + "/model.safetensors"));
+    const auto manifest = nlohmann::json::parse(read_file(dir + "/manifest.json"));
+    CHECK(manifest["shards"] == 4);
+    CHECK(manifest["files"].size() == 11);  // 4 + 4 + index, state.json, config.yml
+    for (const auto& entry : fs::directory_iterator(dir)) CHECK(manifest["files"].contains(entry.path().filename().string()) == (entry.path().filename() != "manifest.json"));
+    const auto whole = safetensors_read(checkpoint_model("reshard-straight", 4));
+    size_t whole_bytes = 0, largest_tensor = 0, names = 0, bytes = 0;
+    for (const auto& [name, t] : whole.tensors) {
+      whole_bytes += t.nbytes;
+      largest_tensor = std::max(largest_tensor, t.nbytes);
+    }
+    const auto index = nlohmann::json::parse(read_file(dir + "/model.safetensors.index.json"));
+    for (int r = 1; r <= 4; ++r) {
+      const std::string file = "model-0000" + std::to_string(r) + "-of-00004.safetensors";
+      INFO(file);
+      const auto shard = safetensors_read(dir + "/" + file);
+      size_t shard_bytes = 0;
+      for (const auto& [name, t] : shard.tensors) {
+        CHECK(index["weight_map"][name] == file);
+        CHECK(whole.tensors.count(name) == 1);
+        shard_bytes += t.nbytes;
+      }
+      CHECK(shard.tensors.size() > 0);
+      CHECK(shard_bytes <= whole_bytes / 4 + 2 * largest_tensor);  // ranges cut between tensors; buffers on rank 0
+      names += shard.tensors.size();
+      bytes += shard_bytes;
+      CHECK(fs::exists(dir + "/optimizer-0000" + std::to_string(r) + "-of-00004.safetensors"));
+    }
+    CHECK(names == whole.tensors.size());
+    CHECK(bytes == whole_bytes);
+    CHECK(index["metadata"]["total_size"] == whole_bytes);
+  }
   fs::copy(kOut + "/reshard-a", kOut + "/reshard-b", fs::copy_options::recursive);
   const auto two = mpirun(2, common + "data_parallel_sharding=optim_grads gradient_accumulation_steps=2 steps=4 run_name=reshard-a");
   INFO(two.output);
@@ -450,8 +492,64 @@ TEST_CASE("a checkpoint of R=4 optim_grads_params resumes at R=2 optim_grads and
       for (const char* name : {"learning/loss", "learning/raw_grad_norm", "learning/param_norm"})
         CHECK(resumed[i][name].get<double>() == Approx(straight[i][name].get<double>()).epsilon(1e-5));
     }
-    CHECK(largest_weight_difference(checkpoint_model(run, 4), checkpoint_model("reshard-straight", 4)) < 1e-6);
+    CHECK(largest_weight_difference(checkpoint_dir(run, 4), checkpoint_model("reshard-straight", 4)) < 1e-6);
   }
+  CHECK(fs::exists(checkpoint_dir("reshard-a", 4) + "/model-00002-of-00002.safetensors"));  // R=2 wrote 2 shards
+  CHECK(fs::exists(checkpoint_model("reshard-b", 4)));                                     // R=1 one file
+}
+
+TEST_CASE("sharded checkpoints: bit-exact resume at the same R, a corrupt shard falls back, a failed shard write exits 1",
+          "[dist][cli][sharding][checkpoint]") {
+  const std::string common = "model_name=moe-tiny max_target_length=16 per_device_batch_size=1 warmup_steps_fraction=0 "
+                             "learning_rate=0.01 synthetic_min_valid_fraction=0.3 adam_eps=0.01 checkpoint_period=2 "
+                             "learning_rate_schedule_steps=6 "
+                             "data_parallel_sharding=optim_grads gradient_accumulation_steps=2 base_output_directory=" + kOut + " ";
+  for (const std::string run : {"shardckpt-straight", "shardckpt-split", "shardckpt-fail"}) fs::remove_all(kOut + "/" + run);
+  const auto straight = mpirun(2, common + "steps=6 run_name=shardckpt-straight");
+  INFO(straight.output);
+  REQUIRE(straight.exit_code == 0);
+  // Stop after 4 steps (checkpoints 2 and 4, written asynchronously, and committed), then flip
+  // one byte of rank 1's model shard of checkpoint 4: the resume names that file and starts from 2.
+  const auto first = mpirun(2, common + "steps=4 run_name=shardckpt-split");
+  INFO(first.output);
+  REQUIRE(first.exit_code == 0);
+  REQUIRE(fs::exists(checkpoint_dir("shardckpt-split", 2) + "/manifest.json"));
+  const std::string victim = checkpoint_dir("shardckpt-split", 4) + "/model-00002-of-00002.safetensors";
+  {
+    std::fstream f(victim, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-3, std::ios::end);
+    char byte = 0;
+    f.read(&byte, 1);
+    f.seekp(-3, std::ios::end);
+    byte ^= 0x10;
+    f.write(&byte, 1);
+  }
+  const auto resumed = mpirun(2, common + "steps=6 run_name=shardckpt-split");
+  INFO(resumed.output);
+  REQUIRE(resumed.exit_code == 0);
+  CHECK_THAT(resumed.output, Catch::Contains("model-00002-of-00002.safetensors checksum mismatch"));
+  CHECK_THAT(resumed.output, Catch::Contains("resumed from checkpoint " + checkpoint_dir("shardckpt-split", 2)));
+  // Same R and level: every metric bit for bit, and byte-identical shards of the last checkpoint.
+  const auto a = metrics_of("shardckpt-straight"), b = metrics_of("shardckpt-split");
+  REQUIRE(a.size() == 6);
+  REQUIRE(b.size() == 6);
+  for (size_t i = 0; i < 6; ++i)
+    for (const char* name : {"learning/loss", "learning/lm_loss", "learning/raw_grad_norm", "learning/param_norm", "learning/moe_lb_loss"}) {
+      INFO("step " << i << " " << name);
+      CHECK(a[i][name] == b[i][name]);
+    }
+  for (const std::string file : {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                                 "optimizer-00001-of-00002.safetensors", "optimizer-00002-of-00002.safetensors"})
+    CHECK(read_file(checkpoint_dir("shardckpt-straight", 6) + "/" + file) == read_file(checkpoint_dir("shardckpt-split", 6) + "/" + file));
+
+  // Rank 1 cannot write its shard of the final checkpoint (a directory stands where its file
+  // goes): both ranks exit 1 naming rank 1, and checkpoint 2 is not there.
+  fs::create_directories(kOut + "/shardckpt-fail/checkpoints/.tmp-2/model-00002-of-00002.safetensors/blocked");
+  const auto fail = mpirun(2, common + "steps=2 run_name=shardckpt-fail");
+  INFO(fail.output);
+  CHECK(fail.exit_code == 1);
+  CHECK_THAT(fail.output, Catch::Contains("checkpoint 2 was not saved: rank(s) 1 could not write their shard"));
+  CHECK_FALSE(fs::exists(checkpoint_dir("shardckpt-fail", 2)));
 }
 
 TEST_CASE("a rank killed in a decoder layer's parameter all-gather makes the other exit 5 naming the layer",

@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -26,7 +27,18 @@ namespace trainer {
 namespace {
 
 namespace fs = std::filesystem;
-const char* const kCheckpointFiles[] = {"model.safetensors", "optimizer.safetensors", "state.json", "config.yml"};
+
+// The files a verified checkpoint must hold: one writer's four, or, written by `shards` ranks,
+// each rank's model and optimizer file plus the model index, state.json and config.yml.
+std::vector<std::string> checkpoint_required_files(int64_t shards) {
+  if (shards <= 1) return {"model.safetensors", "optimizer.safetensors", "state.json", "config.yml"};
+  std::vector<std::string> files{"model.safetensors.index.json", "state.json", "config.yml"};
+  for (int64_t r = 0; r < shards; ++r) {
+    files.push_back(checkpoint_shard_file_name("model", r, shards, ".safetensors"));
+    files.push_back(checkpoint_shard_file_name("optimizer", r, shards, ".safetensors"));
+  }
+  return files;
+}
 
 std::string hex32(uint32_t v) {
   char buf[16];
@@ -79,37 +91,10 @@ CheckpointState state_from_json(const std::string& text, const std::string& path
   }
 }
 
-// `pause_at_step` (testing, debug_pause_checkpoint_save_step): the save of that step stops after
-// model.safetensors, with a PAUSED marker in the temporary directory, and waits to be killed, so a
-// test can kill a trainer inside a save deterministically.
-void write_checkpoint(const std::string& checkpoints_dir, const CheckpointContents& c, int64_t keep,
-                      int64_t pause_at_step) {
-  const fs::path root(checkpoints_dir);
-  fs::create_directories(root);
-  const std::string name = std::to_string(c.state.step);
-  const fs::path tmp = root / (".tmp-" + name);
-  fs::remove_all(tmp);
-  fs::create_directories(tmp);
-
-  nlohmann::ordered_json manifest;
-  manifest["format_version"] = kCheckpointFormatVersion;
-  auto record = [&](const std::string& file, uint32_t crc) {
-    manifest["files"][file] = {{"bytes", fs::file_size(tmp / file)}, {"crc32c", hex32(crc)}};
-  };
-  record("model.safetensors", checkpoint_write_tensors((tmp / "model.safetensors").string(), c.model));
-  if (c.state.step == pause_at_step) {
-    file_write_durable((tmp / "PAUSED").string(), "paused by debug_pause_checkpoint_save_step\n");
-    for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
-  }
-  record("optimizer.safetensors", checkpoint_write_tensors((tmp / "optimizer.safetensors").string(), c.optimizer));
-  const std::string state = state_to_json(c.state);
-  file_write_durable((tmp / "state.json").string(), state);
-  record("state.json", crc32c_update(0, state.data(), state.size()));
-  file_write_durable((tmp / "config.yml").string(), c.config_yaml);
-  record("config.yml", crc32c_update(0, c.config_yaml.data(), c.config_yaml.size()));
-  file_write_durable((tmp / "manifest.json").string(), manifest.dump(2) + "\n");
+// Moves a complete temporary directory to checkpoints/<name>/, then replaces `latest`, then
+// removes all but the newest `keep` checkpoints (keep 0: all).
+void commit_directory(const fs::path& root, const fs::path& tmp, const std::string& name, int64_t keep) {
   directory_sync(tmp.string());
-
   const fs::path final_dir = root / name;
   fs::remove_all(final_dir);  // a re-save of the same step replaces it
   fs::rename(tmp, final_dir);
@@ -129,9 +114,87 @@ void write_checkpoint(const std::string& checkpoints_dir, const CheckpointConten
   }
 }
 
+// `pause_at_step` (testing, debug_pause_checkpoint_save_step): the save of that step stops after
+// the (first) model file, with a PAUSED marker in the temporary directory, and waits to be
+// killed, so a test can kill a trainer inside a save deterministically.
+void pause_if_asked(const fs::path& tmp, int64_t step, int64_t pause_at_step) {
+  if (step != pause_at_step) return;
+  file_write_durable((tmp / "PAUSED").string(), "paused by debug_pause_checkpoint_save_step\n");
+  for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+}
+
+// One writer (shard_count 1): every file, the manifest last, then the commit.
+void write_checkpoint(const std::string& checkpoints_dir, const CheckpointContents& c, int64_t keep,
+                      int64_t pause_at_step) {
+  const fs::path root(checkpoints_dir);
+  fs::create_directories(root);
+  const std::string name = std::to_string(c.state.step);
+  const fs::path tmp = root / (".tmp-" + name);
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+
+  nlohmann::ordered_json manifest;
+  manifest["format_version"] = kCheckpointFormatVersion;
+  auto record = [&](const std::string& file, uint32_t crc) {
+    manifest["files"][file] = {{"bytes", fs::file_size(tmp / file)}, {"crc32c", hex32(crc)}};
+  };
+  record("model.safetensors", checkpoint_write_tensors((tmp / "model.safetensors").string(), c.model));
+  pause_if_asked(tmp, c.state.step, pause_at_step);
+  record("optimizer.safetensors", checkpoint_write_tensors((tmp / "optimizer.safetensors").string(), c.optimizer));
+  const std::string state = state_to_json(c.state);
+  file_write_durable((tmp / "state.json").string(), state);
+  record("state.json", crc32c_update(0, state.data(), state.size()));
+  file_write_durable((tmp / "config.yml").string(), c.config_yaml);
+  record("config.yml", crc32c_update(0, c.config_yaml.data(), c.config_yaml.size()));
+  file_write_durable((tmp / "manifest.json").string(), manifest.dump(2) + "\n");
+  commit_directory(root, tmp, name, keep);
+}
+
+std::string shard_record_name(int64_t rank, int64_t count) {
+  return checkpoint_shard_file_name("shard", rank, count, ".json");
+}
+
+// One rank's part of a sharded checkpoint (shard_count > 1): its model and optimizer files, then
+// a record of their sizes, checksums and tensor names (rank 0 also writes state.json and
+// config.yml). The temporary directory is shared, so no rank clears it; rank 0's commit
+// (checkpoint_commit_shards) turns the records into the manifest.
+void write_checkpoint_shard(const std::string& checkpoints_dir, const CheckpointContents& c, int64_t pause_at_step) {
+  const fs::path tmp = fs::path(checkpoints_dir) / (".tmp-" + std::to_string(c.state.step));
+  fs::create_directories(tmp);
+  nlohmann::ordered_json record;
+  const std::string model = checkpoint_shard_file_name("model", c.shard_rank, c.shard_count, ".safetensors");
+  const std::string optimizer = checkpoint_shard_file_name("optimizer", c.shard_rank, c.shard_count, ".safetensors");
+  const uint32_t model_crc = checkpoint_write_tensors((tmp / model).string(), c.model);
+  record["files"][model] = {{"bytes", fs::file_size(tmp / model)}, {"crc32c", hex32(model_crc)}};
+  if (c.shard_rank == 0) pause_if_asked(tmp, c.state.step, pause_at_step);
+  const uint32_t optimizer_crc = checkpoint_write_tensors((tmp / optimizer).string(), c.optimizer);
+  record["files"][optimizer] = {{"bytes", fs::file_size(tmp / optimizer)}, {"crc32c", hex32(optimizer_crc)}};
+  if (c.shard_rank == 0) {
+    const std::string state = state_to_json(c.state);
+    file_write_durable((tmp / "state.json").string(), state);
+    record["files"]["state.json"] = {{"bytes", state.size()}, {"crc32c", hex32(crc32c_update(0, state.data(), state.size()))}};
+    file_write_durable((tmp / "config.yml").string(), c.config_yaml);
+    record["files"]["config.yml"] = {{"bytes", c.config_yaml.size()},
+                                     {"crc32c", hex32(crc32c_update(0, c.config_yaml.data(), c.config_yaml.size()))}};
+  }
+  int64_t model_bytes = 0;
+  for (const auto& [name, tensor] : c.model) {
+    record["model_tensors"].push_back(name);
+    model_bytes += static_cast<int64_t>(tensor.nbytes());
+  }
+  record["model_tensor_bytes"] = model_bytes;
+  file_write_durable((tmp / shard_record_name(c.shard_rank, c.shard_count)).string(), record.dump(2) + "\n");
+}
+
 }  // namespace
 
 std::string checkpoint_hash_text(const std::string& text) { return hex32(crc32c_update(0, text.data(), text.size())); }
+
+std::string checkpoint_shard_file_name(const std::string& stem, int64_t index, int64_t count, const std::string& suffix) {
+  char name[64];
+  std::snprintf(name, sizeof name, "-%05lld-of-%05lld", static_cast<long long>(index + 1), static_cast<long long>(count));
+  return stem + name + suffix;
+}
 
 uint32_t checkpoint_write_tensors(const std::string& path, const NamedTensors& tensors) {
   std::vector<SafetensorsEntry> entries;
@@ -173,17 +236,17 @@ std::string checkpoint_verify(const std::string& checkpoint_dir) {
   nlohmann::json manifest;
   try {
     manifest = nlohmann::json::parse(read_text(manifest_path));
-    for (const char* file : kCheckpointFiles) {
-      if (!manifest.at("files").contains(file)) return std::string("manifest does not list ") + file;
+    for (const std::string& file : checkpoint_required_files(manifest.value("shards", int64_t{1}))) {
+      if (!manifest.at("files").contains(file)) return "manifest does not list " + file;
       const auto& entry = manifest["files"][file];
-      if (!fs::exists(dir / file)) return std::string(file) + " is missing";
+      if (!fs::exists(dir / file)) return file + " is missing";
       uint64_t size = 0;
       const uint32_t crc = crc32c_file((dir / file).string(), &size);
       if (size != entry.at("bytes").get<uint64_t>())
-        return std::string(file) + " has " + std::to_string(size) + " bytes, manifest says " +
+        return file + " has " + std::to_string(size) + " bytes, manifest says " +
                std::to_string(entry["bytes"].get<uint64_t>());
       if (hex32(crc) != entry.at("crc32c").get<std::string>())
-        return std::string(file) + " checksum mismatch (crc32c " + hex32(crc) + ", manifest " +
+        return file + " checksum mismatch (crc32c " + hex32(crc) + ", manifest " +
                entry["crc32c"].get<std::string>() + ")";
     }
   } catch (const std::exception& e) {
@@ -215,8 +278,16 @@ CheckpointContents checkpoint_load(const std::string& checkpoint_dir) {
   if (!problem.empty()) throw config_error("checkpoint " + checkpoint_dir + " is not usable: " + problem);
   const fs::path dir(checkpoint_dir);
   CheckpointContents c;
-  c.model = checkpoint_read_tensors((dir / "model.safetensors").string());
-  c.optimizer = checkpoint_read_tensors((dir / "optimizer.safetensors").string());
+  c.model = hf_read_directory(checkpoint_dir);  // model.safetensors, or the shards its index lists
+  if (fs::exists(dir / "optimizer.safetensors")) {
+    c.optimizer = checkpoint_read_tensors((dir / "optimizer.safetensors").string());
+  } else {
+    const auto manifest = nlohmann::json::parse(read_text(dir / "manifest.json"));
+    const int64_t shards = manifest.at("shards").get<int64_t>();
+    for (int64_t r = 0; r < shards; ++r)
+      for (auto& item : checkpoint_read_tensors((dir / checkpoint_shard_file_name("optimizer", r, shards, ".safetensors")).string()))
+        c.optimizer.push_back(std::move(item));
+  }
   c.state = state_from_json(read_text(dir / "state.json"), checkpoint_dir);
   c.config_yaml = read_text(dir / "config.yml");
   return c;
@@ -249,28 +320,92 @@ void Checkpointer::save(CheckpointContents contents, bool async) {
   const std::string previous_error = wait();
   if (!previous_error.empty()) spdlog::error("{}", previous_error);
   const auto step = contents.state.step;
-  auto write = [this, step](const CheckpointContents& c) {
+  const bool sharded = contents.shard_count > 1;
+  if (sharded) uncommitted_ = {step, contents.shard_count};
+  auto write = [this, step, sharded](const CheckpointContents& c) {
     const auto start = std::chrono::steady_clock::now();
     try {
-      write_checkpoint(checkpoints_dir_, c, keep_, pause_at_step_);
+      if (sharded)
+        write_checkpoint_shard(checkpoints_dir_, c, pause_at_step_);
+      else
+        write_checkpoint(checkpoints_dir_, c, keep_, pause_at_step_);
     } catch (const std::exception& e) {
-      throw Error(kExitFailure, "saving checkpoint " + std::to_string(step) + " under " + checkpoints_dir_ +
-                                    " failed: " + e.what() + " (earlier checkpoints are intact)");
+      throw Error(kExitFailure, std::string(sharded ? "writing this rank's shard of checkpoint " : "saving checkpoint ") +
+                                    std::to_string(step) + " under " + checkpoints_dir_ + " failed: " + e.what() +
+                                    " (earlier checkpoints are intact)");
     }
-    spdlog::info("saved checkpoint {}/{} in {:.3f} s", checkpoints_dir_, step,
-                 std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (sharded)
+      spdlog::info("wrote shard {} of {} of checkpoint {}/{} in {:.3f} s", c.shard_rank + 1, c.shard_count,
+                   checkpoints_dir_, step, seconds);
+    else
+      spdlog::info("saved checkpoint {}/{} in {:.3f} s", checkpoints_dir_, step, seconds);
   };
+  if (!async && sharded) {  // a failed shard is reported by the commit, which every rank reaches
+    try {
+      write(contents);
+    } catch (...) {
+      worker_error_ = std::current_exception();
+    }
+    return;
+  }
   if (!async) {
     write(contents);
     return;
   }
+  writing_ = true;
   worker_ = std::thread([this, write, c = std::move(contents)]() {
     try {
       write(c);
     } catch (...) {
       worker_error_ = std::current_exception();
     }
+    writing_ = false;
   });
+}
+
+void Checkpointer::commit_shards(bool writer) {
+  const auto [step, shards] = uncommitted_;
+  uncommitted_ = {-1, 0};
+  if (!writer || step < 0) return;
+  const fs::path root(checkpoints_dir_);
+  const std::string name = std::to_string(step);
+  const fs::path tmp = root / (".tmp-" + name);
+  try {
+    nlohmann::ordered_json manifest, index;
+    manifest["format_version"] = kCheckpointFormatVersion;
+    manifest["shards"] = shards;
+    index["metadata"] = {{"total_size", 0}};
+    index["weight_map"] = nlohmann::ordered_json::object();
+    int64_t total = 0;
+    std::set<std::string> listed{"manifest.json", "model.safetensors.index.json"};
+    for (int64_t r = 0; r < shards; ++r) {
+      const fs::path record_path = tmp / shard_record_name(r, shards);
+      const auto record = nlohmann::json::parse(read_text(record_path));
+      for (const auto& [file, entry] : record.at("files").items()) {
+        manifest["files"][file] = entry;
+        listed.insert(file);
+      }
+      const std::string model = checkpoint_shard_file_name("model", r, shards, ".safetensors");
+      for (const auto& tensor : record.value("model_tensors", nlohmann::json::array())) index["weight_map"][tensor.get<std::string>()] = model;
+      total += record.at("model_tensor_bytes").get<int64_t>();
+    }
+    index["metadata"]["total_size"] = total;
+    const std::string index_text = index.dump(2) + "\n";
+    file_write_durable((tmp / "model.safetensors.index.json").string(), index_text);
+    manifest["files"]["model.safetensors.index.json"] = {
+        {"bytes", index_text.size()}, {"crc32c", hex32(crc32c_update(0, index_text.data(), index_text.size()))}};
+    // What the manifest does not list (the shard records, files of an abandoned attempt at this
+    // step with another world size) does not belong in the checkpoint.
+    for (const auto& entry : fs::directory_iterator(tmp))
+      if (!listed.count(entry.path().filename().string())) fs::remove_all(entry.path());
+    file_write_durable((tmp / "manifest.json").string(), manifest.dump(2) + "\n");
+    commit_directory(root, tmp, name, keep_);
+  } catch (const std::exception& e) {
+    throw Error(kExitFailure, "committing checkpoint " + name + " under " + checkpoints_dir_ + " failed: " + e.what() +
+                                  " (earlier checkpoints are intact)");
+  }
+  spdlog::info("saved checkpoint {}/{} ({} shards)", checkpoints_dir_, step, shards);
 }
 
 }  // namespace trainer

@@ -1,6 +1,7 @@
 // Public face of ckpt/: checkpoint layout, durable (atomic) saves, optional background writes,
 // manifest verification with fallback, and loading. Layout and guarantees: docs/checkpoints.md.
 #pragma once
+#include <atomic>
 #include <exception>
 #include <optional>
 #include <string>
@@ -36,6 +37,9 @@ struct CheckpointContents {
   NamedTensors optimizer;  // "exp_avg.<name>" and "exp_avg_sq.<name>" per parameter
   CheckpointState state;
   std::string config_yaml;
+  // Sharded checkpoints (shard_count > 1: sharded data parallelism over several ranks): this
+  // rank's tensors only, written as its own files, shard `shard_rank` of `shard_count`.
+  int64_t shard_rank = 0, shard_count = 1;
 };
 
 // Writes checkpoints under <run_dir>/checkpoints/<step>/ (docs/checkpoints.md).
@@ -50,13 +54,27 @@ class Checkpointer {
   // Waits for a background save. Returns its error message, or "" if it succeeded (or none ran).
   std::string wait();
 
+  // Sharded saves: every rank saves its shard, and the checkpoint becomes visible only when rank 0
+  // commits it after all ranks' writes ended (the trainer agrees on that with a collective).
+  int64_t uncommitted_step() const { return uncommitted_.first; }  // -1: none
+  bool writing() const { return writing_; }  // a background write has not ended yet
+  // Forgets the uncommitted save; the writer (rank 0) first lists every rank's files in the
+  // manifest (with the model index) and moves the directory into place. Throws trainer::Error
+  // (exit code 1) if that fails.
+  void commit_shards(bool writer);
+
  private:
   std::string checkpoints_dir_;
   int64_t keep_;
   int64_t pause_at_step_ = -1;  // debug_pause_checkpoint_save_step
   std::thread worker_;
   std::exception_ptr worker_error_;
+  std::atomic<bool> writing_{false};
+  std::pair<int64_t, int64_t> uncommitted_{-1, 0};  // (step, shard count)
 };
+
+// "model-00002-of-00004.safetensors" for (stem "model", index 1, count 4, suffix ".safetensors").
+std::string checkpoint_shard_file_name(const std::string& stem, int64_t index, int64_t count, const std::string& suffix);
 
 // CRC32C of the text as 8 hex digits.
 std::string checkpoint_hash_text(const std::string& text);

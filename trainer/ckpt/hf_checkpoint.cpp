@@ -192,8 +192,7 @@ void hf_write_directory(const std::string& dir, const std::string& config_json, 
       index["metadata"] = {{"total_size", total_bytes}};
       index["weight_map"] = nlohmann::ordered_json::object();
       for (size_t i = 0; i < shards.size(); ++i) {
-        char file[64];
-        std::snprintf(file, sizeof file, "model-%05zu-of-%05zu.safetensors", i + 1, shards.size());
+        const std::string file = checkpoint_shard_file_name("model", static_cast<int64_t>(i), static_cast<int64_t>(shards.size()), ".safetensors");
         checkpoint_write_tensors((partial / file).string(), shards[i]);
         for (const auto& item : shards[i]) index["weight_map"][item.first] = file;
       }

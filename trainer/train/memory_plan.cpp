@@ -263,14 +263,17 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   const double data = 2.0 * static_cast<double>(c.gradient_accumulation_steps + 2) * s.T * (5 * 8 + 4);
   add(plan, "data buffers", data, "prefetched micro-batches, host and device copies");
   if (!ctx.cuda && c.enable_checkpointing) {
-    // A save snapshots the weights and the whole optimizer state (every sharding level gathers
-    // it) to host memory. Asynchronous saves hold it while training goes on; synchronous ones only
+    // A save snapshots weights and optimizer state to host memory: all of it on rank 0 (the one
+    // writer), or, with sharded levels over several ranks, each rank its own checkpoint shard
+    // (about 1/R). Asynchronous saves hold it while training goes on; synchronous ones only
     // between steps, when the activations are gone, so then only the excess over them counts.
-    const double snapshot = 12 * P;
+    const bool own_shard = (zero2 || zero3) && ctx.world_size > 1;
+    const double snapshot = 12 * P / (own_shard ? static_cast<double>(ctx.world_size) : 1.0);
     const double counted = c.async_checkpointing ? snapshot : std::max(0.0, snapshot - activations - transient);
     add(plan, "checkpoint snapshot", counted,
         std::string(c.async_checkpointing ? "async saves: " : "synchronous saves, beyond the activations: ") +
-            "weights + optimizer state copied to host (" + memory_bytes_text(snapshot) + ")");
+            (own_shard ? "this rank's checkpoint shard" : "weights + optimizer state") + " copied to host (" +
+            memory_bytes_text(snapshot) + ")");
   }
   if (!ctx.cuda) add(plan, "runtime", kCpuRuntimeBytes, "LibTorch, OpenBLAS buffers, allocator (measured)");
   return plan;

@@ -16,15 +16,36 @@ namespace trainer {
 
 // flat: (P) laid out as the parameter arena (the arena itself, a copy, or a moment buffer).
 // Returns one view per parameter, named and shaped as named_parameters().
-NamedTensors Trainer::arena_views(const torch::Tensor& flat) const {
+NamedTensors Trainer::arena_views(const torch::Tensor& flat, int64_t begin) const {
   NamedTensors out;
   int64_t offset = 0;
   for (const auto& item : model_->named_parameters()) {
     const auto n = item.value().numel();
-    out.emplace_back(item.key(), flat.narrow(0, offset, n).view(item.value().sizes()));
+    if (offset >= begin && offset + n <= begin + flat.numel())
+      out.emplace_back(item.key(), flat.narrow(0, offset - begin, n).view(item.value().sizes()));
     offset += n;
   }
   return out;
+}
+
+std::pair<int64_t, int64_t> Trainer::checkpoint_range(int64_t rank) const {
+  const int64_t R = comm_->world_size();
+  const int64_t P = sharded_state_ ? sharded_state_->total_params() : flat_params_.numel();
+  // Rank r's range starts at the first parameter that starts at or after r P / R (a stacked
+  // experts' down_proj stays with its gate_up_proj: the checkpoint names pair them).
+  const auto boundary = [&](int64_t r) {
+    if (r >= R) return P;
+    const int64_t target = r * (P / R) + std::min(r, P % R);
+    int64_t offset = 0;
+    for (const auto& item : model_->named_parameters()) {
+      const std::string& key = item.key();
+      const bool down_proj = key.size() >= 17 && key.compare(key.size() - 17, 17, "experts.down_proj") == 0;
+      if (offset >= target && !down_proj) return offset;
+      offset += item.value().numel();
+    }
+    return P;
+  };
+  return {boundary(rank), boundary(rank + 1)};
 }
 
 NamedTensors Trainer::arena_views_all_experts(const torch::Tensor& flat, const std::string& what) {
@@ -66,39 +87,48 @@ void Trainer::keep_local_experts(const NamedTensors& targets, const torch::Tenso
   }
 }
 
-CheckpointContents Trainer::snapshot(int64_t completed_steps) {
+CheckpointContents Trainer::snapshot(int64_t completed_steps, bool whole) {
   torch::NoGradGuard no_grad;
   CheckpointContents c;
-  // Only rank 0 writes, so only rank 0 keeps host copies; the others take part in the gathers and
-  // return nothing. (With expert parallelism every rank gathers experts from its host copy below.)
-  const bool keep = comm_->rank() == 0 || expert_group_ != nullptr;
+  const int64_t rank = comm_->rank();
+  const int64_t P = sharded_state_ ? sharded_state_->total_params() : flat_params_.numel();
+  // The arena range this rank keeps host copies of: its checkpoint shard, or, when one rank writes
+  // everything, all on rank 0 and nothing elsewhere; every rank takes part in the gathers. (With
+  // expert parallelism every rank gathers the experts from its host copy below.)
+  const bool own_shard = sharded_checkpoints() && !whole;
+  const auto [begin, end] = own_shard ? checkpoint_range(rank)
+                            : rank == 0 || expert_group_ ? std::pair<int64_t, int64_t>{0, P}
+                                                         : std::pair<int64_t, int64_t>{0, 0};
+  if (own_shard) {
+    c.shard_rank = rank;
+    c.shard_count = comm_->world_size();
+  }
   // One copy per flat buffer; the named tensors are views into those copies.
-  // Sharded levels gather every unit to a host copy of the arena (docs/checkpoints.md).
-  torch::Tensor params;
-  if (sharded_state_)
-    params = sharded_state_->params_to_host(keep);
-  else if (keep)
-    params = flat_params_.to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
-  // (P) full moments on the host; with ZeRO-1 assembled from every rank (a collective) through a
-  // transient padded buffer laid out as the parameter arena, in which this rank fills its chunk.
+  // Sharded levels gather every unit through one unit-sized buffer (docs/checkpoints.md).
+  const auto params = sharded_state_ ? sharded_state_->params_to_host(begin, end)
+                                     : flat_params_.narrow(0, begin, end - begin).to(torch::kCPU, false, /*copy=*/true);
+  // Moments on the host; with ZeRO-1 assembled from every rank (a collective) through a transient
+  // padded buffer laid out as the parameter arena, in which this rank fills its chunk.
   torch::Tensor full = sharded() ? torch::zeros_like(flat_params_padded_) : torch::Tensor();
   const auto host_moments = [&](const torch::Tensor& shard, const std::string& what) {
-    if (sharded_state_) return sharded_state_->gather_to_host(shard, what, keep);
-    if (!sharded()) return keep ? shard.to(torch::kCPU, false, true) : torch::Tensor();
+    if (sharded_state_) return sharded_state_->gather_to_host(shard, what, begin, end);
+    if (!sharded()) return shard.narrow(0, begin, end - begin).to(torch::kCPU, false, true);
     full.narrow(0, shard_begin_, shard_end_ - shard_begin_).copy_(shard);
     all_gather_chunks(full, what);
-    return keep ? full.narrow(0, 0, flat_params_.numel()).to(torch::kCPU, false, true) : torch::Tensor();
+    return full.narrow(0, begin, end - begin).to(torch::kCPU, false, true);
   };
   const auto m = host_moments(adam_m_, "the AdamW first moments");
   const auto v = host_moments(adam_v_, "the AdamW second moments");
-  if (!keep) return c;
+  if (begin == end) return c;  // nothing kept here
   // With expert parallelism every stacked expert tensor is gathered from the group: a checkpoint
   // holds every expert under its HF name, whatever expert_parallelism wrote it.
-  c.model = model_checkpoint_views(arena_views_all_experts(params, "the expert weights"));
-  for (const auto& item : model_->named_buffers())
-    c.model.emplace_back(item.key(), item.value().to(torch::kCPU, torch::kFloat32, false, true).contiguous());
+  c.model = model_checkpoint_views(own_shard ? arena_views(params, begin) : arena_views_all_experts(params, "the expert weights"));
+  if (rank == 0 || !own_shard)
+    for (const auto& item : model_->named_buffers())
+      c.model.emplace_back(item.key(), item.value().to(torch::kCPU, torch::kFloat32, false, true).contiguous());
   for (const auto& [prefix, moments] : {std::pair{"exp_avg.", m}, std::pair{"exp_avg_sq.", v}})
-    for (const auto& [name, view] : model_checkpoint_views(arena_views_all_experts(moments, "the expert AdamW moments")))
+    for (const auto& [name, view] : model_checkpoint_views(own_shard ? arena_views(moments, begin)
+                                                                     : arena_views_all_experts(moments, "the expert AdamW moments")))
       c.optimizer.emplace_back(prefix + name, view);
   c.state.step = completed_steps;
   c.state.updates_applied = updates_applied_;
@@ -116,6 +146,47 @@ CheckpointContents Trainer::snapshot(int64_t completed_steps) {
   c.config_yaml = config_to_yaml(config_);
   c.state.config_hash = checkpoint_hash_text(c.config_yaml);
   return c;
+}
+
+void Trainer::checkpoint_commit(bool block, bool fatal) {
+  if (!checkpointer_ || !sharded_checkpoints() || checkpointer_->uncommitted_step() < 0) return;
+  const int64_t R = comm_->world_size(), rank = comm_->rank(), step = checkpointer_->uncommitted_step();
+  const bool ended = block || !checkpointer_->writing();
+  if (ended) {
+    const std::string error = checkpointer_->wait();  // once; kept until the ranks decide
+    if (!error.empty()) {
+      spdlog::error("rank {}: {}", rank, error);
+      checkpoint_write_error_ = error;
+    }
+  }
+  // Entries r and R + r: whether rank r's writes have ended, and whether they failed; summed over
+  // the ranks, so every rank takes the same decision.
+  auto status = torch::zeros({2 * R}, torch::kFloat32);
+  status[rank] = ended ? 1.0 : 0.0;
+  status[R + rank] = checkpoint_write_error_.empty() ? 0.0 : 1.0;
+  auto on_device = status.to(device_);
+  comm_->all_reduce_sum(on_device, "the status of checkpoint " + std::to_string(step) + "'s writes");
+  status = on_device.cpu();
+  if (status.narrow(0, 0, R).sum().item<double>() < static_cast<double>(R)) return;  // not yet: after the next step
+  checkpoint_write_error_.clear();
+  std::string failed;
+  for (int64_t r = 0; r < R; ++r)
+    if (status[R + r].item<double>() > 0) failed += (failed.empty() ? "" : ", ") + std::to_string(r);
+  std::string problem;
+  if (!failed.empty()) {
+    checkpointer_->commit_shards(/*writer=*/false);  // abandoned: its .tmp- directory is never read
+    problem = "checkpoint " + std::to_string(step) + " was not saved: rank(s) " + failed +
+              " could not write their shard (their log says why); earlier checkpoints are intact";
+  } else {
+    try {
+      checkpointer_->commit_shards(/*writer=*/rank == 0);
+    } catch (const Error& e) {
+      problem = e.what();
+    }
+  }
+  if (problem.empty()) return;
+  if (fatal) throw Error(kExitFailure, problem);
+  spdlog::error("{}", problem);
 }
 
 // Copies checkpoint tensors into the model (and, for a full state, the optimizer and counters).
@@ -221,13 +292,15 @@ int64_t Trainer::load_initial_state() {
   if (!c.load_parameters_path.empty() && std::filesystem::exists(std::filesystem::path(c.load_parameters_path) / "config.json")) {
     load_hf_parameters(c.load_parameters_path);
   } else if (!c.load_parameters_path.empty()) {
-    std::string file = c.load_parameters_path;
-    if (std::filesystem::is_directory(file)) file = (std::filesystem::path(file) / "model.safetensors").string();
-    if (!std::filesystem::exists(file)) throw config_error("load_parameters_path: no file " + file);
+    // A file, or a checkpoint directory: its model.safetensors or, written by several ranks, the
+    // shards its model.safetensors.index.json lists.
+    const std::string& path = c.load_parameters_path;
+    const bool dir = std::filesystem::is_directory(path);
+    if (!dir && !std::filesystem::exists(path)) throw config_error("load_parameters_path: no file " + path);
     CheckpointContents weights;
-    weights.model = checkpoint_read_tensors(file);
-    restore(weights, /*full_state=*/false, "load_parameters_path " + file);
-    spdlog::info("loaded weights from {}; optimizer and step start fresh", file);
+    weights.model = dir ? hf_read_directory(path) : checkpoint_read_tensors(path);
+    restore(weights, /*full_state=*/false, "load_parameters_path " + path);
+    spdlog::info("loaded weights from {}; optimizer and step start fresh", path);
   }
   return 0;
 }
@@ -247,7 +320,7 @@ void Trainer::load_hf_parameters(const std::string& dir) {
 
 void Trainer::export_hf(const std::string& dir, int64_t max_shard_bytes, torch::ScalarType dtype) {
   const std::string config_json = hf_config_json(config_, dtype == torch::kBFloat16 ? "bfloat16" : "float32");
-  const auto c = snapshot(0);  // a collective with ZeRO-1 or expert parallelism; rank 0 writes
+  const auto c = snapshot(0, /*whole=*/true);  // every rank takes part; rank 0 writes
   if (comm_->rank() != 0) return;
   hf_write_directory(dir, config_json, hf_tensors_from_checkpoint(config_, c.model), max_shard_bytes, dtype);
 }
@@ -271,7 +344,7 @@ NamedTensors Trainer::logits_for(const std::vector<int64_t>& tokens) {
 }
 
 void Trainer::export_model(const std::string& path) {
-  const auto c = snapshot(0);  // every rank (a collective with ZeRO-1 or expert parallelism); rank 0 writes
+  const auto c = snapshot(0, /*whole=*/true);  // every rank takes part; rank 0 writes
   if (comm_->rank() != 0) return;
   const auto parent = std::filesystem::path(path).parent_path();
   if (!parent.empty()) std::filesystem::create_directories(parent);

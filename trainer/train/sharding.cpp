@@ -123,9 +123,9 @@ torch::Tensor ShardedModelState::params_norm() {
   return params_sharded_ ? norm(param_shard) : flat_buffer_norm(arena);
 }
 
-torch::Tensor ShardedModelState::params_to_host(bool keep) {
-  if (params_sharded_) return gather_to_host(param_shard, "the parameters", keep);
-  return keep ? arena.to(torch::kCPU, false, true) : torch::Tensor();
+torch::Tensor ShardedModelState::params_to_host(int64_t begin, int64_t end) {
+  if (params_sharded_) return gather_to_host(param_shard, "the parameters", begin, end);
+  return arena.narrow(0, begin, end - begin).to(torch::kCPU, false, true);
 }
 
 void ShardedModelState::gather_unit(const ShardUnit& unit, const torch::Tensor& own, torch::Tensor padded,
@@ -249,16 +249,18 @@ torch::Tensor ShardedModelState::count_zeros(const torch::Tensor& shard) {
   return zeros[0] - padding_elements();
 }
 
-torch::Tensor ShardedModelState::gather_to_host(const torch::Tensor& shard, const std::string& what, bool keep) {
+torch::Tensor ShardedModelState::gather_to_host(const torch::Tensor& shard, const std::string& what, int64_t begin,
+                                                int64_t end) {
   torch::NoGradGuard no_grad;
   const int64_t R = comm_.world_size();
   int64_t largest = 0;
   for (const auto& unit : units_) largest = std::max(largest, R * unit.part);
   auto buffer = torch::empty({largest}, shard.options());  // one unit at a time on the device
-  auto out = keep ? torch::empty({total_}, torch::kFloat32) : torch::Tensor();
+  auto out = torch::empty({end - begin}, torch::kFloat32);
   for (const auto& unit : units_) {
     gather_unit(unit, own_part(unit, shard), buffer.narrow(0, 0, R * unit.part), what);
-    if (keep) out.narrow(0, unit.begin, unit.numel).copy_(buffer.narrow(0, 0, unit.numel));
+    const int64_t from = std::max(begin, unit.begin), to = std::min(end, unit.begin + unit.numel);
+    if (from < to) out.narrow(0, from - begin, to - from).copy_(buffer.narrow(0, from - unit.begin, to - from));
   }
   return out;
 }

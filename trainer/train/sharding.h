@@ -57,9 +57,9 @@ class ShardedModelState : public DecoderLayerHooks {
   };
   std::vector<Segment> param_segments() const;
   torch::Tensor params_norm();    // fp64 L2 norm of all parameters (a collective with optim_grads_params)
-  // (P) host copy in arena order (a collective with optim_grads_params); undefined when !keep
-  // (a rank that only takes part in the gathers).
-  torch::Tensor params_to_host(bool keep = true);
+  // Host copy of the arena's elements [begin, end) (a collective with optim_grads_params: every
+  // rank takes part, whatever range it keeps; an empty range keeps nothing).
+  torch::Tensor params_to_host(int64_t begin, int64_t end);
 
   // The step's phases: zero the gradients and make the outer units' parameters current; reduce the
   // outer units' gradients after the last micro-batch; bring the parameters up to date after AdamW
@@ -74,9 +74,10 @@ class ShardedModelState : public DecoderLayerHooks {
   // fp64 L2 norm / int64 zero count of a shard-shaped buffer over all ranks (padding excluded).
   torch::Tensor norm(const torch::Tensor& shard);
   torch::Tensor count_zeros(const torch::Tensor& shard);
-  // (P) host tensor in arena order from a shard-shaped buffer, gathered unit by unit (a collective);
-  // with !keep this rank only takes part in the gathers and gets an undefined tensor.
-  torch::Tensor gather_to_host(const torch::Tensor& shard, const std::string& what, bool keep = true);
+  // The arena elements [begin, end) of a shard-shaped buffer, on the host, gathered unit by unit
+  // through one unit-sized device buffer (a collective: every rank takes part in every unit's
+  // gather, whatever range it keeps).
+  torch::Tensor gather_to_host(const torch::Tensor& shard, const std::string& what, int64_t begin, int64_t end);
   // This rank's (S) shard of a (P) arena-ordered tensor, on `full`'s device.
   torch::Tensor shard_of(const torch::Tensor& full) const;
   // Parameters from a (P) arena-ordered tensor (a restore).
@@ -124,8 +125,8 @@ class ShardedModelState : public DecoderLayerHooks {
   // Local gradients before their reduction: the outer units' (R * part each, the step's
   // micro-batches summed), and one decoder layer's (every layer's .grad views it).
   torch::Tensor outer_grads_, layer_grads_;
-  int64_t outer_rest_offset_ = 0;
-  torch::Tensor unit_buffer_;  // optim_grads: the largest unit, padded; a unit's all-gather lands here first  // where the rest's padded buffer starts in outer_params_ / outer_grads_
+  int64_t outer_rest_offset_ = 0;  // where the rest's padded buffer starts in outer_params_ / outer_grads_
+  torch::Tensor unit_buffer_;  // optim_grads: the largest unit, padded; a unit's all-gather lands here first
 };
 
 }  // namespace trainer

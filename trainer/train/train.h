@@ -97,8 +97,13 @@ class Trainer {
   // load_full_state_path, else load_parameters_path (weights only), else fresh. Returns the
   // step index to start at. Throws trainer::Error (exit 2) on a model/checkpoint mismatch.
   int64_t load_initial_state();
-  // Host-side copy of everything a bit-exact resume needs, after `completed_steps` steps.
-  CheckpointContents snapshot(int64_t completed_steps);  // a collective with ZeRO-1
+  // Host-side copy of everything a bit-exact resume needs, after `completed_steps` steps; every
+  // rank calls it (a collective with ZeRO-1, sharded levels or expert parallelism). With sharded
+  // levels over several ranks each rank keeps its own shard (sharded_checkpoints()), unless
+  // `whole`: then, as at the other levels, rank 0 keeps everything and the others nothing.
+  CheckpointContents snapshot(int64_t completed_steps, bool whole = false);
+  // Each rank writes its own checkpoint files (optim_grads / optim_grads_params over R > 1).
+  bool sharded_checkpoints() const { return sharded_state_ && comm_->world_size() > 1; }
   // Writes the model weights alone (HF names) to a safetensors file.
   void export_model(const std::string& path);
   // Writes a Hugging Face model directory of the current weights (hf_write_directory: config.json,
@@ -144,7 +149,16 @@ class Trainer {
   // load_parameters_path as a Hugging Face directory: config.json checked against the config
   // (exit 2 on the first shape mismatch, a warning for each other difference), tensors renamed.
   void load_hf_parameters(const std::string& dir);
-  NamedTensors arena_views(const torch::Tensor& flat) const;
+  // Views of `flat`, which holds the arena's elements from `begin` on: one per parameter that lies
+  // wholly inside it, named and shaped as named_parameters().
+  NamedTensors arena_views(const torch::Tensor& flat, int64_t begin = 0) const;
+  // Sharded checkpoints: the arena range [first, second) whose parameters `rank` saves. Ranges
+  // cut between parameters (never between a layer's stacked expert tensors), about P / R each.
+  std::pair<int64_t, int64_t> checkpoint_range(int64_t rank) const;
+  // Sharded checkpoints: once every rank's writes of the uncommitted save have ended (waiting for
+  // them with `block`, else only if they already have), rank 0 commits it. A collective. A rank's
+  // failed write (named by rank) or a failed commit throws exit 1 when `fatal`, else is logged.
+  void checkpoint_commit(bool block, bool fatal);
   // Applies the step's expert-bias update (routed_bias; `apply`: the step was not skipped) and
   // sets out.moe_router_bias_mean.
   void update_expert_bias(StepOutput& out, bool apply);
@@ -209,6 +223,7 @@ class Trainer {
   std::deque<double> spike_losses_, spike_grad_norms_;  // last skip_step_interval accepted steps
   std::unique_ptr<MetricsLogger> logger_;
   std::unique_ptr<Checkpointer> checkpointer_;
+  std::string checkpoint_write_error_;  // this rank's failed shard write, until checkpoint_commit decides
   std::unique_ptr<DataPrefetcher> prefetcher_;  // in-order micro-batches during train()
   std::unique_ptr<DataLoader> eval_data_;       // validation split, built on first use
 };

@@ -370,8 +370,8 @@ void Trainer::train() {
     std::filesystem::create_directories(c.run_dir);
     std::ofstream(std::filesystem::path(c.run_dir) / "config.yml") << config_to_yaml(c);
     logger_ = std::make_unique<MetricsLogger>(c, start_step);
-    if (c.enable_checkpointing) checkpointer_ = std::make_unique<Checkpointer>(c);
   }
+  if (c.enable_checkpointing && (writer || sharded_checkpoints())) checkpointer_ = std::make_unique<Checkpointer>(c);
   install_stop_handlers();
   spdlog::info("run_dir {} | model {}: {} parameters ({} active per token), {:.4g} TFLOP per step per device | "
                "device {} | global batch {} sequences x {} tokens, K = {} | {} normalization | steps {}..{}",
@@ -407,14 +407,16 @@ void Trainer::train() {
   };
   // A save records the metrics first, so metrics.jsonl never runs behind a checkpoint.
   // All ranks call it (with ZeRO-1 the snapshot gathers the optimizer shards, with expert
-  // parallelism the experts); rank 0 writes.
+  // parallelism the experts); rank 0 writes, or, with sharded levels, every rank its shard.
   auto save = [&](int64_t completed_steps, bool async) {
     flush(Clock::now());
     if (!checkpointer_ && !snapshot_is_collective()) return;
+    checkpoint_commit(/*block=*/true, /*fatal=*/false);  // the previous sharded save comes first
     const auto begin = Clock::now();
     auto contents = snapshot(completed_steps);
     if (!checkpointer_) return;
     checkpointer_->save(std::move(contents), async);
+    if (!async) checkpoint_commit(/*block=*/true, /*fatal=*/true);
     spdlog::info("checkpoint {}: training blocked for {:.3f} s ({})", completed_steps,
                  std::chrono::duration<double>(Clock::now() - begin).count(), async ? "async" : "sync");
   };
@@ -449,6 +451,7 @@ void Trainer::train() {
     if (c.enable_checkpointing &&
         (completed % c.checkpoint_period == 0 || (final_step && (c.save_checkpoint_on_completion || signal))))
       save(completed, c.async_checkpointing && !final_step);
+    checkpoint_commit(/*block=*/false, /*fatal=*/false);  // a sharded save whose writes have all ended
     if (signal != 0) {
       flush(Clock::now());
       spdlog::warn("received {}: stopped after step {}{}; exiting",
@@ -461,6 +464,7 @@ void Trainer::train() {
   }
   flush(Clock::now());
   prefetcher_.reset();
+  checkpoint_commit(/*block=*/true, /*fatal=*/true);
   if (checkpointer_) {
     const std::string error = checkpointer_->wait();
     if (!error.empty()) throw Error(kExitFailure, error);
