@@ -426,15 +426,17 @@ TEST_CASE("sharded levels (optim_grads, optim_grads_params) at R=2 and R=4 equal
   }
 }
 
-TEST_CASE("a checkpoint of R=4 optim_grads_params resumes at R=2 optim_grads and at R=1 none", "[dist][cli][sharding][checkpoint]") {
+TEST_CASE("a checkpoint of R=4 optim_grads_params resumes at R=2 optim_grads and at R=1 none, one of R=1 none at R=2 optim_grads_params",
+          "[dist][cli][sharding][checkpoint]") {
   // Each rank writes its own shard of the model and optimizer state (whole tensors under HF names,
   // about 1/R of them, gathered unit by unit), listed by one index and one manifest, so any level
-  // and world size restores them by name, keeping its own parts. Both continuations equal an
-  // uninterrupted one-process run of the same global batch (to float tolerance: sums in another order).
+  // and world size restores them by name, keeping its own parts (sharded levels read one tensor at
+  // a time). Every continuation equals an uninterrupted one-process run of the same global batch
+  // (to float tolerance: sums in another order).
   const std::string common = "model_name=moe-tiny max_target_length=16 per_device_batch_size=1 warmup_steps_fraction=0 "
                              "learning_rate=0.01 synthetic_min_valid_fraction=0.3 learning_rate_schedule_steps=4 "
                              "adam_eps=0.01 base_output_directory=" + kOut + " ";
-  for (const std::string run : {"reshard-straight", "reshard-a", "reshard-b"}) fs::remove_all(kOut + "/" + run);
+  for (const std::string run : {"reshard-straight", "reshard-a", "reshard-b", "reshard-c"}) fs::remove_all(kOut + "/" + run);
   REQUIRE(run_trainer(common + "gradient_accumulation_steps=4 steps=4 run_name=reshard-straight").exit_code == 0);
   const auto first = mpirun(4, common + "data_parallel_sharding=optim_grads_params remat_policy=full "
                                         "gradient_accumulation_steps=1 steps=2 run_name=reshard-a");
@@ -482,9 +484,16 @@ TEST_CASE("a checkpoint of R=4 optim_grads_params resumes at R=2 optim_grads and
   REQUIRE(two.exit_code == 0);
   CHECK_THAT(two.output, Catch::Contains("resumed from checkpoint"));
   REQUIRE(run_trainer(common + "gradient_accumulation_steps=4 steps=4 run_name=reshard-b").exit_code == 0);
+  // And the other way: a one-writer checkpoint of R=1 `none` resumes at R=2 optim_grads_params.
+  REQUIRE(run_trainer(common + "gradient_accumulation_steps=4 steps=2 run_name=reshard-c").exit_code == 0);
+  const auto up = mpirun(2, common + "data_parallel_sharding=optim_grads_params remat_policy=full "
+                                     "gradient_accumulation_steps=2 steps=4 run_name=reshard-c");
+  INFO(up.output);
+  REQUIRE(up.exit_code == 0);
+  CHECK_THAT(up.output, Catch::Contains("resumed from checkpoint"));
   const auto straight = metrics_of("reshard-straight");
   REQUIRE(straight.size() == 4);
-  for (const std::string run : {"reshard-a", "reshard-b"}) {
+  for (const std::string run : {"reshard-a", "reshard-b", "reshard-c"}) {
     const auto resumed = metrics_of(run);
     REQUIRE(resumed.size() == 4);
     for (size_t i = 0; i < 4; ++i) {

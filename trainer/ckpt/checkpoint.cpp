@@ -150,6 +150,10 @@ void write_checkpoint(const std::string& checkpoints_dir, const CheckpointConten
   commit_directory(root, tmp, name, keep);
 }
 
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
 std::string shard_record_name(int64_t rank, int64_t count) {
   return checkpoint_shard_file_name("shard", rank, count, ".json");
 }
@@ -208,25 +212,74 @@ uint32_t checkpoint_write_tensors(const std::string& path, const NamedTensors& t
   return safetensors_write(path, entries, {{"format", "pt"}});
 }
 
-NamedTensors checkpoint_read_tensors(const std::string& path) {
-  SafetensorsFile file;
+namespace {
+
+// fp32 CPU copy of one tensor's little-endian bytes (F32, BF16, F16, F64 accepted).
+torch::Tensor tensor_from_bytes(const char* bytes, const SafetensorsTensor& t, const std::string& path,
+                                const std::string& name) {
+  torch::ScalarType type;
+  if (t.dtype == "F32") type = torch::kFloat32;
+  else if (t.dtype == "BF16") type = torch::kBFloat16;
+  else if (t.dtype == "F16") type = torch::kFloat16;
+  else if (t.dtype == "F64") type = torch::kFloat64;
+  else throw config_error(path + ": tensor " + name + " has dtype " + t.dtype + "; expected F32, BF16, F16 or F64");
+  return torch::from_blob(const_cast<char*>(bytes), t.shape, type).to(torch::kFloat32, false, /*copy=*/true);
+}
+
+SafetensorsFile read_or_config_error(const std::string& path, bool with_data) {
   try {
-    file = safetensors_read(path);
+    return safetensors_read(path, with_data);
   } catch (const std::exception& e) {
     throw config_error(e.what());
   }
+}
+
+}  // namespace
+
+NamedTensors checkpoint_read_tensors(const std::string& path) {
+  const SafetensorsFile file = read_or_config_error(path, /*with_data=*/true);
   NamedTensors out;
-  for (const auto& [name, t] : file.tensors) {
-    torch::ScalarType type;
-    if (t.dtype == "F32") type = torch::kFloat32;
-    else if (t.dtype == "BF16") type = torch::kBFloat16;
-    else if (t.dtype == "F16") type = torch::kFloat16;
-    else if (t.dtype == "F64") type = torch::kFloat64;
-    else throw config_error(path + ": tensor " + name + " has dtype " + t.dtype + "; expected F32, BF16, F16 or F64");
-    auto tensor = torch::from_blob(file.data.data() + t.offset, t.shape, type).to(torch::kFloat32, false, /*copy=*/true);
-    out.emplace_back(name, tensor);
-  }
+  for (const auto& [name, t] : file.tensors) out.emplace_back(name, tensor_from_bytes(file.data.data() + t.offset, t, path, name));
   return out;
+}
+
+CheckpointReader::CheckpointReader(const std::string& checkpoint_dir) {
+  const fs::path dir(checkpoint_dir);
+  std::vector<std::string> files;
+  const auto manifest = nlohmann::json::parse(read_text(dir / "manifest.json"));
+  for (const std::string& file : checkpoint_required_files(manifest.value("shards", int64_t{1})))
+    if (ends_with(file, ".safetensors")) files.push_back(file);
+  for (const auto& file : files) {
+    const std::string path = (dir / file).string();
+    auto header = std::make_shared<SafetensorsFile>(read_or_config_error(path, /*with_data=*/false));
+    const bool optimizer = file.rfind("optimizer", 0) == 0;
+    for (const auto& [name, tensor] : header->tensors) {
+      if (!optimizer) model_names_.push_back(name);
+      tensors_[name] = {path, header, tensor};
+    }
+  }
+}
+
+const CheckpointReader::Location* CheckpointReader::find(const std::string& name) const {
+  const auto it = tensors_.find(name);
+  return it == tensors_.end() ? nullptr : &it->second;
+}
+
+std::vector<int64_t> CheckpointReader::shape(const std::string& name) const {
+  const auto* at = find(name);
+  return at ? at->tensor.shape : std::vector<int64_t>{};
+}
+
+torch::Tensor CheckpointReader::read(const std::string& name) const {
+  const auto* at = find(name);
+  if (!at) throw config_error("the checkpoint holds no tensor " + name);
+  std::vector<char> bytes;
+  try {
+    bytes = safetensors_read_bytes(at->path, *at->header, at->tensor);
+  } catch (const std::exception& e) {
+    throw config_error(e.what());
+  }
+  return tensor_from_bytes(bytes.data(), at->tensor, at->path, name);
 }
 
 std::string checkpoint_verify(const std::string& checkpoint_dir) {
@@ -271,6 +324,11 @@ std::optional<std::string> checkpoint_find_latest(const std::string& checkpoints
     spdlog::warn("checkpoint {} is not usable: {}; falling back to an earlier checkpoint", dir, problem);
   }
   return std::nullopt;
+}
+
+std::pair<CheckpointState, std::string> checkpoint_load_state(const std::string& checkpoint_dir) {
+  const fs::path dir(checkpoint_dir);
+  return {state_from_json(read_text(dir / "state.json"), checkpoint_dir), read_text(dir / "config.yml")};
 }
 
 CheckpointContents checkpoint_load(const std::string& checkpoint_dir) {

@@ -3,6 +3,8 @@
 #pragma once
 #include <atomic>
 #include <exception>
+#include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
@@ -11,6 +13,7 @@
 
 #include <torch/torch.h>
 
+#include "trainer/ckpt/safetensors.h"
 #include "trainer/config/config.h"
 
 namespace trainer {
@@ -88,6 +91,31 @@ std::string checkpoint_verify(const std::string& checkpoint_dir);
 
 // Loads a verified checkpoint directory (throws trainer::Error exit 2 if it does not verify).
 CheckpointContents checkpoint_load(const std::string& checkpoint_dir);
+
+// state.json and config.yml of a verified checkpoint directory.
+std::pair<CheckpointState, std::string> checkpoint_load_state(const std::string& checkpoint_dir);
+
+// One tensor at a time from a verified checkpoint directory of either layout (one writer or
+// sharded): only the files' headers are read up front, so a rank can restore its parts without
+// ever holding the whole state. Tensors come back as fp32 CPU tensors.
+class CheckpointReader {
+ public:
+  explicit CheckpointReader(const std::string& checkpoint_dir);
+  bool contains(const std::string& name) const { return find(name) != nullptr; }
+  std::vector<int64_t> shape(const std::string& name) const;  // empty if absent
+  torch::Tensor read(const std::string& name) const;          // config_error (exit 2) if absent or unreadable
+  const std::vector<std::string>& model_names() const { return model_names_; }  // weights and buffers
+
+ private:
+  struct Location {
+    std::string path;
+    std::shared_ptr<const SafetensorsFile> header;
+    SafetensorsTensor tensor;
+  };
+  const Location* find(const std::string& name) const;
+  std::map<std::string, Location> tensors_;  // model and optimizer ("exp_avg.<name>") tensors
+  std::vector<std::string> model_names_;
+};
 
 // Reads the tensors of one safetensors file as fp32 CPU tensors (F32, BF16, F16, F64 accepted).
 NamedTensors checkpoint_read_tensors(const std::string& path);

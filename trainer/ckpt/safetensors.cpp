@@ -90,7 +90,7 @@ uint32_t safetensors_write(const std::string& path, const std::vector<Safetensor
   return crc;
 }
 
-SafetensorsFile safetensors_read(const std::string& path) {
+SafetensorsFile safetensors_read(const std::string& path, bool with_data) {
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in) io_error("cannot open", path);
   const auto file_size = static_cast<uint64_t>(in.tellg());
@@ -107,8 +107,12 @@ SafetensorsFile safetensors_read(const std::string& path) {
   std::string text(header_size, '\0');
   in.read(text.data(), static_cast<std::streamsize>(header_size));
   SafetensorsFile file;
-  file.data.resize(file_size - 8 - header_size);
-  in.read(file.data.data(), static_cast<std::streamsize>(file.data.size()));
+  file.data_start = 8 + header_size;
+  const uint64_t data_size = file_size - 8 - header_size;
+  if (with_data) {
+    file.data.resize(data_size);
+    in.read(file.data.data(), static_cast<std::streamsize>(file.data.size()));
+  }
   if (!in) throw fail("short read");
   nlohmann::json header;
   try {
@@ -130,7 +134,7 @@ SafetensorsFile safetensors_read(const std::string& path) {
       t.dtype = value.at("dtype").get<std::string>();
       t.shape = value.at("shape").get<std::vector<int64_t>>();
       const auto offsets = value.at("data_offsets").get<std::vector<uint64_t>>();
-      if (offsets.size() != 2 || offsets[0] > offsets[1] || offsets[1] > file.data.size())
+      if (offsets.size() != 2 || offsets[0] > offsets[1] || offsets[1] > data_size)
         throw fail("tensor " + name + " has data offsets outside the file");
       t.offset = offsets[0];
       t.nbytes = offsets[1] - offsets[0];
@@ -152,6 +156,17 @@ SafetensorsFile safetensors_read(const std::string& path) {
     file.tensors[name] = t;
   }
   return file;
+}
+
+std::vector<char> safetensors_read_bytes(const std::string& path, const SafetensorsFile& header,
+                                         const SafetensorsTensor& tensor) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) io_error("cannot open", path);
+  std::vector<char> bytes(tensor.nbytes);
+  in.seekg(static_cast<std::streamoff>(header.data_start + tensor.offset));
+  in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  if (!in) throw std::runtime_error("invalid safetensors file " + path + ": short read");
+  return bytes;
 }
 
 void file_write_durable(const std::string& path, const std::string& bytes) {

@@ -35,12 +35,16 @@ struct SafetensorsTensor {
 struct SafetensorsFile {
   std::map<std::string, SafetensorsTensor> tensors;
   std::map<std::string, std::string> metadata;
-  std::vector<char> data;  // the byte buffer after the header
+  std::vector<char> data;  // the byte buffer after the header (empty when read without data)
+  uint64_t data_start = 0; // where that buffer starts in the file
 };
 
-// Reads and validates a file (header bounds, offsets inside the buffer, sizes matching shapes).
+// Reads and validates a file (header bounds, offsets inside the buffer, sizes matching shapes);
+// without data only the header (then safetensors_read_bytes reads one tensor at a time).
 // Throws std::runtime_error naming the path and the problem.
-SafetensorsFile safetensors_read(const std::string& path);
+SafetensorsFile safetensors_read(const std::string& path, bool with_data = true);
+std::vector<char> safetensors_read_bytes(const std::string& path, const SafetensorsFile& header,
+                                         const SafetensorsTensor& tensor);
 
 // CRC32C of a whole file; throws std::runtime_error if it cannot be read.
 uint32_t crc32c_file(const std::string& path, uint64_t* size = nullptr);

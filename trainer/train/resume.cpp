@@ -2,6 +2,8 @@
 // named), choosing the starting state, and writing the weights alone.
 #include <filesystem>
 #include <map>
+#include <set>
+#include <tuple>
 #include <sstream>
 
 #include <spdlog/spdlog.h>
@@ -189,6 +191,92 @@ void Trainer::checkpoint_commit(bool block, bool fatal) {
   spdlog::error("{}", problem);
 }
 
+namespace {
+
+void throw_if_mismatched(const std::vector<std::string>& problems, const std::string& source) {
+  if (problems.empty()) return;
+  std::string message = source + " does not match the model of this config:";
+  for (size_t i = 0; i < problems.size() && i < 20; ++i) message += "\n  - " + problems[i];
+  if (problems.size() > 20) message += "\n  - ... and " + std::to_string(problems.size() - 20) + " more";
+  throw config_error(message);
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::ostringstream out;
+  out << torch::IntArrayRef(shape);
+  return out.str();
+}
+
+}  // namespace
+
+void Trainer::restore_streamed(const std::string& checkpoint_dir, const std::string& source) {
+  torch::NoGradGuard no_grad;
+  const CheckpointReader reader(checkpoint_dir);
+  std::vector<std::string> problems;
+  std::set<std::string> restored, mismatched;
+  // Parameters in arena order, in groups restored together: a layer's stacked experts
+  // (gate_up_proj, down_proj) share their per-expert checkpoint names; every other parameter is
+  // its own group. Each group goes through host tensors of its size, then this rank keeps its parts.
+  std::vector<std::tuple<std::string, torch::Tensor, int64_t>> parameters;  // name, parameter, arena offset
+  int64_t offset = 0;
+  for (const auto& item : model_->named_parameters()) {
+    parameters.emplace_back(item.key(), item.value(), offset);
+    offset += item.value().numel();
+  }
+  for (size_t first = 0; first < parameters.size();) {
+    size_t last = first + 1;
+    if (model_is_stacked_experts(std::get<0>(parameters[first])))
+      while (last < parameters.size() && model_is_stacked_experts(std::get<0>(parameters[last])) &&
+             std::get<0>(parameters[last]).find("experts.down_proj") != std::string::npos)
+        ++last;
+    for (const std::string prefix : {"", "exp_avg.", "exp_avg_sq."}) {
+      NamedTensors group;  // host tensors shaped as the parameters
+      for (size_t i = first; i < last; ++i)
+        group.emplace_back(std::get<0>(parameters[i]), torch::empty(std::get<1>(parameters[i]).sizes(), torch::kFloat32));
+      for (auto& [name, view] : model_checkpoint_views(group)) {
+        const std::string key = prefix + name;
+        if (!prefix.empty() && mismatched.count(name)) continue;  // its weight's problem is listed
+        const auto shape = reader.shape(key);
+        if (!reader.contains(key)) {
+          problems.push_back("missing " + key);
+          mismatched.insert(name);
+        } else if (shape != view.sizes().vec()) {
+          mismatched.insert(name);
+          problems.push_back(key + " has shape " + shape_text(shape) + " in the checkpoint, " + shape_text(view.sizes().vec()) +
+                             " in the model");
+        } else {
+          view.copy_(reader.read(key));
+          restored.insert(key);
+        }
+      }
+      if (!problems.empty()) continue;  // reported below; nothing more is copied
+      for (size_t i = first; i < last; ++i) {
+        const auto values = group[i - first].second.reshape({-1});
+        const int64_t begin = std::get<2>(parameters[i]);
+        if (prefix.empty()) sharded_state_->params_load_range(values, begin);
+        else sharded_state_->shard_load_range(prefix == "exp_avg." ? adam_m_ : adam_v_, values, begin);
+      }
+    }
+    first = last;
+  }
+  for (const auto& item : model_->named_buffers()) {
+    if (!reader.contains(item.key())) {
+      problems.push_back("missing " + item.key());
+    } else if (reader.shape(item.key()) != item.value().sizes().vec()) {
+      problems.push_back(item.key() + " has shape " + shape_text(reader.shape(item.key())) + " in the checkpoint, " +
+                         shape_text(item.value().sizes().vec()) + " in the model");
+    } else {
+      item.value().copy_(reader.read(item.key()));
+      restored.insert(item.key());
+    }
+  }
+  for (const auto& name : reader.model_names())
+    if (!restored.count(name)) problems.push_back("unexpected " + name);
+  throw_if_mismatched(problems, source);
+  const auto [state, config_yaml] = checkpoint_load_state(checkpoint_dir);
+  restore_state(state, config_yaml, source);
+}
+
 // Copies checkpoint tensors into the model (and, for a full state, the optimizer and counters).
 // Names and shapes must match exactly; every difference is listed (exit code 2).
 void Trainer::restore(const CheckpointContents& c, bool full_state, const std::string& source) {
@@ -218,12 +306,7 @@ void Trainer::restore(const CheckpointContents& c, bool full_state, const std::s
     saved.erase(it);
   }
   for (const auto& [name, tensor] : saved) problems.push_back("unexpected " + name);
-  if (!problems.empty()) {
-    std::string message = source + " does not match the model of this config:";
-    for (size_t i = 0; i < problems.size() && i < 20; ++i) message += "\n  - " + problems[i];
-    if (problems.size() > 20) message += "\n  - ... and " + std::to_string(problems.size() - 20) + " more";
-    throw config_error(message);
-  }
+  throw_if_mismatched(problems, source);
   keep_local_experts(targets, params);
   if (sharded_state_) sharded_state_->params_load(params);
   if (!full_state) return;
@@ -242,20 +325,24 @@ void Trainer::restore(const CheckpointContents& c, bool full_state, const std::s
   // Checkpoints hold the full moments, so any world size and sharding can load them.
   adam_m_.copy_(sharded_state_ ? sharded_state_->shard_of(full_m) : full_m.narrow(0, shard_begin_, shard_end_ - shard_begin_));
   adam_v_.copy_(sharded_state_ ? sharded_state_->shard_of(full_v) : full_v.narrow(0, shard_begin_, shard_end_ - shard_begin_));
-  if (c.state.world_size != config_.data_parallel_size)
-    spdlog::warn("{} was written with {} ranks, resuming with {}", source, c.state.world_size, config_.data_parallel_size);
-  updates_applied_ = c.state.updates_applied;
-  spike_losses_.assign(c.state.spike_losses.begin(), c.state.spike_losses.end());
-  spike_grad_norms_.assign(c.state.spike_grad_norms.begin(), c.state.spike_grad_norms.end());
-  if (!c.state.cpu_rng_state.empty()) {
-    auto rng = torch::empty({static_cast<int64_t>(c.state.cpu_rng_state.size() / 2)}, torch::kUInt8);
+  restore_state(c.state, c.config_yaml, source);
+}
+
+void Trainer::restore_state(const CheckpointState& state, const std::string& config_yaml, const std::string& source) {
+  if (state.world_size != config_.data_parallel_size)
+    spdlog::warn("{} was written with {} ranks, resuming with {}", source, state.world_size, config_.data_parallel_size);
+  updates_applied_ = state.updates_applied;
+  spike_losses_.assign(state.spike_losses.begin(), state.spike_losses.end());
+  spike_grad_norms_.assign(state.spike_grad_norms.begin(), state.spike_grad_norms.end());
+  if (!state.cpu_rng_state.empty()) {
+    auto rng = torch::empty({static_cast<int64_t>(state.cpu_rng_state.size() / 2)}, torch::kUInt8);
     for (int64_t i = 0; i < rng.numel(); ++i)
-      rng.data_ptr<uint8_t>()[i] = static_cast<uint8_t>(std::stoi(c.state.cpu_rng_state.substr(2 * i, 2), nullptr, 16));
+      rng.data_ptr<uint8_t>()[i] = static_cast<uint8_t>(std::stoi(state.cpu_rng_state.substr(2 * i, 2), nullptr, 16));
     auto generator = at::detail::getDefaultCPUGenerator();
     generator.set_state(rng);
   }
   const std::string current_yaml = config_to_yaml(config_);
-  if (checkpoint_hash_text(current_yaml) != c.state.config_hash) {
+  if (checkpoint_hash_text(current_yaml) != state.config_hash) {
     // Name the keys that changed (steps or log_period may legitimately change on resume).
     std::map<std::string, std::string> before, after;
     auto parse = [](const std::string& yaml, std::map<std::string, std::string>& out) {
@@ -264,7 +351,7 @@ void Trainer::restore(const CheckpointContents& c, bool full_state, const std::s
         if (const auto colon = line.find(": "); colon != std::string::npos && line[0] != '#')
           out[line.substr(0, colon)] = line.substr(colon + 2);
     };
-    parse(c.config_yaml, before);
+    parse(config_yaml, before);
     parse(current_yaml, after);
     std::string changed;
     for (const auto& [key, value] : after)
@@ -276,18 +363,27 @@ void Trainer::restore(const CheckpointContents& c, bool full_state, const std::s
 int64_t Trainer::load_initial_state() {
   const Config& c = config_;
   const auto own = checkpoint_find_latest((std::filesystem::path(c.run_dir) / "checkpoints").string());
+  // Sharded levels read one tensor at a time and keep their parts; the others read it all.
+  const auto restore_full = [&](const std::string& dir, const std::string& source) {
+    if (sharded_state_) {
+      const std::string problem = checkpoint_verify(dir);
+      if (!problem.empty()) throw config_error("checkpoint " + dir + " is not usable: " + problem);
+      restore_streamed(dir, source);
+      return checkpoint_load_state(dir).first;
+    }
+    const auto contents = checkpoint_load(dir);
+    restore(contents, /*full_state=*/true, source);
+    return contents.state;
+  };
   if (own) {
-    const auto contents = checkpoint_load(*own);
-    restore(contents, /*full_state=*/true, "checkpoint " + *own);
-    spdlog::info("resumed from checkpoint {} (step {}, {} updates applied)", *own, contents.state.step,
-                 contents.state.updates_applied);
-    return contents.state.step;
+    const auto state = restore_full(*own, "checkpoint " + *own);
+    spdlog::info("resumed from checkpoint {} (step {}, {} updates applied)", *own, state.step, state.updates_applied);
+    return state.step;
   }
   if (!c.load_full_state_path.empty()) {
-    const auto contents = checkpoint_load(c.load_full_state_path);
-    restore(contents, /*full_state=*/true, "load_full_state_path " + c.load_full_state_path);
-    spdlog::info("loaded full state from {} (step {})", c.load_full_state_path, contents.state.step);
-    return contents.state.step;
+    const auto state = restore_full(c.load_full_state_path, "load_full_state_path " + c.load_full_state_path);
+    spdlog::info("loaded full state from {} (step {})", c.load_full_state_path, state.step);
+    return state.step;
   }
   if (!c.load_parameters_path.empty() && std::filesystem::exists(std::filesystem::path(c.load_parameters_path) / "config.json")) {
     load_hf_parameters(c.load_parameters_path);

@@ -282,4 +282,24 @@ void ShardedModelState::params_load(const torch::Tensor& full) {
   }
 }
 
+void ShardedModelState::shard_load_range(torch::Tensor& shard, const torch::Tensor& values, int64_t begin) const {
+  torch::NoGradGuard no_grad;
+  const int64_t end = begin + values.numel();
+  for (const auto& unit : units_) {
+    const int64_t first = unit.begin + rank_ * unit.part;  // this rank's part: [first, first + own)
+    const int64_t from = std::max(begin, first), to = std::min(end, first + unit.own);
+    if (from < to) shard.narrow(0, unit.shard_offset + from - first, to - from).copy_(values.narrow(0, from - begin, to - from));
+  }
+}
+
+void ShardedModelState::params_load_range(const torch::Tensor& values, int64_t begin) {
+  torch::NoGradGuard no_grad;
+  if (params_sharded_) {
+    shard_load_range(param_shard, values, begin);
+    outer_stale_ = true;
+  } else {
+    arena.narrow(0, begin, values.numel()).copy_(values);
+  }
+}
+
 }  // namespace trainer

@@ -82,6 +82,11 @@ class ShardedModelState : public DecoderLayerHooks {
   torch::Tensor shard_of(const torch::Tensor& full) const;
   // Parameters from a (P) arena-ordered tensor (a restore).
   void params_load(const torch::Tensor& full);
+  // A restore in pieces: `values` holds the arena's elements [begin, begin + values.numel()); this
+  // rank's parts among them go into `shard` (shard-shaped, e.g. an AdamW moment), or into the
+  // parameters (all of them with optim_grads, which keeps the whole arena).
+  void shard_load_range(torch::Tensor& shard, const torch::Tensor& values, int64_t begin) const;
+  void params_load_range(const torch::Tensor& values, int64_t begin);
 
   // optim_grads_params: waits for layer's gather (started while the previous layer ran, or now),
   // then starts the gather of the layer that runs next (layer + 1, or layer - 1 in backward).

@@ -146,6 +146,12 @@ class Trainer {
   void build_flat_buffers();
   bool spike_guard_rejects(double loss, double grad_norm);
   void restore(const CheckpointContents& contents, bool full_state, const std::string& source);
+  // Sharded levels: the full state of a verified checkpoint directory (either layout), read one
+  // tensor (one layer's stacked experts) at a time, each rank keeping its parts, so no rank holds
+  // the whole state. Mismatches are listed as by restore (exit 2).
+  void restore_streamed(const std::string& checkpoint_dir, const std::string& source);
+  // The counters, spike-guard window and RNG of a checkpoint; warns about changed config keys.
+  void restore_state(const CheckpointState& state, const std::string& config_yaml, const std::string& source);
   // load_parameters_path as a Hugging Face directory: config.json checked against the config
   // (exit 2 on the first shape mismatch, a warning for each other difference), tensors renamed.
   void load_hf_parameters(const std::string& dir);
