@@ -28,22 +28,40 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// The files a verified checkpoint must hold: one writer's four, or, written by `shards` ranks,
-// each rank's model and optimizer file plus the model index, state.json and config.yml.
-std::vector<std::string> checkpoint_required_files(int64_t shards) {
-  if (shards <= 1) return {"model.safetensors", "optimizer.safetensors", "state.json", "config.yml"};
-  std::vector<std::string> files{"model.safetensors.index.json", "state.json", "config.yml"};
-  for (int64_t r = 0; r < shards; ++r) {
-    files.push_back(checkpoint_shard_file_name("model", r, shards, ".safetensors"));
-    files.push_back(checkpoint_shard_file_name("optimizer", r, shards, ".safetensors"));
-  }
-  return files;
-}
-
 std::string hex32(uint32_t v) {
   char buf[16];
   std::snprintf(buf, sizeof buf, "%08x", v);
   return buf;
+}
+
+// The tensor files of a checkpoint written by `shards` ranks (1: one writer): (model, optimizer).
+std::pair<std::vector<std::string>, std::vector<std::string>> checkpoint_tensor_files(int64_t shards) {
+  if (shards <= 1) return {{"model.safetensors"}, {"optimizer.safetensors"}};
+  std::pair<std::vector<std::string>, std::vector<std::string>> files;
+  for (int64_t r = 0; r < shards; ++r) {
+    files.first.push_back(checkpoint_shard_file_name("model", r, shards, ".safetensors"));
+    files.second.push_back(checkpoint_shard_file_name("optimizer", r, shards, ".safetensors"));
+  }
+  return files;
+}
+
+// The files a verified checkpoint must hold: the tensor files, state.json, config.yml and, when
+// sharded, the model index.
+std::vector<std::string> checkpoint_required_files(int64_t shards) {
+  auto [files, optimizer] = checkpoint_tensor_files(shards);
+  files.insert(files.end(), optimizer.begin(), optimizer.end());
+  files.push_back("state.json");
+  files.push_back("config.yml");
+  if (shards > 1) files.push_back("model.safetensors.index.json");
+  return files;
+}
+
+// A manifest's entry for a file holding `bytes` bytes with checksum `crc`.
+nlohmann::ordered_json manifest_entry(uint64_t bytes, uint32_t crc) {
+  return {{"bytes", bytes}, {"crc32c", hex32(crc)}};
+}
+nlohmann::ordered_json manifest_entry_of_text(const std::string& text) {
+  return manifest_entry(text.size(), crc32c_update(0, text.data(), text.size()));
 }
 
 std::string read_text(const fs::path& path) {
@@ -135,23 +153,22 @@ void write_checkpoint(const std::string& checkpoints_dir, const CheckpointConten
 
   nlohmann::ordered_json manifest;
   manifest["format_version"] = kCheckpointFormatVersion;
-  auto record = [&](const std::string& file, uint32_t crc) {
-    manifest["files"][file] = {{"bytes", fs::file_size(tmp / file)}, {"crc32c", hex32(crc)}};
-  };
+  auto record = [&](const std::string& file, uint32_t crc) { manifest["files"][file] = manifest_entry(fs::file_size(tmp / file), crc); };
   record("model.safetensors", checkpoint_write_tensors((tmp / "model.safetensors").string(), c.model));
   pause_if_asked(tmp, c.state.step, pause_at_step);
   record("optimizer.safetensors", checkpoint_write_tensors((tmp / "optimizer.safetensors").string(), c.optimizer));
   const std::string state = state_to_json(c.state);
   file_write_durable((tmp / "state.json").string(), state);
-  record("state.json", crc32c_update(0, state.data(), state.size()));
+  manifest["files"]["state.json"] = manifest_entry_of_text(state);
   file_write_durable((tmp / "config.yml").string(), c.config_yaml);
-  record("config.yml", crc32c_update(0, c.config_yaml.data(), c.config_yaml.size()));
+  manifest["files"]["config.yml"] = manifest_entry_of_text(c.config_yaml);
   file_write_durable((tmp / "manifest.json").string(), manifest.dump(2) + "\n");
   commit_directory(root, tmp, name, keep);
 }
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+// How many ranks wrote a checkpoint directory (1: one writer), from its manifest.
+int64_t manifest_shards(const fs::path& dir) {
+  return nlohmann::json::parse(read_text(dir / "manifest.json")).value("shards", int64_t{1});
 }
 
 std::string shard_record_name(int64_t rank, int64_t count) {
@@ -169,17 +186,16 @@ void write_checkpoint_shard(const std::string& checkpoints_dir, const Checkpoint
   const std::string model = checkpoint_shard_file_name("model", c.shard_rank, c.shard_count, ".safetensors");
   const std::string optimizer = checkpoint_shard_file_name("optimizer", c.shard_rank, c.shard_count, ".safetensors");
   const uint32_t model_crc = checkpoint_write_tensors((tmp / model).string(), c.model);
-  record["files"][model] = {{"bytes", fs::file_size(tmp / model)}, {"crc32c", hex32(model_crc)}};
+  record["files"][model] = manifest_entry(fs::file_size(tmp / model), model_crc);
   if (c.shard_rank == 0) pause_if_asked(tmp, c.state.step, pause_at_step);
   const uint32_t optimizer_crc = checkpoint_write_tensors((tmp / optimizer).string(), c.optimizer);
-  record["files"][optimizer] = {{"bytes", fs::file_size(tmp / optimizer)}, {"crc32c", hex32(optimizer_crc)}};
+  record["files"][optimizer] = manifest_entry(fs::file_size(tmp / optimizer), optimizer_crc);
   if (c.shard_rank == 0) {
     const std::string state = state_to_json(c.state);
     file_write_durable((tmp / "state.json").string(), state);
-    record["files"]["state.json"] = {{"bytes", state.size()}, {"crc32c", hex32(crc32c_update(0, state.data(), state.size()))}};
+    record["files"]["state.json"] = manifest_entry_of_text(state);
     file_write_durable((tmp / "config.yml").string(), c.config_yaml);
-    record["files"]["config.yml"] = {{"bytes", c.config_yaml.size()},
-                                     {"crc32c", hex32(crc32c_update(0, c.config_yaml.data(), c.config_yaml.size()))}};
+    record["files"]["config.yml"] = manifest_entry_of_text(c.config_yaml);
   }
   int64_t model_bytes = 0;
   for (const auto& [name, tensor] : c.model) {
@@ -245,19 +261,16 @@ NamedTensors checkpoint_read_tensors(const std::string& path) {
 
 CheckpointReader::CheckpointReader(const std::string& checkpoint_dir) {
   const fs::path dir(checkpoint_dir);
-  std::vector<std::string> files;
-  const auto manifest = nlohmann::json::parse(read_text(dir / "manifest.json"));
-  for (const std::string& file : checkpoint_required_files(manifest.value("shards", int64_t{1})))
-    if (ends_with(file, ".safetensors")) files.push_back(file);
-  for (const auto& file : files) {
-    const std::string path = (dir / file).string();
-    auto header = std::make_shared<SafetensorsFile>(read_or_config_error(path, /*with_data=*/false));
-    const bool optimizer = file.rfind("optimizer", 0) == 0;
-    for (const auto& [name, tensor] : header->tensors) {
-      if (!optimizer) model_names_.push_back(name);
-      tensors_[name] = {path, header, tensor};
+  const auto [model_files, optimizer_files] = checkpoint_tensor_files(manifest_shards(dir));
+  for (const auto* files : {&model_files, &optimizer_files})
+    for (const auto& file : *files) {
+      const std::string path = (dir / file).string();
+      auto header = std::make_shared<SafetensorsFile>(read_or_config_error(path, /*with_data=*/false));
+      for (const auto& [name, tensor] : header->tensors) {
+        if (files == &model_files) model_names_.push_back(name);
+        tensors_[name] = {path, header, tensor};
+      }
     }
-  }
 }
 
 const CheckpointReader::Location* CheckpointReader::find(const std::string& name) const {
@@ -337,15 +350,8 @@ CheckpointContents checkpoint_load(const std::string& checkpoint_dir) {
   const fs::path dir(checkpoint_dir);
   CheckpointContents c;
   c.model = hf_read_directory(checkpoint_dir);  // model.safetensors, or the shards its index lists
-  if (fs::exists(dir / "optimizer.safetensors")) {
-    c.optimizer = checkpoint_read_tensors((dir / "optimizer.safetensors").string());
-  } else {
-    const auto manifest = nlohmann::json::parse(read_text(dir / "manifest.json"));
-    const int64_t shards = manifest.at("shards").get<int64_t>();
-    for (int64_t r = 0; r < shards; ++r)
-      for (auto& item : checkpoint_read_tensors((dir / checkpoint_shard_file_name("optimizer", r, shards, ".safetensors")).string()))
-        c.optimizer.push_back(std::move(item));
-  }
+  for (const auto& file : checkpoint_tensor_files(manifest_shards(dir)).second)
+    for (auto& item : checkpoint_read_tensors((dir / file).string())) c.optimizer.push_back(std::move(item));
   c.state = state_from_json(read_text(dir / "state.json"), checkpoint_dir);
   c.config_yaml = read_text(dir / "config.yml");
   return c;
@@ -451,8 +457,7 @@ void Checkpointer::commit_shards(bool writer) {
     index["metadata"]["total_size"] = total;
     const std::string index_text = index.dump(2) + "\n";
     file_write_durable((tmp / "model.safetensors.index.json").string(), index_text);
-    manifest["files"]["model.safetensors.index.json"] = {
-        {"bytes", index_text.size()}, {"crc32c", hex32(crc32c_update(0, index_text.data(), index_text.size()))}};
+    manifest["files"]["model.safetensors.index.json"] = manifest_entry_of_text(index_text);
     // What the manifest does not list (the shard records, files of an abandoned attempt at this
     // step with another world size) does not belong in the checkpoint.
     for (const auto& entry : fs::directory_iterator(tmp))

@@ -395,8 +395,10 @@ void checkpoint_walk(const NamedTensors& by_parameter, int64_t first_expert, int
 }  // namespace
 
 bool model_is_stacked_experts(const std::string& parameter_name) {
-  return ends_with(parameter_name, "experts.gate_up_proj") || ends_with(parameter_name, "experts.down_proj");
+  return ends_with(parameter_name, "experts.gate_up_proj") || model_is_stacked_down_proj(parameter_name);
 }
+
+bool model_is_stacked_down_proj(const std::string& parameter_name) { return ends_with(parameter_name, "experts.down_proj"); }
 
 NamedTensors model_checkpoint_views(const NamedTensors& by_parameter, int64_t first_expert) {
   NamedTensors out;

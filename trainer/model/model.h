@@ -283,6 +283,9 @@ torch::Tensor mtp_shift_tokens(const torch::Tensor& tokens, const torch::Tensor&
 // passes through. Views share storage: copying into them writes the parameters.
 // Whether a parameter is a stacked expert tensor (mlp.experts.gate_up_proj, mlp.experts.down_proj).
 bool model_is_stacked_experts(const std::string& parameter_name);
+// The second of a layer's two stacked expert tensors (down_proj after gate_up_proj): checkpoint
+// names pair them, so whatever splits parameters into groups keeps it with the one before.
+bool model_is_stacked_down_proj(const std::string& parameter_name);
 
 // With expert parallelism the stacked tensors hold experts [first_expert, first_expert + E/N):
 // they are named by those global ids.

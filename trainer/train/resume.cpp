@@ -40,9 +40,7 @@ std::pair<int64_t, int64_t> Trainer::checkpoint_range(int64_t rank) const {
     const int64_t target = r * (P / R) + std::min(r, P % R);
     int64_t offset = 0;
     for (const auto& item : model_->named_parameters()) {
-      const std::string& key = item.key();
-      const bool down_proj = key.size() >= 17 && key.compare(key.size() - 17, 17, "experts.down_proj") == 0;
-      if (offset >= target && !down_proj) return offset;
+      if (offset >= target && !model_is_stacked_down_proj(item.key())) return offset;
       offset += item.value().numel();
     }
     return P;
@@ -169,11 +167,13 @@ void Trainer::checkpoint_commit(bool block, bool fatal) {
   auto on_device = status.to(device_);
   comm_->all_reduce_sum(on_device, "the status of checkpoint " + std::to_string(step) + "'s writes");
   status = on_device.cpu();
-  if (status.narrow(0, 0, R).sum().item<double>() < static_cast<double>(R)) return;  // not yet: after the next step
+  const auto counts = status.accessor<float, 1>();
+  for (int64_t r = 0; r < R; ++r)
+    if (counts[r] < 1) return;  // not yet: after the next step
   checkpoint_write_error_.clear();
   std::string failed;
   for (int64_t r = 0; r < R; ++r)
-    if (status[R + r].item<double>() > 0) failed += (failed.empty() ? "" : ", ") + std::to_string(r);
+    if (counts[R + r] > 0) failed += (failed.empty() ? "" : ", ") + std::to_string(r);
   std::string problem;
   if (!failed.empty()) {
     checkpointer_->commit_shards(/*writer=*/false);  // abandoned: its .tmp- directory is never read
@@ -225,10 +225,7 @@ void Trainer::restore_streamed(const std::string& checkpoint_dir, const std::str
   }
   for (size_t first = 0; first < parameters.size();) {
     size_t last = first + 1;
-    if (model_is_stacked_experts(std::get<0>(parameters[first])))
-      while (last < parameters.size() && model_is_stacked_experts(std::get<0>(parameters[last])) &&
-             std::get<0>(parameters[last]).find("experts.down_proj") != std::string::npos)
-        ++last;
+    while (last < parameters.size() && model_is_stacked_down_proj(std::get<0>(parameters[last]))) ++last;
     for (const std::string prefix : {"", "exp_avg.", "exp_avg_sq."}) {
       NamedTensors group;  // host tensors shaped as the parameters
       for (size_t i = first; i < last; ++i)
