@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Ling2 pretraining (the RFC's scripts/pretrain_ling2.sh, change 8, for this trainer).
-# Architecture: configs/models/ling2.yml, for now an alias of ling-mini-2.0.yml (Ling 2.0; MoE + MTP;
-# see docs/moe.md).
+# Architecture: configs/models/ling2.yml, the RFC's hybrid (4 GLA + 1 MLA layers per 5, Ling MoE, MTP;
+# docs/model.md). MODEL_NAME=ling-mini-2.0 trains the released Ling 2.0 instead (docs/moe.md).
 # Every setting below can be overridden from the environment (${VAR:-default}); anything after
 # the script name is passed through to the trainer as key=value overrides. TRAINER names the
 # binary (default build/trainer, built by scripts/setup.sh when missing; a TRAINER that does not
@@ -64,9 +64,8 @@ STEPS=${STEPS:-100000}
 PER_DEVICE_BATCH_SIZE=${PER_DEVICE_BATCH_SIZE:-2}
 GRADIENT_ACCUMULATION_STEPS=${GRADIENT_ACCUMULATION_STEPS:-1}
 MAX_TARGET_LENGTH=${MAX_TARGET_LENGTH:-4096}
-# RoPE base: the model file's 600000 is the released Ling 2.0 config and Ling's 8k/32k pretraining
-# scripts; its 4k script (run_pretrain_4k.sh) uses 10000: pass rope_max_timescale=10000 after the
-# script name to follow that one.
+# RoPE base: ling2.yml uses the fork's 10000. For MODEL_NAME=ling-mini-2.0 the model file's 600000
+# is the released config and Ling's 8k/32k scripts; its 4k script uses 10000 (pass rope_max_timescale=10000).
 LEARNING_RATE=${LEARNING_RATE:-3e-4}
 WARMUP_STEPS_FRACTION=${WARMUP_STEPS_FRACTION:-0.01}
 CALCULATE_PER_TOKEN_LOSS=${CALCULATE_PER_TOKEN_LOSS:-false}   # Megatron's normalization

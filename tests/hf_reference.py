@@ -340,7 +340,7 @@ def case_round_trip(args, work, model_args):
 
 
 ROUND_TRIPS = {
-    "round_trip_ling2_tiny": ["model_name=ling2-tiny"],
+    "round_trip_ling_mini_tiny": ["model_name=ling-mini-tiny"],
     "round_trip_qwen3": ["override_model_config=true", "use_qk_norm=true", "logits_via_embedding=true"],
     "round_trip_llama": [],
 }

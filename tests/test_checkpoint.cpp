@@ -535,10 +535,10 @@ TEST_CASE("load_full_state_path continues another run's checkpoint exactly, and 
 
 TEST_CASE("Hugging Face directories: config.json round trips the model keys, and what cannot be read or written is refused by name",
           "[checkpoint]") {
-  const std::string dir = kOut + "/hf-ling2-tiny";
+  const std::string dir = kOut + "/hf-ling-mini-tiny";
   fs::remove_all(dir);
   const std::string base = "base_output_directory=" + kOut;
-  Trainer source(tiny_config({"model_name=ling2-tiny", "run_name=hf-source"}));
+  Trainer source(tiny_config({"model_name=ling-mini-tiny", "run_name=hf-source"}));
   source.export_hf(dir, 64 << 10, torch::kFloat32);  // 64 KiB shards: several files and an index
   REQUIRE(fs::exists(dir + "/model.safetensors.index.json"));
   int shards = 0;
@@ -546,7 +546,7 @@ TEST_CASE("Hugging Face directories: config.json round trips the model keys, and
   CHECK(shards > 1);
 
   // model_name=hf resolves to the same model as the model file it was written from.
-  const Config ling = tiny_config({"model_name=ling2-tiny"});
+  const Config ling = tiny_config({"model_name=ling-mini-tiny"});
   const Config hf = tiny_config({"model_name=hf", "load_parameters_path=" + dir});
   auto resolved = [](const Config& c) {  // key -> resolved value text
     std::map<std::string, std::string> values;
@@ -580,7 +580,7 @@ TEST_CASE("Hugging Face directories: config.json round trips the model keys, and
   CHECK(wrong.exit_code == 2);
   CHECK_THAT(wrong.output, Catch::Contains("holds a different model"));
   // Same shapes, another RoPE base (Ling's 4k pretraining): a warning, not an error.
-  const auto rope = hf_config_compare(tiny_config({"model_name=ling2-tiny", "override_model_config=true",
+  const auto rope = hf_config_compare(tiny_config({"model_name=ling-mini-tiny", "override_model_config=true",
                                                    "rope_max_timescale=10000"}), dir);
   CHECK(rope.first_shape_mismatch.empty());
   REQUIRE(rope.other.size() == 1);
@@ -623,7 +623,7 @@ TEST_CASE("Hugging Face directories: config.json round trips the model keys, and
   const std::string qkv = "model.layers.1.attention.query_key_value.weight";
   CHECK_THROWS_WITH(hf_tensors_to_checkpoint(ling, with(qkv, torch::zeros({8, ling.base_emb_dim})), "BailingMoeV2ForCausalLM", dir),
                     Catch::Contains(qkv) && Catch::Contains("has shape [8, 64]"));
-  const Config no_bias = tiny_config({"model_name=ling2-tiny", "override_model_config=true", "routed_bias=false"});
+  const Config no_bias = tiny_config({"model_name=ling-mini-tiny", "override_model_config=true", "routed_bias=false"});
   const std::string bias = "model.layers.1.mlp.gate.expert_bias";
   CHECK_THROWS_WITH(hf_tensors_to_checkpoint(no_bias, with(bias, torch::full({ling.num_experts}, 0.5f)), "BailingMoeV2ForCausalLM", dir),
                     Catch::Contains(bias) && Catch::Contains("routed_bias is false"));

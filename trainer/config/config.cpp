@@ -162,6 +162,39 @@ std::vector<std::string> validation_errors(const Config& c) {
           "partial_rotary_factor (" + std::to_string(c.partial_rotary_factor) +
               ") times head_dim (" + std::to_string(c.head_dim) +
               ") must be an even whole number of dimensions in (0, head_dim]");
+  // Attention variants (docs/model.md). Which layers use which: model_layer_attention.
+  require(c.inhomogeneous_layer_cycle_interval >= 0,
+          "inhomogeneous_layer_cycle_interval must be >= 0 (0 = every layer uses attention_type)");
+  require(c.inhomogeneous_layer_cycle_interval == 0 || c.attention_type != "gla",
+          "inhomogeneous_layer_cycle_interval=" + std::to_string(c.inhomogeneous_layer_cycle_interval) +
+              " makes every N-th layer use attention_type, which must then be global or mla (got gla)");
+  require(c.attention_type != "gla" || c.mtp_num_layers == 0,
+          "attention_type=gla with mtp_num_layers=" + std::to_string(c.mtp_num_layers) +
+              ": MTP layers use full attention (set attention_type=global|mla with inhomogeneous_layer_cycle_interval)");
+  const bool any_gla = c.attention_type == "gla" || c.inhomogeneous_layer_cycle_interval > 1;
+  if (c.attention_type == "mla") {
+    require(c.q_lora_rank >= 0, "q_lora_rank must be >= 0 (0 = full-rank query projection)");
+    positive(c.kv_lora_rank, "kv_lora_rank");
+    require(c.qk_nope_head_dim >= 0, "qk_nope_head_dim must be >= 0");
+    require(c.qk_rope_head_dim > 0 && c.qk_rope_head_dim % 2 == 0,
+            "qk_rope_head_dim must be even and > 0 (got " + std::to_string(c.qk_rope_head_dim) + ")");
+    positive(c.v_head_dim, "v_head_dim");
+    require(c.rope_factor >= 1, "rope_factor must be >= 1");
+    positive(c.max_position_embeddings, "max_position_embeddings");
+    positive(c.original_max_position_embeddings, "original_max_position_embeddings");
+    if (c.rope_type == "yarn")
+      require(c.beta_fast > c.beta_slow && c.beta_slow > 0, "rope_type=yarn needs beta_fast > beta_slow > 0");
+  }
+  if (any_gla) {
+    require(c.base_num_kv_heads == c.base_num_query_heads,
+            "GLA layers need base_num_kv_heads (" + std::to_string(c.base_num_kv_heads) + ") == base_num_query_heads (" +
+                std::to_string(c.base_num_query_heads) + "): every head has its own key and value");
+    positive(c.gla_chunk_size, "gla_chunk_size");
+    require(c.group_norm_size > 0 && (c.base_num_query_heads * c.head_dim) % c.group_norm_size == 0,
+            "group_norm_size (" + std::to_string(c.group_norm_size) + ") must be > 0 and divide base_num_query_heads * head_dim (" +
+                std::to_string(c.base_num_query_heads * c.head_dim) + ")");
+  }
+  require(c.moe_shared_expert_dim >= 0, "moe_shared_expert_dim must be >= 0 (0 = base_moe_mlp_dim)");
   require(c.mlp_activations == StringList{"silu", "linear"},
           "mlp_activations must be [silu, linear] (SwiGLU); other MLPs are not implemented");
   require(c.normalization_layer_epsilon > 0, "normalization_layer_epsilon must be > 0");

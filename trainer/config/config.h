@@ -52,6 +52,24 @@ using StringList = std::vector<std::string>;
   X(double, rope_max_timescale)                   \
   X(double, partial_rotary_factor)                \
   X(bool, use_qk_norm)                            \
+  X(std::string, attention_type)                  \
+  X(int64_t, inhomogeneous_layer_cycle_interval)  \
+  X(int64_t, q_lora_rank)                         \
+  X(int64_t, kv_lora_rank)                        \
+  X(int64_t, qk_nope_head_dim)                    \
+  X(int64_t, qk_rope_head_dim)                    \
+  X(int64_t, v_head_dim)                          \
+  X(bool, mla_interleaved_rope)                   \
+  X(std::string, rope_type)                       \
+  X(double, rope_factor)                          \
+  X(int64_t, max_position_embeddings)             \
+  X(int64_t, original_max_position_embeddings)    \
+  X(double, beta_fast)                            \
+  X(double, beta_slow)                            \
+  X(double, mscale)                               \
+  X(int64_t, gla_chunk_size)                      \
+  X(bool, use_linear_silu)                        \
+  X(int64_t, group_norm_size)                     \
   X(bool, logits_via_embedding)                   \
   X(std::string, dtype)                           \
   X(int64_t, init_weights_seed)                   \
@@ -60,6 +78,7 @@ using StringList = std::vector<std::string>;
   X(int64_t, num_experts_per_tok)                 \
   X(int64_t, base_moe_mlp_dim)                    \
   X(int64_t, shared_experts)                      \
+  X(int64_t, moe_shared_expert_dim)               \
   X(int64_t, first_num_dense_layers)              \
   X(std::string, routed_score_func)               \
   X(bool, norm_topk_prob)                         \
@@ -78,6 +97,7 @@ using StringList = std::vector<std::string>;
   X(double, mtp_loss_scaling_factor)              \
   X(bool, mtp_moe_mlp)                            \
   X(bool, mtp_input_after_final_norm)             \
+  X(bool, mtp_per_layer_loss_norm)                \
   /* data */                                      \
   X(std::string, dataset_type)                    \
   X(std::string, grain_file_type)                 \

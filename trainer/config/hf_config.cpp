@@ -206,6 +206,13 @@ std::string hf_architecture(const Config& c) {
   };
   if (c.mlp_activations != StringList{"silu", "linear"})
     refuse("mlp_activations must be [silu, linear] (SwiGLU), as in every supported architecture");
+  if (c.attention_type != "global" || c.inhomogeneous_layer_cycle_interval > 0)
+    refuse("attention_type=" + c.attention_type + " (inhomogeneous_layer_cycle_interval=" +
+           std::to_string(c.inhomogeneous_layer_cycle_interval) +
+           "): MLA/GLA layers have no Hugging Face architecture here; export with --export-safetensors");
+  if (c.moe_shared_expert_dim > 0 && c.moe_shared_expert_dim != c.base_moe_mlp_dim)
+    refuse("moe_shared_expert_dim (" + std::to_string(c.moe_shared_expert_dim) +
+           ") differs from base_moe_mlp_dim; BailingMoeV2's shared expert has the routed experts' width");
   if (c.num_experts > 1) {
     if (c.routed_score_func != "sigmoid")
       refuse("routed_score_func is " + c.routed_score_func + "; BailingMoeV2ForCausalLM routes by sigmoid scores");

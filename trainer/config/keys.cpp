@@ -31,6 +31,8 @@ const std::map<std::string, std::vector<std::string>>& allowed_values() {
       {"routed_score_func", {"softmax", "sigmoid"}},
       {"moe_dispatch", {"grouped", "loop"}},
       {"moe_aux_loss_over_layers", {"mean", "sum"}},
+      {"attention_type", {"global", "mla", "gla"}},
+      {"rope_type", {"default", "yarn"}},
   };
   return table;
 }

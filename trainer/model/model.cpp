@@ -6,11 +6,17 @@
 #include <algorithm>
 #include <map>
 
+#include "trainer/model/layers.h"
+#include "trainer/model/model_size.h"
 #include "trainer/util/torch_compat.h"
 
 namespace trainer {
 
 namespace F = torch::nn::functional;
+using model_detail::apply_rope;
+using model_detail::linear;
+using model_detail::linear_fused;
+using model_detail::norm_forward;
 
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
   weight = register_parameter("weight", torch::ones({dim}));
@@ -23,7 +29,7 @@ torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
   return (normed * weight).to(x.scalar_type());
 }
 
-namespace {
+namespace model_detail {
 
 torch::nn::Linear linear(int64_t in, int64_t out) {
   return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
@@ -51,6 +57,16 @@ torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const
 torch::Tensor linear_fused(const torch::Tensor& x, std::initializer_list<torch::Tensor> weights) {
   return F::linear(x, torch::cat(weights));
 }
+
+RopeTables rope_tables(const torch::Tensor& positions, const torch::Tensor& inv_freq) {
+  const auto angles = (positions.to(torch::kFloat32).unsqueeze(-1) * inv_freq).unsqueeze(1);  // (B, 1, L, rot/2)
+  const auto cos = angles.cos(), sin = angles.sin();
+  return {torch::cat({cos, cos}, -1), torch::cat({-sin, sin}, -1)};  // (B, 1, L, rot) each
+}
+
+}  // namespace model_detail
+
+namespace {
 
 // The function a Recompute node reruns (or, with keep_graph, whose graph it keeps), the autocast
 // state it first ran under, and the unit hooks (UnitHooks).
@@ -113,6 +129,10 @@ class Recompute : public torch::autograd::Function<Recompute> {
   }
 };
 
+}  // namespace
+
+namespace model_detail {
+
 // RMSNorm, recomputed in backward under remat_policy=minimal: its fp32 intermediates (the
 // upcast input, squares, rsqrt, normalized value) are not kept.
 torch::Tensor norm_forward(RMSNorm& norm, const torch::Tensor& x, bool recompute_elementwise) {
@@ -122,7 +142,7 @@ torch::Tensor norm_forward(RMSNorm& norm, const torch::Tensor& x, bool recompute
       {x})[0];
 }
 
-}  // namespace
+}  // namespace model_detail
 
 std::vector<torch::Tensor> run_unit(const RecomputeFn& fn, const std::vector<torch::Tensor>& inputs, UnitHooks hooks) {
   const bool recording = torch::GradMode::is_enabled() &&
@@ -200,9 +220,15 @@ torch::Tensor MlpImpl::forward(const torch::Tensor& x, bool recompute_activation
   return down_proj(activation(gate_up.narrow(-1, 0, hidden), gate_up.narrow(-1, hidden, hidden)));
 }
 
-DecoderLayerImpl::DecoderLayerImpl(const Config& c, bool use_moe) {
+DecoderLayerImpl::DecoderLayerImpl(const Config& c, bool use_moe, int64_t layer_index) {
   input_layernorm = register_module("input_layernorm", RMSNorm(c.base_emb_dim, c.normalization_layer_epsilon));
-  self_attn = register_module("self_attn", Attention(c));
+  const std::string attention = model_layer_attention(c, layer_index);
+  if (attention == "mla")
+    mla_attn = register_module("self_attn", MlaAttention(c));
+  else if (attention == "gla")
+    gla_attn = register_module("self_attn", GlaAttention(c, layer_index));
+  else
+    self_attn = register_module("self_attn", Attention(c));
   post_attention_layernorm =
       register_module("post_attention_layernorm", RMSNorm(c.base_emb_dim, c.normalization_layer_epsilon));
   if (use_moe)
@@ -213,7 +239,10 @@ DecoderLayerImpl::DecoderLayerImpl(const Config& c, bool use_moe) {
 
 torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const BlockContext& ctx) {
   const bool minimal = ctx.recompute_elementwise;
-  const auto h = x + self_attn->forward(norm_forward(input_layernorm, x, minimal), ctx.rope, ctx.allowed, minimal);
+  const auto normed_in = norm_forward(input_layernorm, x, minimal);
+  const auto h = x + (mla_attn   ? mla_attn->forward(normed_in, ctx.rope_mla, ctx.allowed)
+                      : gla_attn ? gla_attn->forward(normed_in, ctx.rope, ctx.segment_ids)
+                                 : self_attn->forward(normed_in, ctx.rope, ctx.allowed, minimal));
   const auto normed = norm_forward(post_attention_layernorm, h, minimal);
   return h + (moe ? moe->forward(normed, ctx) : mlp->forward(normed, minimal));
 }
@@ -222,7 +251,8 @@ SharedHeadImpl::SharedHeadImpl(int64_t dim, double eps) {
   norm = register_module("norm", RMSNorm(dim, eps));
 }
 
-MtpLayerImpl::MtpLayerImpl(const Config& c) : DecoderLayerImpl(c, /*use_moe=*/c.mtp_moe_mlp) {
+MtpLayerImpl::MtpLayerImpl(const Config& c, int64_t depth)
+    : DecoderLayerImpl(c, /*use_moe=*/c.mtp_moe_mlp, c.base_num_decoder_layers + depth - 1) {
   enorm = register_module("enorm", RMSNorm(c.base_emb_dim, c.normalization_layer_epsilon));
   hnorm = register_module("hnorm", RMSNorm(c.base_emb_dim, c.normalization_layer_epsilon));
   eh_proj = register_module("eh_proj", linear(2 * c.base_emb_dim, c.base_emb_dim));
@@ -243,10 +273,44 @@ DecoderStackImpl::DecoderStackImpl(const Config& c)
   embed_tokens = register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.base_emb_dim));
   layers = register_module("layers", torch::nn::ModuleList());
   const bool moe_model = c.num_experts > 1;
-  for (int64_t i = 0; i < c.base_num_decoder_layers; ++i)
-    layers->push_back(DecoderLayer(c, moe_model && i >= c.first_num_dense_layers));
-  for (int64_t k = 0; k < c.mtp_num_layers; ++k) layers->push_back(MtpLayer(c));
+  bool any_mla = false;
+  for (int64_t i = 0; i < c.base_num_decoder_layers; ++i) {
+    layers->push_back(DecoderLayer(c, moe_model && i >= c.first_num_dense_layers, i));
+    any_mla = any_mla || model_layer_attention(c, i) == "mla";
+  }
+  for (int64_t k = 1; k <= c.mtp_num_layers; ++k) {
+    layers->push_back(MtpLayer(c, k));
+    any_mla = any_mla || model_layer_attention(c, c.base_num_decoder_layers + k - 1) == "mla";
+  }
   norm = register_module("norm", RMSNorm(c.base_emb_dim, c.normalization_layer_epsilon));
+  if (any_mla) mla_inv_freq_ = mla_rope_inverse_frequencies(c);
+}
+
+// MLA's RoPE frequencies over qk_rope_head_dim = d dims: theta^(-2i/d), i < d/2. rope_type=yarn
+// (DeepSeek-V3's YaRN as MaxText computes it) blends each frequency with itself / rope_factor:
+//   f_i' = f_i / factor * (1 - m_i) + f_i * m_i,  m_i = 1 - clamp((i - low) / (high - low), 0, 1),
+// where low = floor(c(beta_fast)), high = ceil(c(beta_slow)) clamped to [0, d - 1] and
+// c(r) = d ln(L0 / (2 pi r)) / (2 ln theta) is the dim that turns r times over the original
+// context L0: fast-turning dims (i < low) are kept, slow ones (i > high) interpolated by factor.
+std::vector<double> mla_rope_inverse_frequencies(const Config& c) {
+  const int64_t d = c.qk_rope_head_dim, half = d / 2;
+  const double theta = c.rope_max_timescale;
+  std::vector<double> freq(static_cast<size_t>(half));
+  for (int64_t i = 0; i < half; ++i) freq[i] = std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(d));
+  if (c.rope_type != "yarn") return freq;
+  const auto correction_dim = [&](double rotations) {
+    return static_cast<double>(d) * std::log(static_cast<double>(c.original_max_position_embeddings) / (rotations * 2 * M_PI)) /
+           (2 * std::log(theta));
+  };
+  const double low = std::max(std::floor(correction_dim(c.beta_fast)), 0.0);
+  double high = std::min(std::ceil(correction_dim(c.beta_slow)), static_cast<double>(d - 1));
+  if (high == low) high += 0.001;
+  for (int64_t i = 0; i < half; ++i) {
+    const double ramp = std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);
+    const double keep = 1.0 - ramp;
+    freq[i] = freq[i] / c.rope_factor * (1.0 - keep) + freq[i] * keep;
+  }
+  return freq;
 }
 
 BlockContext DecoderStackImpl::context(const torch::Tensor& positions, const torch::Tensor& segment_ids,
@@ -256,12 +320,19 @@ BlockContext DecoderStackImpl::context(const torch::Tensor& positions, const tor
   const auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(positions.device());
   const auto inv_freq =
       torch::pow(rope_theta_, -torch::arange(0, rotary_dim_, 2, opts) / static_cast<double>(rotary_dim_));
-  const auto angles = (positions.to(torch::kFloat32).unsqueeze(-1) * inv_freq).unsqueeze(1);  // (B, 1, L, rot/2)
-  const auto cos = angles.cos(), sin = angles.sin();
   BlockContext ctx;
-  ctx.rope = {torch::cat({cos, cos}, -1), torch::cat({-sin, sin}, -1)};  // (B, 1, L, rot) each
+  ctx.rope = model_detail::rope_tables(positions, inv_freq);
+  if (!mla_inv_freq_.empty()) {
+    // Copied to the device once (then cached), not per forward: no copy on the step's path.
+    if (!mla_inv_freq_device_.defined() || mla_inv_freq_device_.device() != positions.device())
+      mla_inv_freq_device_ = torch::tensor(mla_inv_freq_, torch::TensorOptions().dtype(torch::kFloat64))
+                                 .to(torch::kFloat32)
+                                 .to(positions.device());
+    ctx.rope_mla = model_detail::rope_tables(positions, mla_inv_freq_device_);
+  }
   ctx.recompute_elementwise = remat_policy == "minimal" && torch::GradMode::is_enabled();
   ctx.valid = segment_ids != 0;
+  if (!one_segment_per_row) ctx.segment_ids = segment_ids;
   if (one_segment_per_row) {  // plain causal: no (B, L, L) segment mask
     ctx.allowed = compat::causal_mask(L, opts);
     return ctx;

@@ -50,6 +50,88 @@ class AttentionImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Attention);
 
+// RMSNorm over `groups` equal slices of the last dimension (the GLA output norm, GroupRMSNorm
+// of the Ling2 fork: group_norm_size is the number of groups), fp32 whatever the input dtype.
+class GroupRMSNormImpl : public torch::nn::Module {
+ public:
+  GroupRMSNormImpl(int64_t dim, int64_t groups, double eps);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor weight;  // (dim)
+ private:
+  int64_t groups_;
+  double eps_;
+};
+TORCH_MODULE(GroupRMSNorm);
+
+// Multi-head latent attention (DeepSeek-V3; the Ling2 fork's attention_mla.py), HF DeepSeek names:
+//   c_q = q_a_layernorm(x W_qa^T)                       (B, L, r_q)     [q_lora_rank > 0]
+//   q   = c_q W_qb^T  (or x W_q^T)  -> per head (q_nope, q_pe)      (nope + rope dims)
+//   [c_kv; k_pe] = x W_kva^T,  c_kv = kv_a_layernorm(c_kv)          (r_kv, rope dims)
+//   [k_nope; v] = c_kv W_kvb^T per head;  k = (k_nope, RoPE(k_pe)) with k_pe shared by every head
+//   o = softmax(s (q_nope.k_nope + RoPE(q_pe).RoPE(k_pe)), causal and same segment) v
+// s = (nope + rope)^-1/2, times (0.1 mscale ln(rope_factor) + 1)^2 when max_position_embeddings >
+// original_max_position_embeddings. RoPE pairs (2i, 2i+1) with mla_interleaved_rope.
+class MlaAttentionImpl : public torch::nn::Module {
+ public:
+  explicit MlaAttentionImpl(const Config& config);
+  // x: (B, L, D); rope: the MLA tables (qk_rope_head_dim wide); allowed as for AttentionImpl.
+  torch::Tensor forward(const torch::Tensor& x, const RopeTables& rope, const torch::Tensor& allowed);
+  torch::nn::Linear q_a_proj{nullptr};            // (r_q, D), with q_lora_rank > 0
+  RMSNorm q_a_layernorm{nullptr};                 // (r_q), with q_lora_rank > 0
+  torch::nn::Linear q_b_proj{nullptr};            // (H*(nope+rope), r_q), with q_lora_rank > 0
+  torch::nn::Linear q_proj{nullptr};              // (H*(nope+rope), D), with q_lora_rank = 0
+  torch::nn::Linear kv_a_proj_with_mqa{nullptr};  // (r_kv + rope, D)
+  RMSNorm kv_a_layernorm{nullptr};                // (r_kv)
+  torch::nn::Linear kv_b_proj{nullptr};           // (H*(nope+v), r_kv)
+  torch::nn::Linear o_proj{nullptr};              // (D, H*v)
+  double softmax_scale = 0;                       // s above
+ private:
+  int64_t num_heads_, q_lora_rank_, kv_lora_rank_, nope_dim_, rope_dim_, v_dim_;
+  bool interleaved_rope_;
+};
+TORCH_MODULE(MlaAttention);
+
+// Gated linear attention as the Ling2 fork defines it (attention_gla.py, "simple GLA" with a
+// constant per-head decay, Lightning-Attention style): per head h, for t = 1..L,
+//   S_t = exp(gamma_h) S_{t-1} + k_t^T v_t,   o_t = q_t S_t / sqrt(hd)         (S: (hd, hd))
+// with q, k after their RMSNorm (use_qk_norm) and partial RoPE, the state reset where a new
+// document (segment) begins. gamma_h = -slope_h (1 - layer / (N - 1) + 1e-5), slope_h the ALiBi
+// slopes of H heads. Then y = o_proj(g_norm(o) * sigmoid(x W_g^T)). Computed in chunks
+// (gla_attention_chunked); the token-by-token recurrence is the test oracle.
+class GlaAttentionImpl : public torch::nn::Module {
+ public:
+  GlaAttentionImpl(const Config& config, int64_t layer_index);
+  // x: (B, L, D); rope: the decoder's tables; segment_ids: (B, L), or undefined for one document per row.
+  torch::Tensor forward(const torch::Tensor& x, const RopeTables& rope, const torch::Tensor& segment_ids);
+  torch::Tensor decay(const torch::Device& device);  // (H) fp32 gamma_h, on `device`
+  torch::nn::Linear q_proj{nullptr};  // (H*hd, D)
+  torch::nn::Linear k_proj{nullptr};  // (H*hd, D)
+  torch::nn::Linear v_proj{nullptr};  // (H*hd, D)
+  torch::nn::Linear g_proj{nullptr};  // (H*hd, D): output gate
+  torch::nn::Linear o_proj{nullptr};  // (D, H*hd)
+  RMSNorm q_norm{nullptr};            // (hd), only with use_qk_norm
+  RMSNorm k_norm{nullptr};            // (hd), only with use_qk_norm
+  GroupRMSNorm g_norm{nullptr};       // (H*hd), group_norm_size groups
+ private:
+  int64_t num_heads_, head_dim_, chunk_size_;
+  bool linear_silu_;
+  std::vector<double> gamma_;  // (H) on the host
+  torch::Tensor gamma_cache_;  // (H) gamma_ on the device of the last forward
+};
+TORCH_MODULE(GlaAttention);
+
+// The GLA core in chunked parallel form. q, k: (B, H, L, dk); v: (B, H, L, dv); gamma: (H) log
+// decays (< 0); segment_ids: (B, L) with each document one contiguous run, or undefined (one
+// document per row); chunk: tokens per chunk (L need not be a multiple). Computes in fp32 (autocast
+// off) and returns (B, H, L, dv) fp32: o_t = sum over s <= t in t's document of
+// exp((t - s) gamma) (q_t . k_s) v_s / sqrt(dk).
+torch::Tensor gla_attention_chunked(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                    const torch::Tensor& gamma, const torch::Tensor& segment_ids, int64_t chunk);
+
+// ALiBi slopes of H heads (Press et al.; the Ling2 fork's build_slope_tensor): 2^(-8i/H) for
+// i = 1..H when H is a power of two, else the next power's odd-indexed slopes fill the rest.
+std::vector<double> gla_head_slopes(int64_t heads);
+
 // SwiGLU: down(silu(gate(x)) * up(x)). With one_gemm_for_gate_up, gate and up run as one GEMM
 // over their concatenated weights (model.cpp, linear_fused): right when every token passes
 // through; a routed MoE expert sees a few tokens, where copying its weights would cost more.
@@ -78,6 +160,8 @@ struct MoeLayerStats {
 // Per-forward context shared by all blocks.
 struct BlockContext {
   RopeTables rope;
+  RopeTables rope_mla;    // MLA layers' tables (qk_rope_head_dim wide, rope_type); undefined without MLA
+  torch::Tensor segment_ids;  // (B, L) int64 for GLA's document resets; undefined with one segment per row
   torch::Tensor allowed;  // (B, 1, L, L) bool: causal and same segment; for plain causal
                           // (one segment per row) (L, L) on LibTorch 1.13, undefined on 2.x
   torch::Tensor valid;    // (B, L) bool: real tokens (segment id != 0)
@@ -183,12 +267,17 @@ class MoeImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Moe);
 
+// A decoder layer: x + attn(input_layernorm(x)), then + mlp(post_attention_layernorm(.)). Its
+// attention is the one model_layer_attention gives for its index (0-based; MTP layers follow
+// the decoder layers), registered as "self_attn" whichever it is.
 class DecoderLayerImpl : public torch::nn::Module {
  public:
-  DecoderLayerImpl(const Config& config, bool use_moe);
+  DecoderLayerImpl(const Config& config, bool use_moe, int64_t layer_index);
   torch::Tensor forward(const torch::Tensor& x, const BlockContext& ctx);
   RMSNorm input_layernorm{nullptr};
-  Attention self_attn{nullptr};
+  Attention self_attn{nullptr};        // attention_type global
+  MlaAttention mla_attn{nullptr};      // attention_type mla (registered as "self_attn")
+  GlaAttention gla_attn{nullptr};      // GLA (registered as "self_attn")
   RMSNorm post_attention_layernorm{nullptr};
   Mlp mlp{nullptr};  // registered as "mlp" when dense
   Moe moe{nullptr};  // registered as "mlp" when MoE
@@ -209,7 +298,7 @@ TORCH_MODULE(SharedHead);
 
 class MtpLayerImpl : public DecoderLayerImpl {
  public:
-  explicit MtpLayerImpl(const Config& config);
+  MtpLayerImpl(const Config& config, int64_t depth);  // depth k = 1.. is layer N + k - 1
   // previous: (B, L, D) hidden of depth k-1 (pre final norm); shifted_embeddings: (B, L, D).
   torch::Tensor forward_depth(const torch::Tensor& previous, const torch::Tensor& shifted_embeddings,
                               const BlockContext& ctx);
@@ -237,6 +326,8 @@ class DecoderStackImpl : public torch::nn::Module {
  private:
   int64_t rotary_dim_;
   double rope_theta_;
+  std::vector<double> mla_inv_freq_;          // (qk_rope_head_dim / 2) MLA RoPE frequencies; empty without MLA layers
+  mutable torch::Tensor mla_inv_freq_device_;  // (qk_rope_head_dim / 2) fp32, on the device of the last forward
 };
 TORCH_MODULE(DecoderStack);
 
@@ -291,6 +382,9 @@ bool model_is_stacked_down_proj(const std::string& parameter_name);
 // they are named by those global ids.
 using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;  // also declared by ckpt.h
 NamedTensors model_checkpoint_views(const NamedTensors& by_parameter, int64_t first_expert = 0);
+
+// MLA's RoPE inverse frequencies (qk_rope_head_dim / 2), rope_type default or yarn (model.cpp).
+std::vector<double> mla_rope_inverse_frequencies(const Config& config);
 
 // Builds the model on the CPU with deterministic weights from init_weights_seed:
 // every Linear and the embedding ~ N(0, 0.02^2), norms = 1. Tensors are drawn in checkpoint

@@ -2,6 +2,7 @@
 // so a 7B config can be checked on a laptop. Formulas in docs/model.md.
 #pragma once
 #include <cstdint>
+#include <string>
 
 #include "trainer/config/config.h"
 
@@ -23,5 +24,11 @@ struct ModelSize {
 };
 
 ModelSize model_size(const Config& config);
+
+// The attention of layer `layer` (0-based; MTP depth k is layer base_num_decoder_layers + k - 1):
+// "global", "mla" or "gla". With inhomogeneous_layer_cycle_interval = N > 0 (the Ling2 fork's
+// pattern), layers with (layer + 1) % N == 0 and every MTP layer use attention_type, the rest
+// GLA; with N = 0 every layer uses attention_type.
+std::string model_layer_attention(const Config& config, int64_t layer);
 
 }  // namespace trainer

@@ -223,7 +223,8 @@ MoeImpl::MoeImpl(const Config& c)
   gate = register_module("gate", MoeGate(c.base_emb_dim, c.num_experts));
   experts = register_module("experts", MoeExperts(c.num_experts / c.expert_parallelism, c.base_emb_dim, c.base_moe_mlp_dim));
   if (c.shared_experts > 0)
-    shared_experts = register_module("shared_experts", Mlp(c.base_emb_dim, c.shared_experts * c.base_moe_mlp_dim));
+    shared_experts = register_module(
+        "shared_experts", Mlp(c.base_emb_dim, c.shared_experts * (c.moe_shared_expert_dim > 0 ? c.moe_shared_expert_dim : c.base_moe_mlp_dim)));
 }
 
 torch::Tensor MoeImpl::forward(const torch::Tensor& x, const BlockContext& ctx) {

@@ -145,7 +145,7 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   s.E = static_cast<double>(c.num_experts);
   s.k = static_cast<double>(c.num_experts_per_tok);
   s.Fm = static_cast<double>(c.base_moe_mlp_dim);
-  s.Fs = static_cast<double>(c.shared_experts * c.base_moe_mlp_dim);
+  s.Fs = static_cast<double>(c.shared_experts * (c.moe_shared_expert_dim > 0 ? c.moe_shared_expert_dim : c.base_moe_mlp_dim));
   s.f = c.partial_rotary_factor;
   const bool moe_model = c.num_experts > 1;
   const int64_t layers = c.base_num_decoder_layers;

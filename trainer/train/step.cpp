@@ -8,6 +8,7 @@
 //           + router_z_loss_weight * mean over MoE layers of the router z-loss   (moe.cpp)
 //           (sums over layers instead with moe_aux_loss_over_layers: sum, Megatron's convention)
 //   mtp_i = mtp_loss_scaling_factor * mean over depths k of (depth-k CE sum / depth-k targets)
+//           (mtp_per_layer_loss_norm: false pools instead: sum_k CE sum_k / sum_k targets_k)
 //   (aux losses are per-token-scale numbers computed on micro-batch i's tokens)
 //
 // Per-token mode (calculate_per_token_loss: true), the sum/sum objective
@@ -93,11 +94,13 @@ CrossEntropySums cross_entropy_sums(const torch::Tensor& logits, const torch::Te
 // It counts only when that token lies inside the sequence (i+k+1 < L), in the same segment as
 // position i, and targets[i+k] is unmasked: no prediction crosses a document boundary or the end
 // of the sequence, even where the main loss (Megatron-style) predicts across an EOD. Each depth
-// is a per-token mean on its own; the depths are averaged (unscaled: the caller multiplies by
-// mtp_loss_scaling_factor). Returns the (depths) losses; their mean is mtp_raw.
-torch::Tensor mtp_depth_losses(const std::vector<torch::Tensor>& mtp_logits, const MicroBatchTensors& t) {
+// is a per-token mean on its own (unscaled: the caller multiplies by mtp_loss_scaling_factor).
+// Returns the (depths) losses and, in `pooled`, the depths' CE sum over their target count
+// (mtp_per_layer_loss_norm=false; equal to the mean of the depths when they count alike).
+torch::Tensor mtp_depth_losses(const std::vector<torch::Tensor>& mtp_logits, const MicroBatchTensors& t,
+                               torch::Tensor& pooled) {
   const auto L = t.targets.size(1);
-  std::vector<torch::Tensor> depths;
+  std::vector<torch::Tensor> depths, sums, counts;
   for (size_t depth = 0; depth < mtp_logits.size(); ++depth) {
     const int64_t k = static_cast<int64_t>(depth) + 1;
     const auto in_range = torch::arange(L, t.segment_ids.options()) < L - k - 1;
@@ -106,8 +109,11 @@ torch::Tensor mtp_depth_losses(const std::vector<torch::Tensor>& mtp_logits, con
     const auto& logits = mtp_logits[depth];  // (B, L, V)
     const auto targets = t.targets.roll(-k, 1);
     const auto ce = torch::logsumexp(logits, -1) - logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1);
-    depths.push_back((ce * valid).sum() / valid.sum().clamp_min(1.0));
+    sums.push_back((ce * valid).sum());
+    counts.push_back(valid.sum());
+    depths.push_back(sums.back() / counts.back().clamp_min(1.0));
   }
+  pooled = torch::stack(sums).sum() / torch::stack(counts).sum().clamp_min(1.0);
   return torch::stack(depths);
 }
 
@@ -154,8 +160,9 @@ MicroBatchLosses micro_batch_losses(Transformer& model, const MicroBatch& batch,
   if (output.mtp_logits.empty()) {
     losses.mtp_raw = torch::zeros({}, sums.ce.options());
   } else {
-    const auto depths = mtp_depth_losses(output.mtp_logits, t);
-    losses.mtp_raw = depths.mean();
+    torch::Tensor pooled;
+    const auto depths = mtp_depth_losses(output.mtp_logits, t, pooled);
+    losses.mtp_raw = c.mtp_per_layer_loss_norm ? depths.mean() : pooled;
     losses.mtp_depths = depths.detach();
   }
   losses.mtp = c.mtp_loss_scaling_factor * losses.mtp_raw;

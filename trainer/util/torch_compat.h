@@ -74,6 +74,29 @@ inline bool autocast_is_enabled(bool cuda) {
 #endif
 }
 
+// Autocast off for a region that must compute in fp32 whatever the caller's autocast (the GLA
+// state recurrence: a bf16 state would lose the decayed history).
+struct AutocastOffGuard {
+  explicit AutocastOffGuard(bool cuda) : cuda_(cuda), prev_enabled_(autocast_is_enabled(cuda)) { set(false); }
+  ~AutocastOffGuard() { set(prev_enabled_); }
+  AutocastOffGuard(const AutocastOffGuard&) = delete;
+  AutocastOffGuard& operator=(const AutocastOffGuard&) = delete;
+
+ private:
+  void set(bool enabled) const {
+#if TRAINER_TORCH_AT_LEAST(2, 4)
+    at::autocast::set_autocast_enabled(cuda_ ? at::kCUDA : at::kCPU, enabled);
+#else
+    if (cuda_)
+      at::autocast::set_enabled(enabled);
+    else
+      at::autocast::set_cpu_enabled(enabled);
+#endif
+  }
+  bool cuda_;
+  bool prev_enabled_;
+};
+
 }  // namespace trainer::compat
 
 namespace trainer::compat {

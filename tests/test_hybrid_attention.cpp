@@ -1,0 +1,282 @@
+// The Ling2 hybrid's attention variants: GLA's chunked form against the token-by-token recurrence
+// (forward and gradients, several chunk sizes, document resets, causality), MLA against the same
+// attention computed naively per head from the expanded low-rank matrices with pairwise RoPE, the
+// layer pattern, parameter counts, and the ling2 FLOP formula against hand-derived numbers.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+
+#include "test_support.h"
+#include "trainer/model/model.h"
+
+using namespace trainer;
+using namespace trainer::testing;
+
+namespace {
+
+// The oracle: S_t = [same document as t-1] e^gamma S_{t-1} + k_t^T v_t,  o_t = q_t S_t / sqrt(dk),
+// one token at a time (float64). q, k: (B, H, L, dk); v: (B, H, L, dv); segments (B, L) or undefined.
+torch::Tensor gla_recurrent(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                            const torch::Tensor& gamma, const torch::Tensor& segments) {
+  const auto B = q.size(0), H = q.size(1), L = q.size(2), dk = q.size(3), dv = v.size(3);
+  auto state = torch::zeros({B, H, dk, dv}, q.options());
+  const auto decay = torch::exp(gamma.to(q.options())).view({1, H, 1, 1});
+  std::vector<torch::Tensor> out;
+  for (int64_t t = 0; t < L; ++t) {
+    auto carry = decay.expand({B, H, 1, 1});
+    if (segments.defined() && t > 0)
+      carry = carry * (segments.select(1, t) == segments.select(1, t - 1)).to(q.scalar_type()).view({B, 1, 1, 1});
+    if (t == 0) carry = carry * 0;
+    const auto kt = k.select(2, t).unsqueeze(-1), vt = v.select(2, t).unsqueeze(-2);  // (B, H, dk, 1), (B, H, 1, dv)
+    state = carry * state + kt * vt;
+    out.push_back(torch::matmul(q.select(2, t).unsqueeze(-2), state).squeeze(-2) / std::sqrt(static_cast<double>(dk)));
+  }
+  return torch::stack(out, 2);  // (B, H, L, dv)
+}
+
+struct GlaInputs {
+  torch::Tensor q, k, v, gamma;
+};
+
+GlaInputs gla_inputs(int64_t B, int64_t H, int64_t L, int64_t dk, int64_t dv, uint64_t seed) {
+  torch::manual_seed(seed);
+  const auto opts = torch::TensorOptions().dtype(torch::kFloat64);
+  GlaInputs in{torch::randn({B, H, L, dk}, opts), torch::randn({B, H, L, dk}, opts), torch::randn({B, H, L, dv}, opts),
+               torch::tensor(std::vector<double>{-0.7, -0.3, -0.05}, opts).narrow(0, 0, H)};
+  for (auto* t : {&in.q, &in.k, &in.v}) t->requires_grad_(true);
+  return in;
+}
+
+// Documents of lengths 5, 9, 4, ... on row 0 and 11, 2, ... on row 1 (ids 1, 2, 3...).
+torch::Tensor document_ids(int64_t B, int64_t L) {
+  auto seg = torch::zeros({B, L}, torch::kInt64);
+  const std::vector<std::vector<int64_t>> lengths = {{5, 9, 4, 3, 30}, {11, 2, 13, 40}};
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t t = 0, id = 1;
+    for (const int64_t n : lengths[static_cast<size_t>(b % 2)])
+      for (int64_t i = 0; i < n && t < L; ++i) seg[b][t++] = id, id += (i == n - 1);
+  }
+  return seg;
+}
+
+}  // namespace
+
+TEST_CASE("GLA chunked form equals the token-by-token recurrence, forward and gradients", "[model][hybrid]") {
+  const int64_t B = 2, H = 3, L = 21, dk = 4, dv = 5;
+  for (const bool documents : {false, true}) {
+    const auto seg = documents ? document_ids(B, L) : torch::Tensor();
+    auto in = gla_inputs(B, H, L, dk, dv, 11);
+    const auto want = gla_recurrent(in.q, in.k, in.v, in.gamma, seg);
+    const auto upstream = torch::randn_like(want);
+    const auto want_grads = torch::autograd::grad({want}, {in.q, in.k, in.v}, {upstream});
+    for (const int64_t chunk : {1, 4, 7, 8, 21, 64}) {  // 21 % 4 != 0, one chunk, chunk > L
+      INFO("documents " << documents << ", chunk " << chunk);
+      const auto got = gla_attention_chunked(in.q, in.k, in.v, in.gamma, seg, chunk);
+      CHECK(got.scalar_type() == torch::kFloat64);
+      CHECK((got - want).abs().max().item<double>() < 1e-10);
+      const auto grads = torch::autograd::grad({got}, {in.q, in.k, in.v}, {upstream});
+      for (int i = 0; i < 3; ++i) CHECK((grads[i] - want_grads[i]).abs().max().item<double>() < 1e-10);
+    }
+  }
+  // In fp32 (the trainer's compute) the two agree to 1e-5 as the issue asks.
+  auto in = gla_inputs(B, H, L, dk, dv, 12);
+  const auto want = gla_recurrent(in.q, in.k, in.v, in.gamma, {});
+  const auto got = gla_attention_chunked(in.q.to(torch::kFloat32), in.k.to(torch::kFloat32), in.v.to(torch::kFloat32),
+                                         in.gamma.to(torch::kFloat32), {}, 8);
+  CHECK(got.scalar_type() == torch::kFloat32);
+  CHECK((got.to(torch::kFloat64) - want).abs().max().item<double>() < 1e-5);
+}
+
+TEST_CASE("GLA: an output never depends on a later token, nor on another document", "[model][hybrid]") {
+  const int64_t B = 2, H = 2, L = 19, d = 4;
+  const auto seg = document_ids(B, L);
+  auto in = gla_inputs(B, H, L, d, d, 13);
+  torch::NoGradGuard no_grad;
+  const auto base = gla_attention_chunked(in.q, in.k, in.v, in.gamma, seg, 4);
+  for (const int64_t t : {0, 6, 13, 18}) {
+    auto k2 = in.k.clone(), v2 = in.v.clone();
+    k2.select(2, t).add_(1.0);
+    v2.select(2, t).add_(1.0);
+    const auto changed = gla_attention_chunked(in.q, k2, v2, in.gamma, seg, 4);
+    const auto moved = (changed - base).abs().amax({1, 3});  // (B, L): which outputs moved
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t s = 0; s < L; ++s) {
+        const bool may = s >= t && seg[b][s].item<int64_t>() == seg[b][t].item<int64_t>();
+        INFO("row " << b << ", token " << t << " changed, output " << s);
+        CHECK((moved[b][s].item<double>() > 1e-12) == may);
+      }
+  }
+  // Without document ids the state flows across the boundary (what the fork does): the same
+  // change at token 6 then moves outputs of row 0's next document too.
+  auto k2 = in.k.clone();
+  k2.select(2, 6).add_(1.0);
+  const auto unsegmented = gla_attention_chunked(in.q, in.k, in.v, in.gamma, {}, 4);
+  const auto moved = (gla_attention_chunked(in.q, k2, in.v, in.gamma, {}, 4) - unsegmented).abs().amax({1, 3});
+  CHECK(moved[0][15].item<double>() > 1e-12);
+}
+
+TEST_CASE("GLA head slopes are ALiBi's, and a layer's decay follows its depth", "[model][hybrid]") {
+  const auto s16 = gla_head_slopes(16);
+  REQUIRE(s16.size() == 16);
+  for (int h = 0; h < 16; ++h) CHECK(s16[h] == Approx(std::pow(2.0, -(h + 1) / 2.0)).epsilon(1e-12));
+  // 6 heads: the 4 of a power of two, then every other slope of 8 heads (2^-1, 2^-3).
+  const auto s6 = gla_head_slopes(6);
+  const std::vector<double> want6 = {0.25, 0.0625, 0.015625, 0.00390625, 0.5, 0.125};
+  REQUIRE(s6.size() == 6);
+  for (int h = 0; h < 6; ++h) CHECK(s6[h] == Approx(want6[h]).epsilon(1e-12));
+  // ling2-tiny: 5 decoder layers, so layer 2's scale is 1 - 2/4 + 1e-5.
+  const Config c = tiny_config({"model_name=ling2-tiny"});
+  GlaAttention layer2(c, 2);
+  const auto gamma = layer2->decay(torch::kCPU);
+  const auto slopes = gla_head_slopes(c.base_num_query_heads);
+  for (int h = 0; h < c.base_num_query_heads; ++h)
+    CHECK(gamma[h].item<double>() == Approx(-slopes[h] * (0.5 + 1e-5)).epsilon(1e-6));
+}
+
+TEST_CASE("MLA equals attention computed per head from the expanded low-rank matrices, with pairwise RoPE",
+          "[model][hybrid]") {
+  for (const std::string variant : {"lora", "full-rank q", "half-split rope", "mscale"}) {
+    INFO(variant);
+    std::vector<std::string> overrides = {"model_name=ling2-tiny", "override_model_config=true"};
+    if (variant == "full-rank q") overrides.push_back("q_lora_rank=0");
+    if (variant == "half-split rope") overrides.push_back("mla_interleaved_rope=false");
+    if (variant == "mscale") overrides.insert(overrides.end(), {"max_position_embeddings=65536", "mscale=0.7"});
+    const Config c = tiny_config(overrides);
+    torch::manual_seed(21);
+    MlaAttention mla(c);
+    mla->to(torch::kFloat64);
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : mla->parameters()) p.normal_(0.0, 0.3);
+    }
+    const int64_t B = 2, L = 9, D = c.base_emb_dim, H = c.base_num_query_heads;
+    const int64_t nope = c.qk_nope_head_dim, rope = c.qk_rope_head_dim, vd = c.v_head_dim;
+    const auto x = torch::randn({B, L, D}, torch::kFloat64);
+    auto positions = torch::arange(L, torch::kInt64).repeat({B, 1});
+    positions[1] = torch::arange(L, torch::kInt64) + 5;
+    auto segments = torch::ones({B, L}, torch::kInt64);
+    segments[1].narrow(0, 4, L - 4).fill_(2);
+    // The stack's context gives the MLA tables and the mask.
+    DecoderStack stack(c);
+    const auto ctx = stack->context(positions, segments, /*one_segment_per_row=*/false);
+    const auto got = mla->forward(x, ctx.rope_mla, ctx.allowed);
+
+    // Naive: expand W_q = W_qb diag-free of the norm (the norm sits between, so apply it on the latent),
+    // then per head and per pair of positions.
+    auto rms = [](const torch::Tensor& t, const torch::Tensor& w) {
+      return t * torch::rsqrt(t.pow(2).mean(-1, true) + 1e-6) * w;
+    };
+    torch::Tensor q_all;  // (B, L, H*(nope+rope))
+    if (c.q_lora_rank > 0)
+      q_all = torch::matmul(rms(torch::matmul(x, mla->q_a_proj->weight.t()), mla->q_a_layernorm->weight), mla->q_b_proj->weight.t());
+    else
+      q_all = torch::matmul(x, mla->q_proj->weight.t());
+    const auto kv_a = torch::matmul(x, mla->kv_a_proj_with_mqa->weight.t());
+    const auto latent = rms(kv_a.narrow(-1, 0, c.kv_lora_rank), mla->kv_a_layernorm->weight);  // (B, L, r)
+    const auto k_pe = kv_a.narrow(-1, c.kv_lora_rank, rope);                                   // (B, L, rope)
+    const auto Wkvb = mla->kv_b_proj->weight.view({H, nope + vd, c.kv_lora_rank});
+    auto rotate = [&](torch::Tensor t, int64_t b, int64_t i) {  // t: (rope) at position positions[b][i]
+      auto out = t.clone();
+      const double pos = static_cast<double>(positions[b][i].item<int64_t>());
+      for (int64_t p = 0; p < rope / 2; ++p) {
+        const double angle = pos * std::pow(c.rope_max_timescale, -2.0 * p / static_cast<double>(rope));
+        const int64_t a = c.mla_interleaved_rope ? 2 * p : p, z = c.mla_interleaved_rope ? 2 * p + 1 : p + rope / 2;
+        const double xa = t[a].item<double>(), xz = t[z].item<double>();
+        out[a] = xa * std::cos(angle) - xz * std::sin(angle);
+        out[z] = xz * std::cos(angle) + xa * std::sin(angle);
+      }
+      return out;
+    };
+    double scale = 1.0 / std::sqrt(static_cast<double>(nope + rope));
+    if (variant == "mscale") scale *= std::pow(0.1 * 0.7 * std::log(c.rope_factor) + 1.0, 2);
+    auto heads = torch::zeros({B, L, H, vd}, torch::kFloat64);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h) {
+        const auto Wk = Wkvb[h].narrow(0, 0, nope), Wv = Wkvb[h].narrow(0, nope, vd);  // (nope, r), (vd, r)
+        for (int64_t i = 0; i < L; ++i) {
+          const auto q = q_all[b][i].view({H, nope + rope})[h];
+          const auto q_rot = rotate(q.narrow(0, nope, rope), b, i);
+          std::vector<double> scores;
+          std::vector<int64_t> keys;
+          for (int64_t j = 0; j <= i; ++j) {
+            if (segments[b][j].item<int64_t>() != segments[b][i].item<int64_t>()) continue;
+            const auto k_nope = torch::matmul(Wk, latent[b][j]);
+            const double s = torch::dot(q.narrow(0, 0, nope), k_nope).item<double>() +
+                             torch::dot(q_rot, rotate(k_pe[b][j], b, j)).item<double>();
+            scores.push_back(s * scale), keys.push_back(j);
+          }
+          const double top = *std::max_element(scores.begin(), scores.end());
+          double total = 0;
+          for (double& s : scores) total += (s = std::exp(s - top));
+          for (size_t n = 0; n < keys.size(); ++n) heads[b][i][h] += scores[n] / total * torch::matmul(Wv, latent[b][keys[n]]);
+        }
+      }
+    const auto want = torch::matmul(heads.view({B, L, H * vd}), mla->o_proj->weight.t());
+    // 1e-6, not float64's 1e-12: the trainer's RoPE tables are fp32 (angles rounded to ~1e-7).
+    CHECK((got - want).abs().max().item<double>() < 1e-6);
+    CHECK(want.abs().max().item<double>() > 1.0);
+  }
+}
+
+TEST_CASE("the layer pattern: every 5th layer and the MTP layer use attention_type, the rest GLA", "[model][hybrid]") {
+  const Config ling2 = config_load(source_path("configs/base.yml"), {"model_name=ling2"}, {});
+  std::string pattern;
+  for (int64_t i = 0; i < ling2.base_num_decoder_layers + ling2.mtp_num_layers; ++i)
+    pattern += model_layer_attention(ling2, i) == "mla" ? 'M' : model_layer_attention(ling2, i) == "gla" ? 'G' : '?';
+  CHECK(pattern == "GGGGMGGGGMGGGGMGGGGM" "M");
+  auto model = model_build(tiny_config({"model_name=ling2-tiny"}));
+  const auto params = model->named_parameters();
+  CHECK(params.contains("model.layers.0.self_attn.g_proj.weight"));
+  CHECK(params.contains("model.layers.0.self_attn.g_norm.weight"));
+  CHECK(params.contains("model.layers.0.mlp.down_proj.weight"));  // dense first layer
+  CHECK(params.contains("model.layers.4.self_attn.kv_b_proj.weight"));
+  CHECK(params.contains("model.layers.5.self_attn.q_a_layernorm.weight"));  // MTP: MLA
+  CHECK(params.contains("model.layers.4.mlp.shared_experts.up_proj.weight"));
+  CHECK(params["model.layers.4.mlp.shared_experts.up_proj.weight"].size(0) == 48);  // moe_shared_expert_dim
+  CHECK_FALSE(params.contains("model.layers.3.self_attn.kv_b_proj.weight"));
+  // GLA needs as many key/value heads as query heads; GLA in MTP layers is refused.
+  CHECK_THROWS_WITH(tiny_config({"model_name=ling2-tiny", "override_model_config=true", "base_num_kv_heads=2"}),
+                    Catch::Contains("GLA layers need base_num_kv_heads"));
+  CHECK_THROWS_WITH(tiny_config({"model_name=ling2-tiny", "override_model_config=true", "attention_type=gla",
+                                 "inhomogeneous_layer_cycle_interval=0"}),
+                    Catch::Contains("MTP layers use full attention"));
+  CHECK_THROWS_WITH(tiny_config({"model_name=ling2-tiny", "override_model_config=true", "group_norm_size=3"}),
+                    Catch::Contains("group_norm_size (3)"));
+}
+
+TEST_CASE("ling2 parameter count and FLOPs match numbers derived by hand from the fork's formulas", "[model][hybrid]") {
+  for (const std::string model : {"ling2-tiny", "ling2"}) {
+    INFO(model);
+    const Config c = tiny_config({"model_name=" + model, "max_target_length=4096", "per_device_batch_size=1"});
+    const auto size = model_size(c);
+    if (model == "ling2-tiny") {  // the built model's tensors, counted
+      auto built = model_build(c);
+      int64_t numel = 0;
+      for (const auto& p : built->parameters()) numel += p.numel();
+      CHECK(numel == size.total_params);
+      continue;
+    }
+    // ling2 by hand (D 2048, H 16, hd 128, V 157184, 20 layers: 16 GLA + 4 MLA, 1 dense + 19 MoE, 1 MTP).
+    const double D = 2048, V = 157184;
+    const double gla = 5 * D * 2048 + 2 * 128 + 2048;                                        // q k v g o, q/k norm, g_norm
+    const double mla = D * 256 + 256 + 256 * 16 * 192 + D * 576 + 512 + 512 * 16 * 256 + 16 * 128 * D;
+    const double moe = 256 * D + 256 * 3 * D * 512 + 3 * D * 2048;                           // router, experts, shared
+    const double layer_norms = 2 * D;
+    const double decoder = 16 * gla + 4 * mla + 20 * layer_norms + 3 * D * 5120 + 19 * moe;
+    const double mtp = 2 * D + 2 * D * D + mla + layer_norms + moe + D;                      // e/hnorm, eh_proj, block, head norm
+    CHECK(static_cast<double>(size.total_params) == 2 * V * D + decoder + D + mtp);
+    // FLOPs per step (T = 4096 tokens): the fork's calculate_tflops_training_per_device, ling2 branch.
+    const double T = 4096, L = 4096;
+    const double ffn_moe = 2 * T * D * 256 + 2 * T * 2048 * D * 3 + 8 * 2 * T * 512 * D * 3;
+    const double ffn = 2 * T * 5120 * D * 3 + 19 * ffn_moe;
+    const double mla_w = 2 * T * (D * 256 + 256 * 16 * 192) + 2 * T * (D * 576 + 512 * 16 * 256) + 2 * T * D * 16 * 128;
+    const double mla_attn = 2 * T * L * 16 * (192 + 128) / 2;
+    const double gla_w = 2 * T * D * 48 * 128 + 2 * T * 16 * 128 * D + 2 * T * D * 16 * 128;
+    const double gla_attn = 2 * T * 16 * 64 * 256 + 4 * T * 16 * 128 * 128;
+    const double embed = 2 * T * D * V;
+    const double weights = ffn + embed + 4 * mla_w + 16 * gla_w + (mla_w + ffn_moe + 2 * T * 2 * D * D + embed);
+    const double attention = 4 * mla_attn + 16 * gla_attn + mla_attn;
+    CHECK(size.learnable_weight_flops == Approx(3 * weights).epsilon(1e-12));
+    CHECK(size.attention_flops == Approx(3 * attention).epsilon(1e-12));
+  }
+}
