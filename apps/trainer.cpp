@@ -143,6 +143,10 @@ int main(int argc, char** argv) {
   app.add_option("--dump-logits", dump_logits_path,
                  "write the model's fp32 logits for --dump-logits-tokens to PATH (safetensors) and exit");
   app.add_option("--dump-logits-tokens", dump_logits_tokens, "token ids for --dump-logits, e.g. 1,5,9");
+  bool dump_gradients = false;
+  app.add_flag("--dump-gradients", dump_gradients,
+               "with --dump-logits: also write \"loss\" (next-token cross-entropy of those tokens, main head) and "
+               "\"grad.<name>\", its gradient for every weight (one process)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -174,11 +178,12 @@ int main(int argc, char** argv) {
     }
     std::vector<int64_t> logits_tokens;
     if (!dump_logits_path.empty()) logits_tokens = parse_token_list(dump_logits_tokens, config.vocab_size);
+    if (dump_gradients && dump_logits_path.empty()) throw trainer::config_error("--dump-gradients needs --dump-logits PATH");
     trainer::Trainer trainer(config);
     if (!export_hf_dir.empty() || !dump_logits_path.empty()) {
       const int64_t step = trainer.load_initial_state();
       if (!dump_logits_path.empty()) {
-        const auto logits = trainer.logits_for(logits_tokens);
+        const auto logits = trainer.logits_for(logits_tokens, dump_gradients);
         if (trainer.communicator().rank() == 0) trainer::checkpoint_write_tensors(dump_logits_path, logits);
         spdlog::info("wrote the logits of {} tokens at step {} to {}", logits_tokens.size(), step, dump_logits_path);
       }

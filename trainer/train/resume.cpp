@@ -418,8 +418,8 @@ void Trainer::export_hf(const std::string& dir, int64_t max_shard_bytes, torch::
   hf_write_directory(dir, config_json, hf_tensors_from_checkpoint(config_, c.model), max_shard_bytes, dtype);
 }
 
-NamedTensors Trainer::logits_for(const std::vector<int64_t>& tokens) {
-  torch::NoGradGuard no_grad;
+NamedTensors Trainer::logits_for(const std::vector<int64_t>& tokens, bool with_gradients) {
+  torch::AutoGradMode record(with_gradients);
   const auto length = static_cast<int64_t>(tokens.size());
   const auto row = torch::tensor(tokens, torch::kInt64).reshape({1, length}).to(device_);  // (1, L)
   const auto positions = torch::arange(length, torch::kInt64).reshape({1, length}).to(device_);
@@ -430,9 +430,28 @@ NamedTensors Trainer::logits_for(const std::vector<int64_t>& tokens) {
     compat::AutocastGuard autocast(config_.dtype == "bfloat16", device_.is_cuda());
     out = model_->forward(row, positions, segments, /*one_segment_per_row=*/true);
   }
-  NamedTensors named{{"logits", out.logits[0].to(torch::kCPU, torch::kFloat32).contiguous()}};  // (L, V)
-  for (size_t k = 0; k < out.mtp_logits.size(); ++k)
-    named.emplace_back("mtp_logits." + std::to_string(k + 1), out.mtp_logits[k][0].to(torch::kCPU, torch::kFloat32).contiguous());
+  const auto host = [](const torch::Tensor& t) { return t.detach().to(torch::kCPU, torch::kFloat32).contiguous(); };
+  NamedTensors named{{"logits", host(out.logits[0])}};  // (L, V)
+  for (size_t k = 0; k < out.mtp_logits.size(); ++k) named.emplace_back("mtp_logits." + std::to_string(k + 1), host(out.mtp_logits[k][0]));
+  if (!with_gradients) return named;
+  if (length < 2) throw config_error("--dump-gradients needs at least 2 tokens (the loss predicts token i+1 from i)");
+  if (comm_->world_size() > 1)
+    throw config_error("--dump-gradients runs in one process (this run has " + std::to_string(comm_->world_size()) + " ranks)");
+  const auto logits = out.logits[0].narrow(0, 0, length - 1);  // (L-1, V)
+  const auto loss = torch::nn::functional::cross_entropy(logits, row[0].narrow(0, 1, length - 1));
+  NamedTensors parameters;
+  std::vector<torch::Tensor> leaves;
+  for (const auto& item : model_->named_parameters()) {
+    parameters.emplace_back(item.key(), item.value());
+    leaves.push_back(item.value());
+  }
+  const auto grads = torch::autograd::grad({loss}, leaves, {}, /*retain_graph=*/false, /*create_graph=*/false, /*allow_unused=*/true);
+  NamedTensors by_parameter;
+  for (size_t i = 0; i < parameters.size(); ++i)
+    by_parameter.emplace_back(parameters[i].first, grads[i].defined() ? host(grads[i]) : torch::zeros_like(host(parameters[i].second)));
+  named.emplace_back("loss", host(loss).reshape({1}));
+  for (const auto& [name, grad] : model_checkpoint_views(by_parameter))
+    named.emplace_back("grad." + name, grad.contiguous());
   return named;
 }
 

@@ -110,10 +110,13 @@ class Trainer {
   // sharded safetensors in `dtype`, fp32 or bf16). Every rank calls it (a collective with ZeRO-1 or
   // expert parallelism); rank 0 writes. Throws config_error when the model has no HF architecture.
   void export_hf(const std::string& dir, int64_t max_shard_bytes, torch::ScalarType dtype);
-  // The model's fp32 logits for one sequence (positions 0.., one document), without gradients:
+  // The model's fp32 logits for one sequence (positions 0.., one document):
   // {"logits": (L, V)} and, with MTP, {"mtp_logits.k": (L, V)} for each depth k. Every rank calls it
   // with the same tokens under expert parallelism.
-  NamedTensors logits_for(const std::vector<int64_t>& tokens);
+  // with_gradients: also "loss" (1) = mean over i < L-1 of the cross-entropy of logits[i] against
+  // tokens[i+1] (main head only), and "grad.<checkpoint name>" = its gradient for every tensor,
+  // for checking against an independent reference (tests/ling2_reference.py).
+  NamedTensors logits_for(const std::vector<int64_t>& tokens, bool with_gradients = false);
   // Forward-only evaluation on `eval_steps` global batches of the validation split (the
   // `index`-th evaluation reads the next batches): {eval/lm_loss (token mean), eval/perplexity}.
   MetricValues evaluate(int64_t index);
