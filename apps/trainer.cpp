@@ -5,6 +5,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -40,12 +41,20 @@ void print_dry_run(const trainer::Config& c) {
   std::printf("  embedding and output head: %lld\n", static_cast<long long>(s.embedding_params));
   std::printf("  active non-embedding%s: %lld\n", s.mtp_params > 0 ? " without MTP" : "",
               static_cast<long long>(s.active_params - s.mtp_active_params - s.embedding_params));
-  if (c.num_experts <= 1)
+  if (c.num_experts <= 1 && c.attention_type == "global" && c.inhomogeneous_layer_cycle_interval == 0)
     std::printf("  per decoder layer: %lld x %lld layers\n", static_cast<long long>(s.per_layer_params),
                 static_cast<long long>(c.base_num_decoder_layers));
+  if (c.attention_type != "global" || c.inhomogeneous_layer_cycle_interval > 0) {
+    std::map<std::string, int64_t> kinds;  // decoder layers by attention
+    for (int64_t i = 0; i < c.base_num_decoder_layers; ++i) ++kinds[trainer::model_layer_attention(c, i)];
+    std::string text;
+    for (const auto& [kind, n] : kinds) text += (text.empty() ? "" : ", ") + std::to_string(n) + " " + kind;
+    if (c.mtp_num_layers > 0) text += "; MTP layers: " + trainer::model_layer_attention(c, c.base_num_decoder_layers);
+    std::printf("  attention by decoder layer: %s (formulas: docs/model.md)\n", text.c_str());
+  }
   std::printf("training FLOPs per step per device: %.6e (%.3f TFLOP)\n", s.flops_per_step_per_device,
               s.flops_per_step_per_device / 1e12);
-  std::printf("  learnable weights: %.6e, causal attention: %.6e\n", s.learnable_weight_flops,
+  std::printf("  learnable weights: %.6e, attention (QK^T and AV, causal at half; GLA: its chunked core): %.6e\n", s.learnable_weight_flops,
               s.attention_flops);
   std::printf("global batch: %lld sequences x %lld tokens\n", static_cast<long long>(c.global_batch_size),
               static_cast<long long>(c.max_target_length));
