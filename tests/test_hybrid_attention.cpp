@@ -9,6 +9,7 @@
 
 #include "test_numerics.h"
 #include "test_support.h"
+#include "trainer/config/hf_config.h"
 #include "trainer/model/model.h"
 #include "trainer/train/train.h"
 #include "trainer/util/torch_compat.h"
@@ -246,6 +247,9 @@ TEST_CASE("the layer pattern: every 5th layer and the MTP layer use attention_ty
                     Catch::Contains("MTP layers use full attention"));
   CHECK_THROWS_WITH(tiny_config({"model_name=ling2-tiny", "override_model_config=true", "group_norm_size=3"}),
                     Catch::Contains("group_norm_size (3)"));
+  // No Hugging Face architecture holds MLA/GLA layers: --export-hf refuses, naming the key.
+  CHECK_THROWS_WITH(hf_architecture(tiny_config({"model_name=ling2-tiny"})),
+                    Catch::Contains("attention_type=mla") && Catch::Contains("--export-safetensors"));
 }
 
 TEST_CASE("ling2 parameter count and FLOPs match numbers derived by hand from the fork's formulas", "[model][hybrid]") {

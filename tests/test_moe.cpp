@@ -34,9 +34,10 @@ double relative_difference(const torch::Tensor& a, const torch::Tensor& b) {
 
 // Independent MTP: loops over positions. Depth k at i predicts input token i+k+1 = targets[i+k]
 // when i+k+1 < L, that token is in the segment of position i, and targets[i+k] is unmasked.
-// Per-depth per-token mean, averaged over depths.
-double reference_mtp_raw(const std::vector<torch::Tensor>& depth_logits, const MicroBatch& b) {
-  double total = 0;
+// Per-depth per-token mean, averaged over depths; pooled (mtp_per_layer_loss_norm=false): all
+// depths' CE over all their targets.
+double reference_mtp_raw(const std::vector<torch::Tensor>& depth_logits, const MicroBatch& b, bool pooled = false) {
+  double total = 0, pooled_sum = 0, pooled_count = 0;
   for (size_t d = 0; d < depth_logits.size(); ++d) {
     const int64_t k = static_cast<int64_t>(d) + 1;
     const auto logp = torch::log_softmax(depth_logits[d].to(torch::kFloat64), -1);
@@ -49,8 +50,9 @@ double reference_mtp_raw(const std::vector<torch::Tensor>& depth_logits, const M
         count += 1;
       }
     total += sum / std::max(count, 1.0);
+    pooled_sum += sum, pooled_count += count;
   }
-  return total / static_cast<double>(depth_logits.size());
+  return pooled ? pooled_sum / std::max(pooled_count, 1.0) : total / static_cast<double>(depth_logits.size());
 }
 
 // Expert e of a MoE layer on rows x (n, D), computed here from its stacked weights.
@@ -210,6 +212,25 @@ TEST_CASE("reported aux terms are the terms of J, recomputed per micro-batch in 
       CHECK(metric(t, out, "learning/mtp_loss") == Approx(per_token ? mtp_weighted / W : mtp_sum / 4).epsilon(1e-5));
       CHECK(metric(t, out, "megatron/load_balancing_loss") == Approx(balance_mean_sum / 4).epsilon(1e-5));
     }
+}
+
+TEST_CASE("mtp_per_layer_loss_norm=false pools the depths: their CE sum over their target count", "[moe][mtp]") {
+  // Depth k has fewer targets than depth k-1 (k more positions fall off the end of each
+  // document), so the pooled value and the mean of per-depth means differ, and the check can fail.
+  double values[2] = {0, 0};
+  for (const bool per_layer : {true, false}) {
+    Trainer t(tiny_config(moe_opts({"mtp_num_layers=3", "per_device_batch_size=2", "max_target_length=12",
+                                    std::string("mtp_per_layer_loss_norm=") + (per_layer ? "true" : "false")})));
+    const auto out = t.forward_backward(0);
+    const MicroBatch b = t.data().data_loader_next(0, 0);
+    torch::NoGradGuard no_grad;
+    const auto output = t.model()->forward(as_tensor(b.inputs, b), as_tensor(b.positions, b), as_tensor(b.segment_ids, b));
+    INFO("mtp_per_layer_loss_norm=" << per_layer);
+    const double got = metric(t, out, "learning/mtp_loss_raw");
+    CHECK(got == Approx(reference_mtp_raw(output.mtp_logits, b, /*pooled=*/!per_layer)).epsilon(1e-6));
+    values[per_layer ? 0 : 1] = got;
+  }
+  CHECK(std::abs(values[0] - values[1]) > 1e-5);
 }
 
 TEST_CASE("load-balancing loss of a crafted router equals the hand-computed value", "[moe]") {
