@@ -5,6 +5,7 @@
 // ling2-tiny in training: finite-difference gradients, GA invariance, bf16.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 
 #include "test_numerics.h"
@@ -384,4 +385,28 @@ TEST_CASE("ling2-tiny under bf16 autocast: the GLA state stays fp32, the loss is
   compat::AutocastGuard autocast(true, false);
   const auto o = gla_attention_chunked(q, q, q, torch::tensor({-0.5f, -0.1f}), {}, 4);
   CHECK(o.scalar_type() == torch::kFloat32);
+}
+
+TEST_CASE("YaRN frequencies for MLA: kept above the fast boundary, divided by rope_factor below the slow one",
+          "[model][hybrid]") {
+  // Ling2's numbers (rope dims 64, theta 10000, factor 32, original context 4096, beta 32 / 1):
+  // the correction dims are 64 ln(4096 / (2 pi 32)) / (2 ln 10000) = 10.47 and
+  // 64 ln(4096 / (2 pi)) / (2 ln 10000) = 22.51, so low = 10 and high = 23 (MaxText's values).
+  const Config yarn = tiny_config({"model_name=ling2", "override_model_config=true", "rope_type=yarn"});
+  const Config plain = tiny_config({"model_name=ling2"});
+  const auto f = mla_rope_inverse_frequencies(yarn), base = mla_rope_inverse_frequencies(plain);
+  REQUIRE(f.size() == 32);
+  for (int i = 0; i < 32; ++i) {
+    INFO("dim pair " << i);
+    CHECK(base[i] == Approx(std::pow(10000.0, -2.0 * i / 64)).epsilon(1e-12));
+    const double ramp = std::clamp((i - 10.0) / 13.0, 0.0, 1.0);  // 0 below low, 1 above high
+    CHECK(f[i] == Approx(base[i] * (1 - ramp) + base[i] / 32 * ramp).epsilon(1e-12));
+  }
+  CHECK(f[5] == base[5]);
+  CHECK(f[31] == Approx(base[31] / 32).epsilon(1e-12));
+  // The softmax mscale: on only when the context is extended past the original.
+  CHECK(MlaAttention(plain)->softmax_scale == Approx(1.0 / std::sqrt(192.0)).epsilon(1e-12));
+  const Config extended = tiny_config({"model_name=ling2", "override_model_config=true", "max_position_embeddings=131072"});
+  const double m = 0.1 * std::log(32.0) + 1.0;
+  CHECK(MlaAttention(extended)->softmax_scale == Approx(m * m / std::sqrt(192.0)).epsilon(1e-12));
 }
