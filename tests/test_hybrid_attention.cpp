@@ -77,7 +77,7 @@ TEST_CASE("GLA chunked form equals the token-by-token recurrence, forward and gr
     const auto want_grads = torch::autograd::grad({want}, {in.q, in.k, in.v}, {upstream});
     for (const int64_t chunk : {1, 4, 7, 8, 21, 64}) {  // 21 % 4 != 0, one chunk, chunk > L
       INFO("documents " << documents << ", chunk " << chunk);
-      const auto got = gla_attention_chunked(in.q, in.k, in.v, in.gamma, seg, chunk);
+      const auto got = model_gla_attention_chunked(in.q, in.k, in.v, in.gamma, seg, chunk);
       CHECK(got.scalar_type() == torch::kFloat64);
       CHECK((got - want).abs().max().item<double>() < 1e-10);
       const auto grads = torch::autograd::grad({got}, {in.q, in.k, in.v}, {upstream});
@@ -87,7 +87,7 @@ TEST_CASE("GLA chunked form equals the token-by-token recurrence, forward and gr
   // In fp32 (the trainer's compute) the two agree to 1e-5 as the issue asks.
   auto in = gla_inputs(B, H, L, dk, dv, 12);
   const auto want = gla_recurrent(in.q, in.k, in.v, in.gamma, {});
-  const auto got = gla_attention_chunked(in.q.to(torch::kFloat32), in.k.to(torch::kFloat32), in.v.to(torch::kFloat32),
+  const auto got = model_gla_attention_chunked(in.q.to(torch::kFloat32), in.k.to(torch::kFloat32), in.v.to(torch::kFloat32),
                                          in.gamma.to(torch::kFloat32), {}, 8);
   CHECK(got.scalar_type() == torch::kFloat32);
   CHECK((got.to(torch::kFloat64) - want).abs().max().item<double>() < 1e-5);
@@ -98,12 +98,12 @@ TEST_CASE("GLA: an output never depends on a later token, nor on another documen
   const auto seg = document_ids(B, L);
   auto in = gla_inputs(B, H, L, d, d, 13);
   torch::NoGradGuard no_grad;
-  const auto base = gla_attention_chunked(in.q, in.k, in.v, in.gamma, seg, 4);
+  const auto base = model_gla_attention_chunked(in.q, in.k, in.v, in.gamma, seg, 4);
   for (const int64_t t : {0, 6, 13, 18}) {
     auto k2 = in.k.clone(), v2 = in.v.clone();
     k2.select(2, t).add_(1.0);
     v2.select(2, t).add_(1.0);
-    const auto changed = gla_attention_chunked(in.q, k2, v2, in.gamma, seg, 4);
+    const auto changed = model_gla_attention_chunked(in.q, k2, v2, in.gamma, seg, 4);
     const auto moved = (changed - base).abs().amax({1, 3});  // (B, L): which outputs moved
     for (int64_t b = 0; b < B; ++b)
       for (int64_t s = 0; s < L; ++s) {
@@ -116,17 +116,17 @@ TEST_CASE("GLA: an output never depends on a later token, nor on another documen
   // change at token 6 then moves outputs of row 0's next document too.
   auto k2 = in.k.clone();
   k2.select(2, 6).add_(1.0);
-  const auto unsegmented = gla_attention_chunked(in.q, in.k, in.v, in.gamma, {}, 4);
-  const auto moved = (gla_attention_chunked(in.q, k2, in.v, in.gamma, {}, 4) - unsegmented).abs().amax({1, 3});
+  const auto unsegmented = model_gla_attention_chunked(in.q, in.k, in.v, in.gamma, {}, 4);
+  const auto moved = (model_gla_attention_chunked(in.q, k2, in.v, in.gamma, {}, 4) - unsegmented).abs().amax({1, 3});
   CHECK(moved[0][15].item<double>() > 1e-12);
 }
 
 TEST_CASE("GLA head slopes are ALiBi's, and a layer's decay follows its depth", "[model][hybrid]") {
-  const auto s16 = gla_head_slopes(16);
+  const auto s16 = model_gla_head_slopes(16);
   REQUIRE(s16.size() == 16);
   for (int h = 0; h < 16; ++h) CHECK(s16[h] == Approx(std::pow(2.0, -(h + 1) / 2.0)).epsilon(1e-12));
   // 6 heads: the 4 of a power of two, then every other slope of 8 heads (2^-1, 2^-3).
-  const auto s6 = gla_head_slopes(6);
+  const auto s6 = model_gla_head_slopes(6);
   const std::vector<double> want6 = {0.25, 0.0625, 0.015625, 0.00390625, 0.5, 0.125};
   REQUIRE(s6.size() == 6);
   for (int h = 0; h < 6; ++h) CHECK(s6[h] == Approx(want6[h]).epsilon(1e-12));
@@ -134,7 +134,7 @@ TEST_CASE("GLA head slopes are ALiBi's, and a layer's decay follows its depth", 
   const Config c = tiny_config({"model_name=ling2-tiny"});
   GlaAttention layer2(c, 2);
   const auto gamma = layer2->decay(torch::kCPU);
-  const auto slopes = gla_head_slopes(c.base_num_query_heads);
+  const auto slopes = model_gla_head_slopes(c.base_num_query_heads);
   for (int h = 0; h < c.base_num_query_heads; ++h)
     CHECK(gamma[h].item<double>() == Approx(-slopes[h] * (0.5 + 1e-5)).epsilon(1e-6));
 }
@@ -248,6 +248,10 @@ TEST_CASE("the layer pattern: every 5th layer and the MTP layer use attention_ty
                     Catch::Contains("MTP layers use full attention"));
   CHECK_THROWS_WITH(tiny_config({"model_name=ling2-tiny", "override_model_config=true", "group_norm_size=3"}),
                     Catch::Contains("group_norm_size (3)"));
+  CHECK_THROWS_WITH(tiny_config({"model_name=ling2-tiny", "override_model_config=true", "inhomogeneous_layer_cycle_interval=1",
+                                 "base_num_kv_heads=2"}),
+                    Catch::Contains("MLA layers give every query head its own key and value"));
+  CHECK_THROWS_WITH(tiny_config({"rope_type=yarn"}), Catch::Contains("rope_type=yarn applies to MLA layers only"));
   // No Hugging Face architecture holds MLA/GLA layers: --export-hf refuses, naming the key.
   CHECK_THROWS_WITH(hf_architecture(tiny_config({"model_name=ling2-tiny"})),
                     Catch::Contains("attention_type=mla") && Catch::Contains("--export-safetensors"));
@@ -308,10 +312,14 @@ torch::Tensor batch_tensor(const std::vector<int64_t>& v, const MicroBatch& b) {
 TEST_CASE("ling2-tiny gradients of GLA, MLA and the shared expert equal finite differences of the objective",
           "[model][hybrid][training]") {
   // lm_loss only (no aux terms): J = sum CE / W over 2 micro-batches, recomputed in float64 from the
-  // model's logits. Padding makes every row two segments, so GLA runs its document-reset path.
+  // model's logits. Padding makes a row two segments, so GLA runs its document-reset path.
   Trainer t(tiny_config(ling2_tiny({"mtp_loss_scaling_factor=0", "router_z_loss_weight=0", "gradient_accumulation_steps=2",
                                     "per_device_batch_size=2"})));
   t.forward_backward(0);
+  bool padded = false;  // the reset path runs only where a row holds padding (segment 0)
+  for (int64_t m = 0; m < 2; ++m)
+    for (const int64_t id : t.data().data_loader_next(0, m).segment_ids) padded = padded || id == 0;
+  REQUIRE(padded);
   auto model64 = float64_copy(t);
   auto objective = [&] {
     torch::NoGradGuard no_grad;
@@ -383,7 +391,7 @@ TEST_CASE("ling2-tiny under bf16 autocast: the GLA state stays fp32, the loss is
   torch::manual_seed(5);
   const auto q = torch::randn({1, 2, 12, 4}).to(torch::kBFloat16);
   compat::AutocastGuard autocast(true, false);
-  const auto o = gla_attention_chunked(q, q, q, torch::tensor({-0.5f, -0.1f}), {}, 4);
+  const auto o = model_gla_attention_chunked(q, q, q, torch::tensor({-0.5f, -0.1f}), {}, 4);
   CHECK(o.scalar_type() == torch::kFloat32);
 }
 
@@ -394,7 +402,7 @@ TEST_CASE("YaRN frequencies for MLA: kept above the fast boundary, divided by ro
   // 64 ln(4096 / (2 pi)) / (2 ln 10000) = 22.51, so low = 10 and high = 23 (MaxText's values).
   const Config yarn = tiny_config({"model_name=ling2", "override_model_config=true", "rope_type=yarn"});
   const Config plain = tiny_config({"model_name=ling2"});
-  const auto f = mla_rope_inverse_frequencies(yarn), base = mla_rope_inverse_frequencies(plain);
+  const auto f = model_mla_rope_inverse_frequencies(yarn), base = model_mla_rope_inverse_frequencies(plain);
   REQUIRE(f.size() == 32);
   for (int i = 0; i < 32; ++i) {
     INFO("dim pair " << i);
@@ -409,4 +417,25 @@ TEST_CASE("YaRN frequencies for MLA: kept above the fast boundary, divided by ro
   const Config extended = tiny_config({"model_name=ling2", "override_model_config=true", "max_position_embeddings=131072"});
   const double m = 0.1 * std::log(32.0) + 1.0;
   CHECK(MlaAttention(extended)->softmax_scale == Approx(m * m / std::sqrt(192.0)).epsilon(1e-12));
+}
+
+TEST_CASE("gla_reset_at_documents=false lets the GLA state run across packed documents, as the fork", "[model][hybrid]") {
+  const int64_t B = 2, L = 19;
+  const auto seg = document_ids(B, L);
+  auto positions = torch::arange(L, torch::kInt64).repeat({B, 1});
+  torch::manual_seed(17);
+  const auto x = torch::randn({B, L, 64});
+  for (const bool reset : {true, false}) {
+    INFO("gla_reset_at_documents=" << reset);
+    const Config c = tiny_config({"model_name=ling2-tiny", "override_model_config=true",
+                                  std::string("gla_reset_at_documents=") + (reset ? "true" : "false")});
+    torch::manual_seed(3);
+    GlaAttention gla(c, 1);
+    DecoderStack stack(c);
+    torch::NoGradGuard no_grad;
+    const auto ctx = stack->context(positions, seg, /*one_segment_per_row=*/false);
+    const auto with_documents = gla->forward(x, ctx.rope, seg);
+    const auto one_document = gla->forward(x, ctx.rope, torch::Tensor());
+    CHECK(torch::allclose(with_documents, one_document, 1e-6, 1e-6) == !reset);
+  }
 }

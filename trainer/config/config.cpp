@@ -184,6 +184,11 @@ std::vector<std::string> validation_errors(const Config& c) {
     positive(c.original_max_position_embeddings, "original_max_position_embeddings");
     if (c.rope_type == "yarn")
       require(c.beta_fast > c.beta_slow && c.beta_slow > 0, "rope_type=yarn needs beta_fast > beta_slow > 0");
+    require(c.base_num_kv_heads == c.base_num_query_heads,
+            "MLA layers give every query head its own key and value: base_num_kv_heads (" + std::to_string(c.base_num_kv_heads) +
+                ") must equal base_num_query_heads (" + std::to_string(c.base_num_query_heads) + ")");
+  } else {
+    require(c.rope_type == "default", "rope_type=" + c.rope_type + " applies to MLA layers only (attention_type=" + c.attention_type + ")");
   }
   if (any_gla) {
     require(c.base_num_kv_heads == c.base_num_query_heads,

@@ -70,6 +70,7 @@ using StringList = std::vector<std::string>;
   X(int64_t, gla_chunk_size)                      \
   X(bool, use_linear_silu)                        \
   X(int64_t, group_norm_size)                     \
+  X(bool, gla_reset_at_documents)                 \
   X(bool, logits_via_embedding)                   \
   X(std::string, dtype)                           \
   X(int64_t, init_weights_seed)                   \

@@ -98,7 +98,7 @@ torch::Tensor MlaAttentionImpl::forward(const torch::Tensor& x, const RopeTables
 
 // ---------------------------------------------------------------------------------------- GLA
 
-std::vector<double> gla_head_slopes(int64_t heads) {
+std::vector<double> model_gla_head_slopes(int64_t heads) {
   const auto power_of_two = [](int64_t n) {
     const double start = std::pow(2.0, -std::pow(2.0, -(std::log2(static_cast<double>(n)) - 3)));
     std::vector<double> out;
@@ -109,7 +109,7 @@ std::vector<double> gla_head_slopes(int64_t heads) {
   if (std::floor(log2n) == log2n) return power_of_two(heads);
   const int64_t closest = int64_t{1} << static_cast<int64_t>(std::floor(log2n));
   auto out = power_of_two(closest);
-  const auto wider = gla_head_slopes(2 * closest);
+  const auto wider = model_gla_head_slopes(2 * closest);
   for (int64_t i = 0; static_cast<int64_t>(out.size()) < heads; i += 2) out.push_back(wider[i]);
   return out;
 }
@@ -118,7 +118,8 @@ GlaAttentionImpl::GlaAttentionImpl(const Config& c, int64_t layer_index)
     : num_heads_(c.base_num_query_heads),
       head_dim_(c.head_dim),
       chunk_size_(c.gla_chunk_size),
-      linear_silu_(c.use_linear_silu) {
+      linear_silu_(c.use_linear_silu),
+      reset_at_documents_(c.gla_reset_at_documents) {
   const int64_t D = c.base_emb_dim, width = num_heads_ * head_dim_;
   q_proj = register_module("q_proj", linear(D, width));
   k_proj = register_module("k_proj", linear(D, width));
@@ -132,7 +133,7 @@ GlaAttentionImpl::GlaAttentionImpl(const Config& c, int64_t layer_index)
   g_norm = register_module("g_norm", GroupRMSNorm(width, c.group_norm_size, c.normalization_layer_epsilon));
   // Deeper layers decay more slowly (remember further back); the last layer nearly not at all.
   const double depth = static_cast<double>(layer_index) / static_cast<double>(std::max<int64_t>(c.base_num_decoder_layers - 1, 1));
-  for (const double slope : gla_head_slopes(num_heads_)) gamma_.push_back(-slope * (1.0 - depth + 1e-5));
+  for (const double slope : model_gla_head_slopes(num_heads_)) gamma_.push_back(-slope * (1.0 - depth + 1e-5));
 }
 
 torch::Tensor GlaAttentionImpl::decay(const torch::Device& device) {
@@ -155,7 +156,8 @@ torch::Tensor GlaAttentionImpl::forward(const torch::Tensor& x, const RopeTables
   const auto cos = rope.cos.to(q.scalar_type()), sin_signed = rope.sin_signed.to(q.scalar_type());
   q = apply_rope(q.transpose(1, 2), cos, sin_signed);  // (B, H, L, hd)
   k = apply_rope(k.transpose(1, 2), cos, sin_signed);  // (B, H, L, hd)
-  const auto o = gla_attention_chunked(q, k, v, decay(x.device()), segment_ids, chunk_size_).to(q.scalar_type());  // (B, H, L, hd)
+  const auto documents = reset_at_documents_ ? segment_ids : torch::Tensor();
+  const auto o = model_gla_attention_chunked(q, k, v, decay(x.device()), documents, chunk_size_).to(q.scalar_type());  // (B, H, L, hd)
   const auto normed = g_norm(o.transpose(1, 2).reshape({B, L, width}));  // (B, L, H hd)
   return o_proj(normed * torch::sigmoid(g_proj(x)));
 }
@@ -170,7 +172,7 @@ torch::Tensor GlaAttentionImpl::forward(const torch::Tensor& x, const RopeTables
 // document, the state carries over a chunk only when the chunk ends in it, and a chunk's own
 // update keeps only the tokens of the document it ends in; within a chunk the pair mask is
 // "same document".
-torch::Tensor gla_attention_chunked(const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& v_in,
+torch::Tensor model_gla_attention_chunked(const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& v_in,
                                     const torch::Tensor& gamma_in, const torch::Tensor& segment_ids, int64_t chunk) {
   compat::AutocastOffGuard fp32(q_in.is_cuda());
   const auto dtype = at::promote_types(q_in.scalar_type(), torch::kFloat32);  // float64 in gradient checks

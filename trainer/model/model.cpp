@@ -283,7 +283,7 @@ DecoderStackImpl::DecoderStackImpl(const Config& c)
     any_mla = any_mla || model_layer_attention(c, c.base_num_decoder_layers + k - 1) == "mla";
   }
   norm = register_module("norm", RMSNorm(c.base_emb_dim, c.normalization_layer_epsilon));
-  if (any_mla) mla_inv_freq_ = mla_rope_inverse_frequencies(c);
+  if (any_mla) mla_inv_freq_ = model_mla_rope_inverse_frequencies(c);
 }
 
 // MLA's RoPE frequencies over qk_rope_head_dim = d dims: theta^(-2i/d), i < d/2. rope_type=yarn
@@ -292,7 +292,7 @@ DecoderStackImpl::DecoderStackImpl(const Config& c)
 // where low = floor(c(beta_fast)), high = ceil(c(beta_slow)) clamped to [0, d - 1] and
 // c(r) = d ln(L0 / (2 pi r)) / (2 ln theta) is the dim that turns r times over the original
 // context L0: fast-turning dims (i < low) are kept, slow ones (i > high) interpolated by factor.
-std::vector<double> mla_rope_inverse_frequencies(const Config& c) {
+std::vector<double> model_mla_rope_inverse_frequencies(const Config& c) {
   const int64_t d = c.qk_rope_head_dim, half = d / 2;
   const double theta = c.rope_max_timescale;
   std::vector<double> freq(static_cast<size_t>(half));

@@ -97,7 +97,7 @@ TORCH_MODULE(MlaAttention);
 // with q, k after their RMSNorm (use_qk_norm) and partial RoPE, the state reset where a new
 // document (segment) begins. gamma_h = -slope_h (1 - layer / (N - 1) + 1e-5), slope_h the ALiBi
 // slopes of H heads. Then y = o_proj(g_norm(o) * sigmoid(x W_g^T)). Computed in chunks
-// (gla_attention_chunked); the token-by-token recurrence is the test oracle.
+// (model_gla_attention_chunked); the token-by-token recurrence is the test oracle.
 class GlaAttentionImpl : public torch::nn::Module {
  public:
   GlaAttentionImpl(const Config& config, int64_t layer_index);
@@ -114,7 +114,7 @@ class GlaAttentionImpl : public torch::nn::Module {
   GroupRMSNorm g_norm{nullptr};       // (H*hd), group_norm_size groups
  private:
   int64_t num_heads_, head_dim_, chunk_size_;
-  bool linear_silu_;
+  bool linear_silu_, reset_at_documents_;
   std::vector<double> gamma_;  // (H) on the host
   torch::Tensor gamma_cache_;  // (H) gamma_ on the device of the last forward
 };
@@ -125,12 +125,12 @@ TORCH_MODULE(GlaAttention);
 // document per row); chunk: tokens per chunk (L need not be a multiple). Computes in fp32 (autocast
 // off) and returns (B, H, L, dv) fp32: o_t = sum over s <= t in t's document of
 // exp((t - s) gamma) (q_t . k_s) v_s / sqrt(dk).
-torch::Tensor gla_attention_chunked(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+torch::Tensor model_gla_attention_chunked(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                     const torch::Tensor& gamma, const torch::Tensor& segment_ids, int64_t chunk);
 
 // ALiBi slopes of H heads (Press et al.; the Ling2 fork's build_slope_tensor): 2^(-8i/H) for
 // i = 1..H when H is a power of two, else the next power's odd-indexed slopes fill the rest.
-std::vector<double> gla_head_slopes(int64_t heads);
+std::vector<double> model_gla_head_slopes(int64_t heads);
 
 // SwiGLU: down(silu(gate(x)) * up(x)). With one_gemm_for_gate_up, gate and up run as one GEMM
 // over their concatenated weights (model.cpp, linear_fused): right when every token passes
@@ -384,7 +384,7 @@ using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;  // als
 NamedTensors model_checkpoint_views(const NamedTensors& by_parameter, int64_t first_expert = 0);
 
 // MLA's RoPE inverse frequencies (qk_rope_head_dim / 2), rope_type default or yarn (model.cpp).
-std::vector<double> mla_rope_inverse_frequencies(const Config& config);
+std::vector<double> model_mla_rope_inverse_frequencies(const Config& config);
 
 // Builds the model on the CPU with deterministic weights from init_weights_seed:
 // every Linear and the embedding ~ N(0, 0.02^2), norms = 1. Tensors are drawn in checkpoint

@@ -237,13 +237,27 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   const double head = 2 * r * s.T * s.D + (bf16 ? 2 : 0) * s.T * s.D + 4 * s.T * s.V;
   const double mtp_depth = r * s.T * s.D + 4 * r * s.T * s.D + 2 * r * s.T * s.D + (bf16 ? 4 : 0) * s.T * s.D + (c.mtp_moe_mlp ? moe : dense) +
                            2 * r * s.T * s.D + 4 * s.T * s.V;
-  const double decoder_layers = full ? static_cast<double>(layers) * r * s.T * s.D + std::max(dense_layers > 0 ? dense : 0.0, moe)
-                                     : static_cast<double>(dense_layers) * dense + static_cast<double>(moe_layers) * moe;
+  // A GLA layer (docs/model.md) is counted as the GQA layer above plus its chunked core's own
+  // tensors: fp32 copies of q, k, v and the scaled, decay-weighted q and k (6 T H hd), the
+  // within-chunk scores before and after the decay mask (2 B H L C), the state entering each chunk
+  // (B H hd^2 per chunk), and the fp32 GroupRMSNorm input and output, gate and product (4 T H hd).
+  // MLA layers are counted as GQA layers of the same heads (an estimate).
+  int64_t gla_layers = 0;
+  for (int64_t i = 0; i < layers; ++i) gla_layers += model_layer_attention(c, i) == "gla";
+  const double hd = static_cast<double>(c.head_dim), chunk = static_cast<double>(std::min(c.gla_chunk_size, c.max_target_length));
+  const double gla_extra = gla_layers == 0 ? 0.0
+                                           : 4 * (10 * s.T * s.H * hd + 2 * s.B * s.H * s.L * chunk +
+                                                  s.B * s.H * hd * hd * std::ceil(s.L / chunk));
+  const double decoder_layers =
+      full ? static_cast<double>(layers) * r * s.T * s.D + std::max(dense_layers > 0 ? dense : 0.0, moe) + gla_extra
+           : static_cast<double>(dense_layers) * dense + static_cast<double>(moe_layers) * moe +
+                 static_cast<double>(gla_layers) * gla_extra;
   const double activations = embedding + mask + decoder_layers + head + mtp * mtp_depth;
   plan.activation_bytes = activations;
   std::string detail = "B " + count_text(s.B) + " x L " + count_text(s.L) + ": " + memory_bytes_text(dense) +
                        " per dense layer";
   if (moe_layers > 0) detail += ", " + memory_bytes_text(moe) + " per MoE layer";
+  if (gla_layers > 0) detail += ", +" + memory_bytes_text(gla_extra) + " per GLA layer (its chunked core)";
   if (full) detail += " (remat_policy=full: each layer keeps its input, " + memory_bytes_text(r * s.T * s.D) +
                       ", and one layer at a time is rerun in backward)";
   if (minimal) detail += " (remat_policy=minimal: norms and SwiGLU recomputed)";

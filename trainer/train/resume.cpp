@@ -437,6 +437,10 @@ NamedTensors Trainer::logits_for(const std::vector<int64_t>& tokens, bool with_g
   if (length < 2) throw config_error("--dump-gradients needs at least 2 tokens (the loss predicts token i+1 from i)");
   if (comm_->world_size() > 1)
     throw config_error("--dump-gradients runs in one process (this run has " + std::to_string(comm_->world_size()) + " ranks)");
+  // Recomputed units add their weights' gradients to .grad inside their own backward, out of
+  // autograd::grad's reach: they would read as zeros.
+  if (config_.remat_policy != "none")
+    throw config_error("--dump-gradients needs remat_policy=none (got " + config_.remat_policy + ")");
   const auto logits = out.logits[0].narrow(0, 0, length - 1);  // (L-1, V)
   const auto loss = torch::nn::functional::cross_entropy(logits, row[0].narrow(0, 1, length - 1));
   NamedTensors parameters;
