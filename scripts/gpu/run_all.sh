@@ -30,6 +30,19 @@ phase "the 2.11 resume crash (docs/checkpoints.md, known issue): the two tests, 
 grep -E "fatal signal|^/|libtorch|trainer\(|test cases|assertions" "$log/resume_crash.log" | head -80
 phase "benchmark"
 timeout "${BENCH_SECONDS:-240}" python3 scripts/gpu/bench.py "$@" 2>&1 | tee "$log/bench.log"
+phase "one GLA layer against one SDPA (GQA) layer at 4096 tokens, bf16 (issue 17; docs/benchmarks.md)"
+# ling2's layer shape (D 2048, 16 heads of 128), one decoder layer with a dense MLP, byte vocabulary:
+# the attention is what differs. Tokens/s is the median over steps 4-11.
+for kind in global gla; do
+  timeout 120 build-gpu/trainer configs/base.yml hardware=gpu dtype=bfloat16 model_name=ling2 override_model_config=true \
+    attention_type=$kind inhomogeneous_layer_cycle_interval=0 base_num_decoder_layers=1 num_experts=1 shared_experts=0 \
+    routed_bias=false n_routing_groups=-1 topk_routing_group=-1 moe_shared_expert_dim=0 mtp_num_layers=0 mtp_moe_mlp=false \
+    vocab_size=258 max_target_length=4096 per_device_batch_size=1 steps=12 log_period=12 enable_checkpointing=false \
+    dataset_type=synthetic pad_id=0 base_output_directory=/tmp/trainer-gpu-gla run_name=$kind > "$log/gla_$kind.log" 2>&1 \
+    || { echo "$kind: failed"; tail -5 "$log/gla_$kind.log"; continue; }
+  python3 -c 'import json,statistics,sys; r=[json.loads(l) for l in open(sys.argv[1])][4:]; print("%s layer: %.0f tokens/s (median step %.4f s)" % (sys.argv[2], statistics.median(x["perf/per_device_tokens_per_sec"] for x in r), statistics.median(x["perf/step_time_seconds"] for x in r)))' \
+    "/tmp/trainer-gpu-gla/$kind/metrics.jsonl" "$kind" | tee -a "$log/gla_vs_sdpa.log"
+done
 phase "memory plan against the CUDA allocator's peak (docs/memory.md)"
 for K in 1 8; do
   plan=$(timeout 30 build-gpu/trainer configs/base.yml hardware=gpu dtype=bfloat16 model_name=llama3.2-1b \
