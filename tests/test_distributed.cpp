@@ -735,9 +735,13 @@ TEST_CASE("expert parallelism: R=2 with EP=2 equals R=2 with EP=1 and R=1, both 
                                           "megatron/load_balancing_loss", "moe/expert_load_max_over_mean",
                                           "moe/router_probs_std"};
         if (model == "ling2-tiny") names.push_back("learning/mtp_loss");
+        // ling2-tiny's deeper stack (5 layers, GLA chunk sums) carries the rounding of the expert
+        // sums taken in another order further: 1.6e-6 relative in raw_grad_norm at steps 1-2 with
+        // LibTorch 2.6 (measured; 1.13 stays within 1e-6). The weights below are still held to 1e-6.
+        const double same_r = model == "ling2-tiny" ? 1e-5 : 1e-6;
         for (const auto& name : names) {
           INFO(name);
-          CHECK(a[i][name].get<double>() == Approx(b[i][name].get<double>()).epsilon(1e-6));
+          CHECK(a[i][name].get<double>() == Approx(b[i][name].get<double>()).epsilon(same_r));
           CHECK(a[i][name].get<double>() == Approx(c[i][name].get<double>()).epsilon(1e-5));
         }
         // An element that cancels exactly in one summation order may be 1e-12 in another.
