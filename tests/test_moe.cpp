@@ -78,9 +78,6 @@ std::pair<int, int> graph_summary(const torch::Tensor& root) {
   return {static_cast<int>(seen.size()), recomputes};
 }
 
-torch::Tensor as_tensor(const std::vector<int64_t>& v, const MicroBatch& b) {
-  return torch::tensor(v).view({b.batch_size, b.seq_len});
-}
 
 }  // namespace
 
@@ -194,7 +191,7 @@ TEST_CASE("reported aux terms are the terms of J, recomputed per micro-batch in 
       torch::NoGradGuard no_grad;
       for (int64_t m = 0; m < 4; ++m) {
         const MicroBatch b = t.data().data_loader_next(0, m);
-        const auto output = t.model()->forward(as_tensor(b.inputs, b), as_tensor(b.positions, b), as_tensor(b.segment_ids, b));
+        const auto output = t.model()->forward(micro_batch_tensor(b.inputs, b), micro_batch_tensor(b.positions, b), micro_batch_tensor(b.segment_ids, b));
         double balance = 0, z = 0;
         for (const auto& layer : output.moe_stats) balance += layer.load_balance.item<double>(), z += layer.router_z.item<double>();
         const double layers = static_cast<double>(output.moe_stats.size());
@@ -224,7 +221,7 @@ TEST_CASE("mtp_per_layer_loss_norm=false pools the depths: their CE sum over the
     const auto out = t.forward_backward(0);
     const MicroBatch b = t.data().data_loader_next(0, 0);
     torch::NoGradGuard no_grad;
-    const auto output = t.model()->forward(as_tensor(b.inputs, b), as_tensor(b.positions, b), as_tensor(b.segment_ids, b));
+    const auto output = t.model()->forward(micro_batch_tensor(b.inputs, b), micro_batch_tensor(b.positions, b), micro_batch_tensor(b.segment_ids, b));
     INFO("mtp_per_layer_loss_norm=" << per_layer);
     const double got = metric(t, out, "learning/mtp_loss_raw");
     CHECK(got == Approx(reference_mtp_raw(output.mtp_logits, b, /*pooled=*/!per_layer)).epsilon(1e-6));
@@ -313,7 +310,7 @@ TEST_CASE("MTP never uses a target from another segment", "[moe][mtp]") {
   same_doc.inputs[5] = 200, same_doc.targets[4] = 200;
   CHECK(micro_batch_losses(model, same_doc, c, torch::kCPU).mtp_raw.item<double>() != base.mtp_raw.item<double>());
   // And the value is the independent loop-based computation.
-  const auto output = model->forward(as_tensor(b.inputs, b), as_tensor(b.positions, b), as_tensor(b.segment_ids, b));
+  const auto output = model->forward(micro_batch_tensor(b.inputs, b), micro_batch_tensor(b.positions, b), micro_batch_tensor(b.segment_ids, b));
   CHECK(base.mtp_raw.item<double>() == Approx(reference_mtp_raw(output.mtp_logits, b)).epsilon(1e-5));
 }
 
@@ -480,10 +477,8 @@ TEST_CASE("gradient check with MoE, MTP and compensated aux losses (per-token an
       double sum = 0, W = 0;
       for (int64_t m = 0; m < 2; ++m) {
         const MicroBatch b = t.data().data_loader_next(0, m);
-        const auto out = model64->forward(as_tensor(b.inputs, b), as_tensor(b.positions, b), as_tensor(b.segment_ids, b));
-        const auto logp = torch::log_softmax(out.logits, -1).gather(-1, as_tensor(b.targets, b).unsqueeze(-1)).squeeze(-1);
-        const auto mask = torch::tensor(b.loss_mask).view({b.batch_size, b.seq_len}).to(torch::kFloat64);
-        const double ce = (-logp * mask).sum().item<double>(), w = mask.sum().item<double>();
+        const auto out = model64->forward(micro_batch_tensor(b.inputs, b), micro_batch_tensor(b.positions, b), micro_batch_tensor(b.segment_ids, b));
+        const auto [ce, w] = masked_cross_entropy(out.logits, b);
         double lb = 0;
         for (const auto& layer : out.moe_stats) lb += layer.load_balance.item<double>() / out.moe_stats.size();
         const double aux = lb + 0.5 * reference_mtp_raw(out.mtp_logits, b);

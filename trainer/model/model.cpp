@@ -273,22 +273,16 @@ DecoderStackImpl::DecoderStackImpl(const Config& c)
   embed_tokens = register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.base_emb_dim));
   layers = register_module("layers", torch::nn::ModuleList());
   const bool moe_model = c.num_experts > 1;
-  bool any_mla = false;
-  for (int64_t i = 0; i < c.base_num_decoder_layers; ++i) {
+  for (int64_t i = 0; i < c.base_num_decoder_layers; ++i)
     layers->push_back(DecoderLayer(c, moe_model && i >= c.first_num_dense_layers, i));
-    any_mla = any_mla || model_layer_attention(c, i) == "mla";
-  }
-  for (int64_t k = 1; k <= c.mtp_num_layers; ++k) {
-    layers->push_back(MtpLayer(c, k));
-    any_mla = any_mla || model_layer_attention(c, c.base_num_decoder_layers + k - 1) == "mla";
-  }
+  for (int64_t k = 1; k <= c.mtp_num_layers; ++k) layers->push_back(MtpLayer(c, k));
   norm = register_module("norm", RMSNorm(c.base_emb_dim, c.normalization_layer_epsilon));
-  if (any_mla) mla_inv_freq_ = model_mla_rope_inverse_frequencies(c);
+  if (c.attention_type == "mla") mla_inv_freq_ = model_mla_rope_inverse_frequencies(c);
 }
 
 // MLA's RoPE frequencies over qk_rope_head_dim = d dims: theta^(-2i/d), i < d/2. rope_type=yarn
 // (DeepSeek-V3's YaRN as MaxText computes it) blends each frequency with itself / rope_factor:
-//   f_i' = f_i / factor * (1 - m_i) + f_i * m_i,  m_i = 1 - clamp((i - low) / (high - low), 0, 1),
+//   f_i' = f_i * (1 - r_i) + f_i / factor * r_i,  r_i = clamp((i - low) / (high - low), 0, 1),
 // where low = floor(c(beta_fast)), high = ceil(c(beta_slow)) clamped to [0, d - 1] and
 // c(r) = d ln(L0 / (2 pi r)) / (2 ln theta) is the dim that turns r times over the original
 // context L0: fast-turning dims (i < low) are kept, slow ones (i > high) interpolated by factor.
@@ -307,8 +301,7 @@ std::vector<double> model_mla_rope_inverse_frequencies(const Config& c) {
   if (high == low) high += 0.001;
   for (int64_t i = 0; i < half; ++i) {
     const double ramp = std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);
-    const double keep = 1.0 - ramp;
-    freq[i] = freq[i] / c.rope_factor * (1.0 - keep) + freq[i] * keep;
+    freq[i] = freq[i] * (1.0 - ramp) + freq[i] / c.rope_factor * ramp;
   }
   return freq;
 }

@@ -326,7 +326,7 @@ class DecoderStackImpl : public torch::nn::Module {
  private:
   int64_t rotary_dim_;
   double rope_theta_;
-  std::vector<double> mla_inv_freq_;          // (qk_rope_head_dim / 2) MLA RoPE frequencies; empty without MLA layers
+  std::vector<double> mla_inv_freq_;          // (qk_rope_head_dim / 2) MLA RoPE frequencies; empty unless attention_type=mla
   mutable torch::Tensor mla_inv_freq_device_;  // (qk_rope_head_dim / 2) fp32, on the device of the last forward
 };
 TORCH_MODULE(DecoderStack);
