@@ -7,6 +7,8 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <random>
 #include <regex>
@@ -559,6 +561,67 @@ TEST_CASE("sharded checkpoints: bit-exact resume at the same R, a corrupt shard 
   CHECK(fail.exit_code == 1);
   CHECK_THAT(fail.output, Catch::Contains("checkpoint 2 was not saved: rank(s) 1 could not write their shard"));
   CHECK_FALSE(fs::exists(checkpoint_dir("shardckpt-fail", 2)));
+}
+
+TEST_CASE("exports stream unit by unit: R=4 optim_grads_params and R=2 expert_parallelism=2 write the bytes of one process",
+          "[dist][cli][sharding][checkpoint]") {
+  // --export-safetensors and --export-hf gather one unit (embedding, a decoder layer, the rest) at a
+  // time and rank 0 appends it to files whose headers it planned first. The weights restored from
+  // one checkpoint are the same numbers at every level and world size, so the files must be
+  // byte-identical to one process's, whose --export-safetensors is the checkpoint's own
+  // model.safetensors. ling-mini-tiny: MoE (stacked experts split per expert, the expert bias
+  // buffer renamed), fused query_key_value, MTP.
+  const std::string common = "model_name=ling-mini-tiny max_target_length=16 per_device_batch_size=1 "
+                             "warmup_steps_fraction=0 learning_rate=0.01 synthetic_min_valid_fraction=0.3 adam_eps=0.01 "
+                             "steps=2 run_name=export-src base_output_directory=" + kOut + " ";
+  const std::string out = kOut + "/export-";
+  for (const std::string path : {"src", "1.safetensors", "4.safetensors", "hf1", "hf4", "hf2", "blocked"})
+    fs::remove_all(out + path);
+  REQUIRE(run_trainer(common + "gradient_accumulation_steps=4").exit_code == 0);  // one writer, checkpoint 2
+  const auto one = run_trainer(common + "gradient_accumulation_steps=4 --export-safetensors " + out + "1.safetensors");
+  INFO(one.output);
+  REQUIRE(one.exit_code == 0);
+  REQUIRE(run_trainer(common + "gradient_accumulation_steps=4 --export-hf " + out + "hf1 --export-hf-dtype bfloat16").exit_code == 0);
+  const std::string zero3 = common + "gradient_accumulation_steps=1 data_parallel_sharding=optim_grads_params remat_policy=full ";
+  const auto four = mpirun(4, zero3 + "--export-safetensors " + out + "4.safetensors");
+  INFO(four.output);
+  REQUIRE(four.exit_code == 0);
+  const auto four_hf = mpirun(4, zero3 + "--export-hf " + out + "hf4 --export-hf-dtype bfloat16");
+  INFO(four_hf.output);
+  REQUIRE(four_hf.exit_code == 0);
+  const auto experts = mpirun(2, common + "gradient_accumulation_steps=2 expert_parallelism=2 --export-hf " + out +
+                                     "hf2 --export-hf-dtype bfloat16");
+  INFO(experts.output);
+  REQUIRE(experts.exit_code == 0);
+
+  const std::string model = read_file(out + "1.safetensors");
+  CHECK(model.size() > 100000);
+  CHECK(model == read_file(checkpoint_model("export-src", 2)));
+  CHECK(model == read_file(out + "4.safetensors"));
+  size_t files = 0;
+  for (const auto& entry : fs::directory_iterator(out + "hf1")) {
+    const std::string name = entry.path().filename().string();
+    INFO(name);
+    ++files;
+    CHECK(read_file(out + "hf4/" + name) == read_file(entry.path().string()));
+    CHECK(read_file(out + "hf2/" + name) == read_file(entry.path().string()));
+  }
+  CHECK(files == 2);  // config.json, model.safetensors
+  for (const std::string dir : {"hf4", "hf2"}) CHECK(std::distance(fs::directory_iterator(out + dir), fs::directory_iterator()) == 2);
+  CHECK(safetensors_read(out + "hf1/model.safetensors").tensors.count("model.layers.0.attention.query_key_value.weight") == 1);
+
+  // A write that fails on rank 0 (the parent of the path is a file): rank 0 still takes part in
+  // every gather, then exits 1 naming the path; nothing is left behind.
+  { std::ofstream(out + "blocked") << "a file"; }
+  const auto blocked = mpirun(2, common + "gradient_accumulation_steps=2 data_parallel_sharding=optim_grads_params remat_policy=full "
+                                          "--export-safetensors " + out + "blocked/model.safetensors");
+  INFO(blocked.output);
+  CHECK(blocked.exit_code == 1);
+  CHECK_THAT(blocked.output, Catch::Contains("cannot export weights") && Catch::Contains(out + "blocked"));
+  size_t leftovers = 0;
+  for (const auto& entry : fs::directory_iterator(kOut))
+    leftovers += entry.path().filename().string().find(".partial-") != std::string::npos;
+  CHECK(leftovers == 0);
 }
 
 TEST_CASE("a rank killed in a decoder layer's parameter all-gather makes the other exit 5 naming the layer",

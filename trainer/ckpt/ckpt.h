@@ -3,6 +3,7 @@
 #pragma once
 #include <atomic>
 #include <exception>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <optional>
@@ -140,11 +141,38 @@ NamedTensors hf_tensors_to_checkpoint(const Config& config, const NamedTensors& 
 // model.safetensors.index.json, else model.safetensors. Throws config_error naming the file.
 NamedTensors hf_read_directory(const std::string& dir);
 
-// Writes a Hugging Face model directory: config.json, then the tensors converted to `dtype`
-// (fp32 or bf16) in files of at most max_shard_bytes (a larger tensor gets a file of its own):
-// model.safetensors when one file holds them all, else model-0000i-of-0000n.safetensors and
-// model.safetensors.index.json. Built in a temporary sibling and renamed, so `dir` is complete or
-// absent. Refuses (config_error) an existing non-empty `dir`.
+// Writes a Hugging Face model directory whose tensors arrive in order, a few at a time:
+// config.json, then the tensors of `plan` (names and shapes in file order; meta tensors will do)
+// converted to `dtype` (fp32 or bf16) in files of at most max_shard_bytes (a larger tensor gets a
+// file of its own): model.safetensors when one file holds them all, else
+// model-0000i-of-0000n.safetensors and model.safetensors.index.json. Built in a temporary
+// sibling that finish() renames, so `dir` is complete or absent (a writer destroyed unfinished
+// removes its temporary). Refuses (config_error) an existing non-empty `dir`; I/O failures and
+// tensors out of plan order are Error(kExitFailure) naming `dir`.
+class HfDirectoryWriter {
+ public:
+  HfDirectoryWriter(const std::string& dir, const std::string& config_json, const NamedTensors& plan,
+                    int64_t max_shard_bytes, torch::ScalarType dtype);
+  ~HfDirectoryWriter();
+  void append(const NamedTensors& tensors);  // the plan's next tensors (any dtype and device)
+  void finish();
+
+ private:
+  struct File {
+    std::string name;
+    std::vector<SafetensorsEntry> entries;  // data pointers unused
+  };
+  [[noreturn]] void fail(const std::string& why);
+  std::string dir_;
+  std::filesystem::path target_, partial_;
+  torch::ScalarType dtype_;
+  std::vector<File> files_;
+  size_t file_ = 0;                                 // the file being written
+  std::unique_ptr<SafetensorsStreamWriter> writer_;  // open on files_[file_]
+  bool finished_ = false;
+};
+
+// The whole directory at once (HfDirectoryWriter with the tensors as their own plan).
 void hf_write_directory(const std::string& dir, const std::string& config_json, const NamedTensors& tensors,
                         int64_t max_shard_bytes, torch::ScalarType dtype);
 

@@ -160,53 +160,110 @@ NamedTensors hf_read_directory(const std::string& dir) {
   return out;
 }
 
-void hf_write_directory(const std::string& dir, const std::string& config_json, const NamedTensors& tensors,
-                        int64_t max_shard_bytes, torch::ScalarType dtype) {
-  const fs::path target = fs::absolute(dir);
-  if (fs::exists(target) && !(fs::is_directory(target) && fs::is_empty(target)))
+HfDirectoryWriter::HfDirectoryWriter(const std::string& dir, const std::string& config_json, const NamedTensors& plan,
+                                     int64_t max_shard_bytes, torch::ScalarType dtype)
+    : dir_(dir), target_(fs::absolute(dir)), dtype_(dtype) {
+  if (fs::exists(target_) && !(fs::is_directory(target_) && fs::is_empty(target_)))
     throw config_error("--export-hf " + dir + ": the path exists and is not an empty directory; remove it or choose another");
   if (max_shard_bytes <= 0) throw config_error("--export-hf-max-shard-mb must be > 0");
-  // Shards in checkpoint order: a new file when the next tensor would overflow this one.
-  std::vector<NamedTensors> shards(1);
-  int64_t shard_bytes = 0, total_bytes = 0;
-  for (const auto& [name, tensor] : tensors) {
-    auto converted = tensor.to(torch::kCPU).to(dtype).contiguous();
-    const int64_t bytes = static_cast<int64_t>(converted.nbytes());
-    if (!shards.back().empty() && shard_bytes + bytes > max_shard_bytes) {
-      shards.emplace_back();
-      shard_bytes = 0;
+  // Files in plan order: a new file when the next tensor would overflow this one.
+  const std::string type = dtype == torch::kBFloat16 ? "BF16" : "F32";
+  const auto element = static_cast<int64_t>(torch::elementSize(dtype));
+  int64_t file_bytes = 0;
+  for (const auto& [name, tensor] : plan) {
+    const int64_t bytes = tensor.numel() * element;
+    if (files_.empty() || (!files_.back().entries.empty() && file_bytes + bytes > max_shard_bytes)) {
+      files_.emplace_back();
+      file_bytes = 0;
     }
-    shards.back().emplace_back(name, converted);
-    shard_bytes += bytes;
-    total_bytes += bytes;
+    files_.back().entries.push_back({name, type, tensor.sizes().vec(), nullptr, static_cast<size_t>(bytes)});
+    file_bytes += bytes;
   }
-  const fs::path partial = target.parent_path() / (target.filename().string() + ".partial-" + std::to_string(getpid()));
-  fs::remove_all(partial);
-  fs::create_directories(partial);
+  if (files_.empty()) files_.emplace_back();
+  for (size_t i = 0; i < files_.size(); ++i)
+    files_[i].name = files_.size() == 1 ? "model.safetensors"
+                                        : checkpoint_shard_file_name("model", static_cast<int64_t>(i),
+                                                                     static_cast<int64_t>(files_.size()), ".safetensors");
+  partial_ = target_.parent_path() / (target_.filename().string() + ".partial-" + std::to_string(getpid()));
   try {
-    file_write_durable((partial / "config.json").string(), config_json);
-    if (shards.size() == 1) {
-      checkpoint_write_tensors((partial / "model.safetensors").string(), shards[0]);
-    } else {
+    fs::remove_all(partial_);
+    fs::create_directories(partial_);
+    file_write_durable((partial_ / "config.json").string(), config_json);
+    writer_ = std::make_unique<SafetensorsStreamWriter>((partial_ / files_[0].name).string(), files_[0].entries,
+                                                        std::map<std::string, std::string>{{"format", "pt"}});
+  } catch (const std::exception& e) {
+    fail(e.what());
+  }
+}
+
+HfDirectoryWriter::~HfDirectoryWriter() {
+  if (finished_) return;
+  writer_.reset();
+  std::error_code ignored;
+  fs::remove_all(partial_, ignored);
+}
+
+void HfDirectoryWriter::fail(const std::string& why) {
+  writer_.reset();
+  std::error_code ignored;
+  fs::remove_all(partial_, ignored);
+  finished_ = true;  // nothing left to remove
+  throw Error(kExitFailure, "cannot write the Hugging Face checkpoint " + dir_ + ": " + why);
+}
+
+void HfDirectoryWriter::append(const NamedTensors& tensors) {
+  if (finished_) fail("append after the directory was finished");
+  try {
+    for (const auto& [name, tensor] : tensors) {
+      while (writer_->complete()) {  // the current file is full: close it, open the next
+        writer_->finish();
+        if (++file_ == files_.size()) throw std::runtime_error("tensor " + name + " is not in the plan");
+        writer_ = std::make_unique<SafetensorsStreamWriter>((partial_ / files_[file_].name).string(),
+                                                            files_[file_].entries,
+                                                            std::map<std::string, std::string>{{"format", "pt"}});
+      }
+      const auto converted = tensor.to(torch::kCPU).to(dtype_).contiguous();
+      writer_->append(name, converted.data_ptr(), converted.nbytes());
+    }
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    fail(e.what());
+  }
+}
+
+void HfDirectoryWriter::finish() {
+  try {
+    if (file_ + 1 != files_.size() || !writer_->complete())
+      throw std::runtime_error("finished before the last tensor of the plan");
+    writer_->finish();
+    writer_.reset();
+    if (files_.size() > 1) {
       nlohmann::ordered_json index;
+      int64_t total_bytes = 0;
+      for (const auto& file : files_)
+        for (const auto& entry : file.entries) total_bytes += static_cast<int64_t>(entry.nbytes);
       index["metadata"] = {{"total_size", total_bytes}};
       index["weight_map"] = nlohmann::ordered_json::object();
-      for (size_t i = 0; i < shards.size(); ++i) {
-        const std::string file = checkpoint_shard_file_name("model", static_cast<int64_t>(i), static_cast<int64_t>(shards.size()), ".safetensors");
-        checkpoint_write_tensors((partial / file).string(), shards[i]);
-        for (const auto& item : shards[i]) index["weight_map"][item.first] = file;
-      }
-      file_write_durable((partial / "model.safetensors.index.json").string(), index.dump(2) + "\n");
+      for (const auto& file : files_)
+        for (const auto& entry : file.entries) index["weight_map"][entry.name] = file.name;
+      file_write_durable((partial_ / "model.safetensors.index.json").string(), index.dump(2) + "\n");
     }
-    directory_sync(partial.string());
-    if (fs::exists(target)) fs::remove(target);  // the empty directory checked above
-    fs::rename(partial, target);
-    directory_sync(target.parent_path().string());
+    directory_sync(partial_.string());
+    if (fs::exists(target_)) fs::remove(target_);  // the empty directory checked at construction
+    fs::rename(partial_, target_);
+    directory_sync(target_.parent_path().string());
+    finished_ = true;
   } catch (const std::exception& e) {
-    std::error_code ignored;
-    fs::remove_all(partial, ignored);
-    throw Error(kExitFailure, "cannot write the Hugging Face checkpoint " + dir + ": " + e.what());
+    fail(e.what());
   }
+}
+
+void hf_write_directory(const std::string& dir, const std::string& config_json, const NamedTensors& tensors,
+                        int64_t max_shard_bytes, torch::ScalarType dtype) {
+  HfDirectoryWriter writer(dir, config_json, tensors, max_shard_bytes, dtype);
+  writer.append(tensors);
+  writer.finish();
 }
 
 }  // namespace trainer

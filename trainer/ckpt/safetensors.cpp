@@ -61,10 +61,18 @@ uint32_t crc32c_file(const std::string& path, uint64_t* size) {
 
 uint32_t safetensors_write(const std::string& path, const std::vector<SafetensorsEntry>& entries,
                            const std::map<std::string, std::string>& metadata) {
+  SafetensorsStreamWriter writer(path, entries, metadata);
+  for (const auto& e : entries) writer.append(e.name, e.data, e.nbytes);
+  return writer.finish();
+}
+
+SafetensorsStreamWriter::SafetensorsStreamWriter(std::string path, std::vector<SafetensorsEntry> entries,
+                                                 const std::map<std::string, std::string>& metadata)
+    : path_(std::move(path)), entries_(std::move(entries)) {
   nlohmann::ordered_json header;
   if (!metadata.empty()) header["__metadata__"] = metadata;
   size_t offset = 0;
-  for (const auto& e : entries) {
+  for (const auto& e : entries_) {
     header[e.name] = {{"dtype", e.dtype}, {"shape", e.shape}, {"data_offsets", {offset, offset + e.nbytes}}};
     offset += e.nbytes;
   }
@@ -73,21 +81,35 @@ uint32_t safetensors_write(const std::string& path, const std::vector<Safetensor
   const uint64_t header_size = text.size();
   unsigned char size_bytes[8];
   for (int i = 0; i < 8; ++i) size_bytes[i] = static_cast<unsigned char>(header_size >> (8 * i));
+  fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) io_error("cannot create", path_);
+  write_all(fd_, size_bytes, 8, path_, crc_);
+  write_all(fd_, text.data(), text.size(), path_, crc_);
+}
 
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) io_error("cannot create", path);
-  uint32_t crc = 0;
-  try {
-    write_all(fd, size_bytes, 8, path, crc);
-    write_all(fd, text.data(), text.size(), path, crc);
-    for (const auto& e : entries) write_all(fd, e.data, e.nbytes, path, crc);
-    if (::fsync(fd) != 0) io_error("cannot fsync", path);
-  } catch (...) {
-    ::close(fd);
-    throw;
-  }
-  if (::close(fd) != 0) io_error("cannot close", path);
-  return crc;
+SafetensorsStreamWriter::~SafetensorsStreamWriter() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void SafetensorsStreamWriter::append(const std::string& name, const void* data, size_t nbytes) {
+  if (next_ >= entries_.size() || entries_[next_].name != name || entries_[next_].nbytes != nbytes)
+    throw std::runtime_error("writing " + path_ + ": got tensor " + name + " (" + std::to_string(nbytes) +
+                             " bytes), expected " +
+                             (next_ < entries_.size() ? entries_[next_].name + " (" + std::to_string(entries_[next_].nbytes) + " bytes)"
+                                                      : std::string("no more tensors")));
+  write_all(fd_, data, nbytes, path_, crc_);
+  ++next_;
+}
+
+uint32_t SafetensorsStreamWriter::finish() {
+  if (!complete())
+    throw std::runtime_error("writing " + path_ + ": finished after " + std::to_string(next_) + " of " +
+                             std::to_string(entries_.size()) + " tensors");
+  if (::fsync(fd_) != 0) io_error("cannot fsync", path_);
+  const int fd = fd_;
+  fd_ = -1;
+  if (::close(fd) != 0) io_error("cannot close", path_);
+  return crc_;
 }
 
 SafetensorsFile safetensors_read(const std::string& path, bool with_data) {

@@ -25,6 +25,31 @@ struct SafetensorsEntry {
 uint32_t safetensors_write(const std::string& path, const std::vector<SafetensorsEntry>& entries,
                            const std::map<std::string, std::string>& metadata = {});
 
+// A safetensors file whose tensors arrive one at a time: the header (names, dtypes, shapes and
+// sizes of `entries`, whose data pointers are not read) is written at construction, then each
+// append() writes the next entry's bytes, in the order of `entries`. finish() fsyncs and closes
+// and returns the file's CRC32C; a writer destroyed unfinished closes the file and leaves it
+// (the caller writes to a temporary name). I/O failures and out-of-order or wrongly sized
+// appends throw std::runtime_error naming the path.
+class SafetensorsStreamWriter {
+ public:
+  SafetensorsStreamWriter(std::string path, std::vector<SafetensorsEntry> entries,
+                          const std::map<std::string, std::string>& metadata = {});
+  ~SafetensorsStreamWriter();
+  SafetensorsStreamWriter(const SafetensorsStreamWriter&) = delete;
+  SafetensorsStreamWriter& operator=(const SafetensorsStreamWriter&) = delete;
+  void append(const std::string& name, const void* data, size_t nbytes);
+  bool complete() const { return next_ == entries_.size(); }
+  uint32_t finish();
+
+ private:
+  std::string path_;
+  std::vector<SafetensorsEntry> entries_;
+  size_t next_ = 0;  // the entry the next append() writes
+  int fd_ = -1;
+  uint32_t crc_ = 0;
+};
+
 struct SafetensorsTensor {
   std::string dtype;
   std::vector<int64_t> shape;

@@ -1,6 +1,10 @@
 // Resume and export: the host snapshot a checkpoint holds, restoring it (with every mismatch
 // named), choosing the starting state, and writing the weights alone.
+#include <unistd.h>
+
+#include <exception>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <set>
 #include <tuple>
@@ -48,19 +52,22 @@ std::pair<int64_t, int64_t> Trainer::checkpoint_range(int64_t rank) const {
   return {boundary(rank), boundary(rank + 1)};
 }
 
-NamedTensors Trainer::arena_views_all_experts(const torch::Tensor& flat, const std::string& what) {
-  auto views = arena_views(flat);
+NamedTensors Trainer::with_all_experts(NamedTensors views, const std::string& what) {
   if (!expert_group_) return views;
   const int64_t N = expert_group_->world_size();
   for (auto& [name, tensor] : views) {
     if (!model_is_stacked_experts(name)) continue;
     auto shape = tensor.sizes().vec();
     shape[0] *= N;
+    if (tensor.is_meta()) {  // shapes only: nothing to gather
+      tensor = torch::empty(shape, tensor.options());
+      continue;
+    }
     auto whole = torch::empty(shape, tensor.options().device(device_));  // (E, ...)
     auto parts = whole.chunk(N, 0);                                       // rank i's experts: part i
     parts[static_cast<size_t>(expert_rank_)].copy_(tensor);
     expert_group_->all_gather(parts, what + " of " + name);
-    tensor = whole.to(flat.device());
+    tensor = whole.to(tensor.device());
   }
   return views;
 }
@@ -87,7 +94,7 @@ void Trainer::keep_local_experts(const NamedTensors& targets, const torch::Tenso
   }
 }
 
-CheckpointContents Trainer::snapshot(int64_t completed_steps, bool whole) {
+CheckpointContents Trainer::snapshot(int64_t completed_steps) {
   torch::NoGradGuard no_grad;
   CheckpointContents c;
   const int64_t rank = comm_->rank();
@@ -95,7 +102,7 @@ CheckpointContents Trainer::snapshot(int64_t completed_steps, bool whole) {
   // The arena range this rank keeps host copies of: its checkpoint shard, or, when one rank writes
   // everything, all on rank 0 and nothing elsewhere; every rank takes part in the gathers. (With
   // expert parallelism every rank gathers the experts from its host copy below.)
-  const bool own_shard = sharded_checkpoints() && !whole;
+  const bool own_shard = sharded_checkpoints();
   const auto [begin, end] = own_shard ? checkpoint_range(rank)
                             : rank == 0 || expert_group_ ? std::pair<int64_t, int64_t>{0, P}
                                                          : std::pair<int64_t, int64_t>{0, 0};
@@ -122,13 +129,13 @@ CheckpointContents Trainer::snapshot(int64_t completed_steps, bool whole) {
   if (begin == end) return c;  // nothing kept here
   // With expert parallelism every stacked expert tensor is gathered from the group: a checkpoint
   // holds every expert under its HF name, whatever expert_parallelism wrote it.
-  c.model = model_checkpoint_views(own_shard ? arena_views(params, begin) : arena_views_all_experts(params, "the expert weights"));
+  c.model = model_checkpoint_views(own_shard ? arena_views(params, begin) : with_all_experts(arena_views(params), "the expert weights"));
   if (rank == 0 || !own_shard)
     for (const auto& item : model_->named_buffers())
       c.model.emplace_back(item.key(), item.value().to(torch::kCPU, torch::kFloat32, false, true).contiguous());
   for (const auto& [prefix, moments] : {std::pair{"exp_avg.", m}, std::pair{"exp_avg_sq.", v}})
     for (const auto& [name, view] : model_checkpoint_views(own_shard ? arena_views(moments, begin)
-                                                                     : arena_views_all_experts(moments, "the expert AdamW moments")))
+                                                                     : with_all_experts(arena_views(moments), "the expert AdamW moments")))
       c.optimizer.emplace_back(prefix + name, view);
   c.state.step = completed_steps;
   c.state.updates_applied = updates_applied_;
@@ -411,11 +418,116 @@ void Trainer::load_hf_parameters(const std::string& dir) {
   spdlog::info("loaded the {} weights of {}; optimizer and step start fresh", architecture, dir);
 }
 
+// Exports stream the weights one unit at a time (sharding.h's model_units: the embedding, each
+// decoder layer, the rest), then the buffers: no rank ever holds more than one unit of weights
+// beyond its own state, and the optimizer moments are not read. Rank 0 first plans the files from
+// the same walk over meta tensors (names and shapes, no data, no collective), so each file's header
+// is written before its tensors arrive.
+NamedTensors Trainer::export_unit(size_t index, bool meta) {
+  torch::NoGradGuard no_grad;
+  const ShardUnit unit = model_units(model_).at(index);
+  const bool rank0 = comm_->rank() == 0;
+  torch::Tensor params;  // (numel) the unit's arena elements, on the host (or meta)
+  if (meta) {
+    if (!rank0) return {};
+    params = torch::empty({unit.numel}, torch::TensorOptions().dtype(torch::kFloat32).device(torch::kMeta));
+  } else if (sharded_state_) {
+    params = sharded_state_->unit_params_to_host(index, rank0);  // a collective with optim_grads_params
+  } else if (rank0 || expert_group_) {  // with expert parallelism every rank brings its experts
+    params = flat_params_.narrow(0, unit.begin, unit.numel).to(torch::kCPU, false, /*copy=*/true);
+  }
+  if (!params.defined()) return {};
+  auto views = with_all_experts(arena_views(params, unit.begin), "the expert weights");
+  if (!rank0) return {};
+  return model_checkpoint_views(views);
+}
+
+NamedTensors Trainer::export_buffers(bool meta) const {
+  NamedTensors out;
+  if (comm_->rank() != 0) return out;
+  for (const auto& item : model_->named_buffers())
+    out.emplace_back(item.key(), meta ? torch::empty(item.value().sizes(), torch::TensorOptions().dtype(torch::kFloat32).device(torch::kMeta))
+                                      : item.value().to(torch::kCPU, torch::kFloat32, false, true).contiguous());
+  return out;
+}
+
+NamedTensors Trainer::export_plan() {
+  NamedTensors plan;
+  const size_t units = model_units(model_).size();
+  for (size_t i = 0; i < units; ++i)
+    for (auto& item : export_unit(i, /*meta=*/true)) plan.push_back(std::move(item));
+  for (auto& item : export_buffers(/*meta=*/true)) plan.push_back(std::move(item));
+  return plan;
+}
+
+void Trainer::export_stream(const std::function<void(const NamedTensors&)>& write, std::exception_ptr& failure) {
+  const size_t units = model_units(model_).size();
+  for (size_t i = 0; i <= units; ++i) {
+    const auto tensors = i < units ? export_unit(i, /*meta=*/false) : export_buffers(/*meta=*/false);
+    if (tensors.empty() || failure) continue;  // a failed write: the others still take part to the end
+    try {
+      write(tensors);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  }
+}
+
 void Trainer::export_hf(const std::string& dir, int64_t max_shard_bytes, torch::ScalarType dtype) {
   const std::string config_json = hf_config_json(config_, dtype == torch::kBFloat16 ? "bfloat16" : "float32");
-  const auto c = snapshot(0, /*whole=*/true);  // every rank takes part; rank 0 writes
+  std::unique_ptr<HfDirectoryWriter> writer;
+  std::exception_ptr failure;
+  if (comm_->rank() == 0) {
+    try {
+      writer = std::make_unique<HfDirectoryWriter>(dir, config_json, hf_tensors_from_checkpoint(config_, export_plan()),
+                                                   max_shard_bytes, dtype);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  }
+  export_stream([&](const NamedTensors& tensors) { writer->append(hf_tensors_from_checkpoint(config_, tensors)); }, failure);
   if (comm_->rank() != 0) return;
-  hf_write_directory(dir, config_json, hf_tensors_from_checkpoint(config_, c.model), max_shard_bytes, dtype);
+  if (failure) std::rethrow_exception(failure);
+  writer->finish();
+}
+
+void Trainer::export_model(const std::string& path) {
+  std::unique_ptr<SafetensorsStreamWriter> writer;
+  const std::filesystem::path target(path);
+  const std::filesystem::path partial = target.string() + ".partial-" + std::to_string(getpid());
+  std::exception_ptr failure;
+  if (comm_->rank() == 0) {
+    try {
+      std::vector<SafetensorsEntry> entries;
+      for (const auto& [name, tensor] : export_plan())
+        entries.push_back({name, "F32", tensor.sizes().vec(), nullptr, static_cast<size_t>(tensor.numel()) * 4});
+      if (!target.parent_path().empty()) std::filesystem::create_directories(target.parent_path());
+      writer = std::make_unique<SafetensorsStreamWriter>(partial.string(), std::move(entries),
+                                                         std::map<std::string, std::string>{{"format", "pt"}});
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  }
+  export_stream(
+      [&](const NamedTensors& tensors) {
+        for (const auto& [name, tensor] : tensors) {
+          const auto bytes = tensor.contiguous();
+          writer->append(name, bytes.data_ptr(), bytes.nbytes());
+        }
+      },
+      failure);
+  if (comm_->rank() != 0) return;
+  try {
+    if (failure) std::rethrow_exception(failure);
+    writer->finish();
+    std::filesystem::rename(partial, target);
+    directory_sync(target.parent_path().empty() ? "." : target.parent_path().string());
+  } catch (const std::exception& e) {
+    writer.reset();
+    std::error_code ignored;
+    std::filesystem::remove(partial, ignored);
+    throw Error(kExitFailure, std::string("cannot export weights: ") + e.what());
+  }
 }
 
 NamedTensors Trainer::logits_for(const std::vector<int64_t>& tokens, bool with_gradients) {
@@ -457,18 +569,6 @@ NamedTensors Trainer::logits_for(const std::vector<int64_t>& tokens, bool with_g
   for (const auto& [name, grad] : model_checkpoint_views(by_parameter))
     named.emplace_back("grad." + name, grad.contiguous());
   return named;
-}
-
-void Trainer::export_model(const std::string& path) {
-  const auto c = snapshot(0, /*whole=*/true);  // every rank takes part; rank 0 writes
-  if (comm_->rank() != 0) return;
-  const auto parent = std::filesystem::path(path).parent_path();
-  if (!parent.empty()) std::filesystem::create_directories(parent);
-  try {
-    checkpoint_write_tensors(path, c.model);
-  } catch (const std::exception& e) {
-    throw Error(kExitFailure, std::string("cannot export weights: ") + e.what());
-  }
 }
 
 }  // namespace trainer

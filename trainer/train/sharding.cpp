@@ -26,6 +26,32 @@ size_t unit_of(const std::string& name, int64_t decoder_layers) {
 
 }  // namespace
 
+std::vector<ShardUnit> model_units(const Transformer& model, std::vector<size_t>* unit_of_parameter) {
+  const int64_t layers = model->model->num_decoder_layers;
+  std::vector<ShardUnit> units(static_cast<size_t>(layers) + 2);
+  units.front().name = "model.embed_tokens";
+  for (int64_t i = 0; i < layers; ++i) {
+    units[static_cast<size_t>(i) + 1].name = "model.layers." + std::to_string(i);
+    units[static_cast<size_t>(i) + 1].layer = i;
+  }
+  units.back().name = "the rest (MTP blocks, final norm, head)";
+  // Units are contiguous runs of the arena because named_parameters() lists modules in order.
+  std::vector<size_t> unit_index;
+  for (const auto& item : model->named_parameters()) {
+    const size_t u = unit_of(item.key(), layers);
+    TORCH_CHECK(unit_index.empty() || u >= unit_index.back(), "sharding: parameter ", item.key(), " is out of unit order");
+    unit_index.push_back(u);
+    units[u].numel += item.value().numel();
+  }
+  int64_t begin = 0;
+  for (auto& unit : units) {
+    unit.begin = begin;
+    begin += unit.numel;
+  }
+  if (unit_of_parameter) *unit_of_parameter = std::move(unit_index);
+  return units;
+}
+
 ShardedModelState::ShardedModelState(Transformer model, Communicator& comm, const Config& config,
                                      const torch::Device& device)
     : model_(std::move(model)),
@@ -33,34 +59,17 @@ ShardedModelState::ShardedModelState(Transformer model, Communicator& comm, cons
       bucket_elements_(std::max<int64_t>(1, config.gradient_bucket_size_mb * (1 << 20) / 4)),
       params_sharded_(config.data_parallel_sharding == "optim_grads_params") {
   const int64_t R = comm_.world_size(), rank = comm_.rank();
-  const int64_t layers = model_->model->num_decoder_layers;
-  units_.resize(static_cast<size_t>(layers) + 2);
-  units_.front().name = "model.embed_tokens";
-  for (int64_t i = 0; i < layers; ++i) {
-    units_[static_cast<size_t>(i) + 1].name = "model.layers." + std::to_string(i);
-    units_[static_cast<size_t>(i) + 1].layer = i;
-  }
-  units_.back().name = "the rest (MTP blocks, final norm, head)";
-  // Units are contiguous runs of the arena because named_parameters() lists modules in order.
-  const auto named = model_->named_parameters();
-  std::vector<size_t> unit_index;
-  for (const auto& item : named) {
-    const size_t u = unit_of(item.key(), layers);
-    TORCH_CHECK(unit_index.empty() || u >= unit_index.back(), "sharding: parameter ", item.key(), " is out of unit order");
-    unit_index.push_back(u);
-    units_[u].numel += item.value().numel();
-  }
-  int64_t begin = 0, shard = 0, largest_layer = 0;
+  std::vector<size_t> unit_index;  // per parameter, in named_parameters() order
+  units_ = model_units(model_, &unit_index);
+  int64_t shard = 0, largest_layer = 0;
   for (auto& unit : units_) {
-    unit.begin = begin;
     unit.part = (unit.numel + R - 1) / R;
     unit.shard_offset = shard;
     unit.own = std::clamp<int64_t>(unit.numel - rank * unit.part, 0, unit.part);
-    begin += unit.numel;
     shard += unit.part;
     if (unit.layer >= 0) largest_layer = std::max(largest_layer, R * unit.part);
   }
-  total_ = begin;
+  total_ = units_.back().begin + units_.back().numel;
   rank_ = rank;
 
   const auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(device);
@@ -77,6 +86,7 @@ ShardedModelState::ShardedModelState(Transformer model, Communicator& comm, cons
   }
 
   torch::NoGradGuard no_grad;
+  const auto named = model_->named_parameters();
   int64_t offset = 0;
   for (size_t i = 0; i < named.size(); ++i) {
     auto p = named[i].value();
@@ -126,6 +136,15 @@ torch::Tensor ShardedModelState::params_norm() {
 torch::Tensor ShardedModelState::params_to_host(int64_t begin, int64_t end) {
   if (params_sharded_) return gather_to_host(param_shard, "the parameters", begin, end);
   return arena.narrow(0, begin, end - begin).to(torch::kCPU, false, true);
+}
+
+torch::Tensor ShardedModelState::unit_params_to_host(size_t index, bool keep) {
+  torch::NoGradGuard no_grad;
+  const ShardUnit& unit = units_.at(index);
+  if (!params_sharded_) return keep ? arena.narrow(0, unit.begin, unit.numel).to(torch::kCPU, false, true) : torch::Tensor();
+  auto gathered = torch::empty({comm_.world_size() * unit.part}, param_shard.options());  // (R part)
+  gather_unit(unit, own_part(unit, param_shard), gathered, "the parameters");
+  return keep ? gathered.narrow(0, 0, unit.numel).to(torch::kCPU, false, true) : torch::Tensor();
 }
 
 void ShardedModelState::gather_unit(const ShardUnit& unit, const torch::Tensor& own, torch::Tensor padded,

@@ -31,6 +31,11 @@ struct ShardUnit {
   int64_t own = 0;           // elements of this rank's part inside the unit (part, fewer, or 0)
 };
 
+// The units of the parameter arena in order (embedding, each decoder layer, the rest) with name,
+// layer, begin and numel; the per-rank fields stay 0. unit_of_parameter: each parameter's unit,
+// in named_parameters() order.
+std::vector<ShardUnit> model_units(const Transformer& model, std::vector<size_t>* unit_of_parameter = nullptr);
+
 class ShardedModelState : public DecoderLayerHooks {
  public:
   // Moves the model's parameters (full, built on `device`) into the sharded layout, points every
@@ -60,6 +65,9 @@ class ShardedModelState : public DecoderLayerHooks {
   // Host copy of the arena's elements [begin, end) (a collective with optim_grads_params: every
   // rank takes part, whatever range it keeps; an empty range keeps nothing).
   torch::Tensor params_to_host(int64_t begin, int64_t end);
+  // Host copy of one unit's parameters (units()[index]) on the ranks that `keep` them, undefined
+  // elsewhere (a collective with optim_grads_params: every rank calls it for the same unit).
+  torch::Tensor unit_params_to_host(size_t index, bool keep);
 
   // The step's phases: zero the gradients and make the outer units' parameters current; reduce the
   // outer units' gradients after the last micro-batch; bring the parameters up to date after AdamW

@@ -3,6 +3,8 @@
 #pragma once
 #include <cstdint>
 #include <deque>
+#include <exception>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -99,16 +101,19 @@ class Trainer {
   int64_t load_initial_state();
   // Host-side copy of everything a bit-exact resume needs, after `completed_steps` steps; every
   // rank calls it (a collective with ZeRO-1, sharded levels or expert parallelism). With sharded
-  // levels over several ranks each rank keeps its own shard (sharded_checkpoints()), unless
-  // `whole`: then, as at the other levels, rank 0 keeps everything and the others nothing.
-  CheckpointContents snapshot(int64_t completed_steps, bool whole = false);
+  // levels over several ranks each rank keeps its own shard (sharded_checkpoints()); at the other
+  // levels rank 0 keeps everything and the others nothing.
+  CheckpointContents snapshot(int64_t completed_steps);
   // Each rank writes its own checkpoint files (optim_grads / optim_grads_params over R > 1).
   bool sharded_checkpoints() const { return sharded_state_ && comm_->world_size() > 1; }
-  // Writes the model weights alone (HF names) to a safetensors file.
+  // Writes the model weights alone (checkpoint names, fp32) to a safetensors file, the bytes of a
+  // checkpoint's model.safetensors. Every rank calls it (a collective with optim_grads_params or
+  // expert parallelism); rank 0 writes, streaming one unit at a time (export_unit), to a temporary
+  // name renamed when complete. Error(kExitFailure) on a failed write.
   void export_model(const std::string& path);
-  // Writes a Hugging Face model directory of the current weights (hf_write_directory: config.json,
-  // sharded safetensors in `dtype`, fp32 or bf16). Every rank calls it (a collective with ZeRO-1 or
-  // expert parallelism); rank 0 writes. Throws config_error when the model has no HF architecture.
+  // Writes a Hugging Face model directory of the current weights (HfDirectoryWriter: config.json,
+  // sharded safetensors in `dtype`, fp32 or bf16), streamed as export_model. Throws config_error
+  // when the model has no HF architecture.
   void export_hf(const std::string& dir, int64_t max_shard_bytes, torch::ScalarType dtype);
   // The model's fp32 logits for one sequence (positions 0.., one document):
   // {"logits": (L, V)} and, with MTP, {"mtp_logits.k": (L, V)} for each depth k. Every rank calls it
@@ -183,10 +188,20 @@ class Trainer {
   // parallelism the expert parts held by the other ranks of the group are added (a collective).
   torch::Tensor arena_norm(const torch::Tensor& flat);
   torch::Tensor arena_count_zeros(const torch::Tensor& flat);
-  // Named as named_parameters(), for a checkpoint: views of `flat` (an arena-shaped host or device
-  // buffer); with expert parallelism each stacked expert tensor is the whole layer's (E, ...),
-  // gathered from the expert-parallel group (a collective).
-  NamedTensors arena_views_all_experts(const torch::Tensor& flat, const std::string& what);
+  // `views` (arena_views of a host or device buffer) with, under expert parallelism, each stacked
+  // expert tensor replaced by the whole layer's (E, ...), gathered from the expert-parallel group
+  // (a collective; meta views are only reshaped).
+  NamedTensors with_all_experts(NamedTensors views, const std::string& what);
+  // Exports, one unit of model_units() at a time: the unit's weights named for a checkpoint (every
+  // expert) on rank 0, nothing elsewhere (a collective with optim_grads_params or expert
+  // parallelism); with `meta` rank 0's names and shapes only, no collective. export_buffers: the
+  // model's buffers (fp32) on rank 0. export_plan: all of it as meta tensors, in file order.
+  NamedTensors export_unit(size_t index, bool meta);
+  NamedTensors export_buffers(bool meta) const;
+  NamedTensors export_plan();
+  // Runs every unit's export_unit, then export_buffers, calling `write` on rank 0 with each
+  // non-empty result until one throws (kept in `failure`; the collectives still run to the end).
+  void export_stream(const std::function<void(const NamedTensors&)>& write, std::exception_ptr& failure);
   // The reverse, for a restore: targets named as named_parameters() whose stacked expert tensors
   // are whole-layer host tensors; keep_local_experts then copies this rank's experts into `flat`.
   NamedTensors restore_targets(const torch::Tensor& flat) const;
