@@ -6,7 +6,8 @@
 #   scripts/bench/peer_vs_trainer.sh                 the rows of docs/benchmarks.md
 #   ROWS="tiny:8:bfloat16 small:1:float32" scripts/bench/peer_vs_trainer.sh   chosen rows
 # A row is shape:K:dtype. Steps, warm-up and rounds per shape are below (small and medium take
-# seconds per step on 2 cores, so they run fewer steps and one round).
+# seconds per step on 2 cores, so they run fewer steps and one round); ROW_ROUNDS=N runs every
+# row N rounds (trainer, peer, trainer, peer, ...) and reports the median of the rounds.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 [ -x build/trainer ] || scripts/setup.sh
@@ -14,11 +15,12 @@ out=$(mktemp -d /tmp/trainer-peer-bench-XXXX)
 trap 'rm -rf "$out"' EXIT
 source scripts/bench/shapes.sh
 declare -A STEPS=([tiny]=25 [small]=8 [medium]=6) WARMUP=([tiny]=5 [small]=2 [medium]=2) ROUNDS=([tiny]=2 [small]=1 [medium]=1)
+if [ -n "${ROW_ROUNDS:-}" ]; then ROUNDS=([tiny]=$ROW_ROUNDS [small]=$ROW_ROUNDS [medium]=$ROW_ROUNDS); fi
 ROWS=${ROWS:-"tiny:1:float32 tiny:8:float32 tiny:1:bfloat16 tiny:8:bfloat16 small:1:float32 small:1:bfloat16 medium:1:float32"}
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); $(date -u +%F); both arms 1 LibTorch thread"
 echo
-echo "| shape | K | dtype | params | steps (warm-up) x rounds | trainer median s/step | peer median s/step | peer / trainer |"
-echo "|---|---|---|---|---|---|---|---|"
+echo "| shape | K | dtype | params | steps (warm-up) x rounds | trainer median s/step | peer median s/step | peer / trainer | per round |"
+echo "|---|---|---|---|---|---|---|---|---|"
 for row in $ROWS; do
   IFS=: read -r shape K dtype <<< "$row"
   steps=${STEPS[$shape]}; warmup=${WARMUP[$shape]}; rounds=${ROUNDS[$shape]}
@@ -38,6 +40,7 @@ import statistics, sys
 shape, K, dtype, params, steps, warmup, rounds = sys.argv[1:8]
 t = [float(x) for x in sys.argv[8].split()]; p = [float(x) for x in sys.argv[9].split()]
 tm, pm = statistics.median(t), statistics.median(p)
-print(f"| {shape} | {K} | {dtype} | {int(params):,} | {steps} ({warmup}) x {rounds} | {tm:.4f} | {pm:.4f} | {pm / tm:.2f}x |")
+per_round = " ".join(f"{b / a:.2f}" for a, b in zip(t, p))
+print(f"| {shape} | {K} | {dtype} | {int(params):,} | {steps} ({warmup}) x {rounds} | {tm:.4f} | {pm:.4f} | {pm / tm:.2f}x | {per_round} |")
 PY
 done

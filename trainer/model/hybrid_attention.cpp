@@ -62,12 +62,13 @@ torch::Tensor MlaAttentionImpl::forward(const torch::Tensor& x, const RopeTables
   // The two projections of x run as one GEMM: [q_a (or q); kv_a].
   const auto first = q_lora_rank_ > 0 ? q_a_proj->weight : q_proj->weight;
   const auto q_width = first.size(0);
-  const auto projected = linear_fused(x, {first, kv_a_proj_with_mqa->weight});  // (B, L, q_width + r_kv + rope)
-  auto q = projected.narrow(-1, 0, q_width);
+  const auto projected = linear_fused(x, {first, kv_a_proj_with_mqa->weight})  // (B, L, q_width + r_kv + rope)
+                             .split_with_sizes({q_width, kv_lora_rank_, rope_dim_}, -1);
+  auto q = projected[0];
   if (q_lora_rank_ > 0) q = q_b_proj(q_a_layernorm(q));
   q = q.view({B, L, H, qk_dim}).transpose(1, 2);                                          // (B, H, L, nope + rope)
-  const auto latent = kv_a_layernorm(projected.narrow(-1, q_width, kv_lora_rank_));      // (B, L, r_kv)
-  auto k_pe = projected.narrow(-1, q_width + kv_lora_rank_, rope_dim_).unsqueeze(1);     // (B, 1, L, rope)
+  const auto latent = kv_a_layernorm(projected[1]);  // (B, L, r_kv)
+  auto k_pe = projected[2].unsqueeze(1);             // (B, 1, L, rope)
   const auto kv = kv_b_proj(latent).view({B, L, H, nope_dim_ + v_dim_}).transpose(1, 2);  // (B, H, L, nope + v)
   auto q_pe = q.narrow(-1, nope_dim_, rope_dim_);  // (B, H, L, rope)
   if (interleaved_rope_) {
@@ -146,9 +147,10 @@ torch::Tensor GlaAttentionImpl::forward(const torch::Tensor& x, const RopeTables
   const auto B = x.size(0), L = x.size(1), H = num_heads_, hd = head_dim_, width = H * hd;
   auto qkv = linear_fused(x, {q_proj->weight, k_proj->weight, v_proj->weight});  // (B, L, 3 H hd)
   if (linear_silu_) qkv = F::silu(qkv);
-  auto q = qkv.narrow(-1, 0, width).view({B, L, H, hd});
-  auto k = qkv.narrow(-1, width, width).view({B, L, H, hd});
-  const auto v = qkv.narrow(-1, 2 * width, width).view({B, L, H, hd}).transpose(1, 2);  // (B, H, L, hd)
+  const auto parts = qkv.split_with_sizes({width, width, width}, -1);
+  auto q = parts[0].view({B, L, H, hd});
+  auto k = parts[1].view({B, L, H, hd});
+  const auto v = parts[2].view({B, L, H, hd}).transpose(1, 2);  // (B, H, L, hd)
   if (q_norm) {
     q = q_norm(q);
     k = k_norm(k);

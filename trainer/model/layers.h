@@ -12,7 +12,7 @@ namespace trainer::model_detail {
 
 torch::nn::Linear linear(int64_t in, int64_t out);  // weight (out, in), no bias
 
-// F::linear(x, cat(weights)): (..., sum out_i); callers narrow it.
+// F::linear(x, cat(weights)): (..., sum out_i); callers split_with_sizes it (model.cpp says why).
 torch::Tensor linear_fused(const torch::Tensor& x, std::initializer_list<torch::Tensor> weights);
 
 // x: (B, H, L, hd). Rotates the first cos.size(-1) dims, pairing i with i + rot/2 (rotate_half).

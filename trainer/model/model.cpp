@@ -53,7 +53,11 @@ torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const
 // One GEMM for several projections of the same input: their weights (each (out_i, D)) are
 // concatenated along the output dimension per forward. The copy is of weights only, small next to
 // the activations; it saves a GEMM per extra projection forward, two backward, and the
-// accumulation of their input gradients. Returns the (..., sum out_i) output; callers narrow it.
+// accumulation of their input gradients. Returns the (..., sum out_i) output. Callers take the
+// projections apart with split_with_sizes, not narrow: split's backward concatenates the pieces'
+// gradients in one pass, where each narrow's backward zero-fills a full-width gradient and
+// autograd adds them (3% of an isolated fused layer's forward + backward on the CPU; within
+// noise in a whole step, docs/benchmarks.md "Against the PyTorch peer").
 torch::Tensor linear_fused(const torch::Tensor& x, std::initializer_list<torch::Tensor> weights) {
   return F::linear(x, torch::cat(weights));
 }
@@ -179,10 +183,11 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const RopeTables& r
                                      bool recompute_norms) {
   const auto B = x.size(0), L = x.size(1);
   const auto q_dim = num_heads_ * head_dim_, kv_dim = num_kv_heads_ * head_dim_;
-  const auto qkv = linear_fused(x, {q_proj->weight, k_proj->weight, v_proj->weight});  // (B, L, q_dim + 2 kv_dim)
-  auto q = qkv.narrow(-1, 0, q_dim).view({B, L, num_heads_, head_dim_});                // (B, L, Hq, hd)
-  auto k = qkv.narrow(-1, q_dim, kv_dim).view({B, L, num_kv_heads_, head_dim_});        // (B, L, Hkv, hd)
-  auto v = qkv.narrow(-1, q_dim + kv_dim, kv_dim).view({B, L, num_kv_heads_, head_dim_});  // (B, L, Hkv, hd)
+  const auto qkv = linear_fused(x, {q_proj->weight, k_proj->weight, v_proj->weight})  // (B, L, q_dim + 2 kv_dim)
+                       .split_with_sizes({q_dim, kv_dim, kv_dim}, -1);
+  auto q = qkv[0].view({B, L, num_heads_, head_dim_});     // (B, L, Hq, hd)
+  auto k = qkv[1].view({B, L, num_kv_heads_, head_dim_});  // (B, L, Hkv, hd)
+  auto v = qkv[2].view({B, L, num_kv_heads_, head_dim_});  // (B, L, Hkv, hd)
   if (q_norm) {
     q = norm_forward(q_norm, q, recompute_norms);
     k = norm_forward(k_norm, k, recompute_norms);
@@ -216,8 +221,8 @@ torch::Tensor MlpImpl::forward(const torch::Tensor& x, bool recompute_activation
   };
   if (!one_gemm_for_gate_up_) return down_proj(activation(gate_proj(x), up_proj(x)));
   const auto hidden = gate_proj->weight.size(0);
-  const auto gate_up = linear_fused(x, {gate_proj->weight, up_proj->weight});  // (B, L, 2F)
-  return down_proj(activation(gate_up.narrow(-1, 0, hidden), gate_up.narrow(-1, hidden, hidden)));
+  const auto gate_up = linear_fused(x, {gate_proj->weight, up_proj->weight}).split_with_sizes({hidden, hidden}, -1);  // (B, L, F) x 2
+  return down_proj(activation(gate_up[0], gate_up[1]));
 }
 
 DecoderLayerImpl::DecoderLayerImpl(const Config& c, bool use_moe, int64_t layer_index) {

@@ -189,8 +189,8 @@ torch::Tensor MoeExpertsImpl::forward(const torch::Tensor& x_sorted, const std::
   const auto gate_up = gate_up_proj.unbind(0), down = down_proj.unbind(0);
   std::vector<torch::Tensor> outputs;  // one (rows, D) per expert with rows
   for_each_expert_rows(group_sizes, [&](int64_t e, int64_t first, int64_t rows) {
-    const auto gu = F::linear(x_sorted.narrow(0, first, rows), gate_up[e]);  // (rows, 2F)
-    outputs.push_back(F::linear(F::silu(gu.narrow(1, 0, hidden)) * gu.narrow(1, hidden, hidden), down[e]));
+    const auto gu = F::linear(x_sorted.narrow(0, first, rows), gate_up[e]).split_with_sizes({hidden, hidden}, 1);  // (rows, F) x 2
+    outputs.push_back(F::linear(F::silu(gu[0]) * gu[1], down[e]));
   });
   if (outputs.empty()) return torch::zeros({0, x_sorted.size(1)}, x_sorted.options().dtype(expert_compute_dtype(x_sorted)));
   return torch::cat(outputs);
@@ -205,8 +205,9 @@ torch::Tensor MoeExpertsImpl::forward_on_device(const torch::Tensor& x_sorted, c
   const auto hidden = down_proj.size(2);
   const auto offsets = group_sizes.cumsum(0).to(torch::kInt32);  // (E) end row of each expert
   const auto gu = compat::grouped_mm(x_sorted.to(at::kBFloat16), gate_up_proj.to(at::kBFloat16).transpose(1, 2),
-                                     offsets);  // (M, 2F)
-  const auto h = F::silu(gu.narrow(1, 0, hidden)) * gu.narrow(1, hidden, hidden);  // (M, F)
+                                     offsets)
+                      .split_with_sizes({hidden, hidden}, 1);  // (M, F) x 2
+  const auto h = F::silu(gu[0]) * gu[1];                          // (M, F)
   return compat::grouped_mm(h, down_proj.to(at::kBFloat16).transpose(1, 2), offsets);  // (M, D)
 }
 
