@@ -7,8 +7,10 @@
 
 #include <catch2/catch.hpp>
 
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <regex>
 
 #include "test_support.h"
@@ -302,4 +304,50 @@ TEST_CASE("a gradient-sized temporary would be counted", "[metrics]") {
   const auto after = host_allocations();
   CHECK(after.watched - before.watched == 1);
   CHECK(after.allocations - before.allocations >= 1);
+}
+
+namespace {
+
+// The VmFlags line of the mapping of this process that holds `address` (/proc/self/smaps).
+std::string mapping_flags(const void* address) {
+  std::ifstream smaps("/proc/self/smaps");
+  const auto at = reinterpret_cast<uintptr_t>(address);
+  bool inside = false;
+  for (std::string line; std::getline(smaps, line);) {
+    // A mapping's first line: "begin-end perms offset dev inode path" (hex addresses, no colon
+    // before the first space); its detail lines are "Key: value".
+    unsigned long begin = 0, end = 0;
+    const auto space = line.find(' ');
+    if (space != std::string::npos && line.find(':') > space && std::sscanf(line.c_str(), "%lx-%lx", &begin, &end) == 2)
+      inside = begin <= at && at < end;
+    if (inside && line.rfind("VmFlags:", 0) == 0) return line;
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("host_huge_pages advises fresh CPU blocks of 32 MiB and more, and only those", "[metrics]") {
+  // The flag "hg" (MADV_HUGEPAGE) on the block's mapping, whatever the kernel's THP mode; blocks
+  // below 32 MiB come from the heap, where they are reused, and are left alone.
+  host_memory_keep_freed();
+  host_memory_huge_pages();
+  const auto large = torch::empty({(40 << 20) / 4});  // 40 MiB: its own mapping
+  const auto small = torch::empty({(4 << 20) / 4});   // 4 MiB: heap
+  // The middle of each block: its first partial page is not advised (the range starts at its first
+  // 4 KiB boundary), which splits the mapping there.
+  const auto middle = [](const torch::Tensor& t) { return static_cast<const char*>(t.data_ptr()) + t.nbytes() / 2; };
+  const std::string large_flags = mapping_flags(middle(large)), small_flags = mapping_flags(middle(small));
+  INFO(large_flags << " | " << small_flags);
+  REQUIRE_FALSE(large_flags.empty());
+  REQUIRE_FALSE(small_flags.empty());
+  if (!std::filesystem::exists("/sys/kernel/mm/transparent_hugepage/enabled")) {
+    WARN("this kernel has no transparent huge pages: madvise(MADV_HUGEPAGE) fails and nothing is advised");
+    CHECK(large_flags.find(" hg") == std::string::npos);
+  } else {
+    CHECK(large_flags.find(" hg") != std::string::npos);
+  }
+  CHECK(small_flags.find(" hg") == std::string::npos);
+  large.fill_(1.0f);  // usable
+  CHECK(large.sum().item<double>() == (40 << 20) / 4);
 }

@@ -21,6 +21,7 @@ using StringList = std::vector<std::string>;
   X(std::string, hardware)                        \
   X(int64_t, num_threads)                         \
   X(bool, keep_freed_host_memory)                 \
+  X(bool, host_huge_pages)                        \
   X(int64_t, steps)                               \
   X(int64_t, log_period)                          \
   X(std::string, metrics_file)                    \

@@ -42,6 +42,16 @@ double device_free_memory_bytes(const torch::Device& device);
 // is true (the default).
 void host_memory_keep_freed();
 
+// Makes LibTorch's CPU allocations of 32 MiB and more (glibc maps each afresh) ask the kernel for
+// transparent huge pages (madvise MADV_HUGEPAGE before the first touch; honoured where
+// /sys/kernel/mm/transparent_hugepage/enabled is "madvise" or "always"). Such a buffer then
+// faults in 2 MiB at a time instead of 4 KiB: the flat parameter, gradient and AdamW buffers,
+// checkpoint snapshots, a large vocabulary's logits. On this project's CI VMs (paravirtualized,
+// ~15 us per fault) faulting in a 104M model's five parameter-sized buffers took 6 s, 0.5-0.9 s
+// advised (docs/benchmarks.md, "Host huge pages"). The Trainer calls it before building the model
+// when host_huge_pages is true (the default).
+void host_memory_huge_pages();
+
 // LibTorch CPU allocations, counted by a wrapper around the CPU allocator that
 // host_allocations_watch installs (`available` is false until then; the Trainer watches on CPU
 // devices). `watched` counts allocations of exactly the watched size (the flat gradient buffer's

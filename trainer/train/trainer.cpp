@@ -90,6 +90,7 @@ Trainer::Trainer(Config config)
       size_(model_size(config_)) {
   perf_startup_mark("device, rendezvous, data");
   if (config_.keep_freed_host_memory) host_memory_keep_freed();
+  if (config_.host_huge_pages) host_memory_huge_pages();
   if (config_.num_threads > 0) torch::set_num_threads(static_cast<int>(config_.num_threads));
   // Nothing in a step draws from the global generator today; seeding it anyway makes its state
   // (saved in checkpoints) a function of the config, so future random ops resume bit-exactly.

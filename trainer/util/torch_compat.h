@@ -180,7 +180,8 @@ bool tcp_store_use_classic_backend(StoreOptions& options) {
 
 namespace trainer::compat {
 
-// A c10::Allocator that hands every request to another one and sees each size first. LibTorch
+// A c10::Allocator that hands every request to another one and sees each block (size, data)
+// before returning it. LibTorch
 // 2.3 made allocate() non-const and added the pure virtual copy_data(); both live here. The
 // DataPtrs come from the base, with its deleter, so frees go where they always went.
 class ForwardingAllocator : public c10::Allocator {
@@ -191,8 +192,9 @@ class ForwardingAllocator : public c10::Allocator {
 #else
   c10::DataPtr allocate(size_t n) const override {
 #endif
-    on_allocate(n);
-    return base_->allocate(n);
+    auto block = base_->allocate(n);
+    on_allocate(n, block.get());
+    return block;
   }
   c10::DeleterFnPtr raw_deleter() const override { return base_->raw_deleter(); }
 #if TRAINER_TORCH_AT_LEAST(2, 3)
@@ -201,7 +203,7 @@ class ForwardingAllocator : public c10::Allocator {
 #endif
 
  protected:
-  virtual void on_allocate(size_t n) const = 0;
+  virtual void on_allocate(size_t n, void* data) const = 0;
 
  private:
   c10::Allocator* base_;
