@@ -427,6 +427,7 @@ TEST_CASE("gla_reset_at_documents=false lets the GLA state run across packed doc
                                   std::string("gla_reset_at_documents=") + (reset ? "true" : "false")});
     torch::manual_seed(3);
     GlaAttention gla(c, 1);
+    draw_weights(*gla, 0.3);
     DecoderStack stack(c);
     torch::NoGradGuard no_grad;
     const auto ctx = stack->context(positions, seg, /*one_segment_per_row=*/false);

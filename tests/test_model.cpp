@@ -2,6 +2,10 @@
 // the logits against an independent float64 forward written from Hugging Face's definitions.
 #include <catch2/catch.hpp>
 
+#include <unistd.h>
+
+#include <fstream>
+
 #include "test_support.h"
 #include "trainer/model/model.h"
 
@@ -110,6 +114,68 @@ TEST_CASE("the same init_weights_seed gives the same weights, another seed does 
   const auto pa = a->named_parameters(), pb = b->named_parameters(), pc = c->named_parameters();
   CHECK(torch::equal(pa["model.layers.0.mlp.up_proj.weight"], pb["model.layers.0.mlp.up_proj.weight"]));
   CHECK_FALSE(torch::equal(pa["model.layers.0.mlp.up_proj.weight"], pc["model.layers.0.mlp.up_proj.weight"]));
+}
+
+namespace {
+// Resident set size of this process (bytes), from /proc/self/statm.
+double resident_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  double pages_total = 0, pages_resident = 0;
+  statm >> pages_total >> pages_resident;
+  return pages_resident * static_cast<double>(sysconf(_SC_PAGESIZE));
+}
+}  // namespace
+
+TEST_CASE("weights drawn unit by unit (optim_grads_params) equal model_build's, and an undrawn model touches no memory",
+          "[model][sharding]") {
+  SECTION("drawn in runs, one decoder layer (or other parameter) at a time") {
+    for (const auto& [options, expert_rank] : std::vector<std::pair<std::vector<std::string>, int64_t>>{
+             {{"model_name=ling-mini-tiny"}, 0},
+             {{"model_name=ling-mini-tiny", "expert_parallelism=2"}, 1},
+             {{"model_name=ling2-tiny"}, 0}}) {
+      const Config c = tiny_config(options);
+      INFO(options.back() << ", expert rank " << expert_rank);
+      auto whole = model_build(c, expert_rank);
+      auto undrawn = model_build(c, expert_rank, /*draw=*/false);
+      // Runs split independently of sharding.h's units: by "model.layers.N." prefix, else one
+      // parameter per run (a layer's stacked experts must share a run; nothing else must).
+      std::vector<NamedTensors> runs;
+      std::string previous;
+      for (const auto& item : undrawn->named_parameters()) {
+        const auto& name = item.key();
+        const auto dot = name.find('.', std::string("model.layers.").size());
+        const auto key = name.rfind("model.layers.", 0) == 0 ? name.substr(0, dot) : name;
+        if (runs.empty() || key != previous) runs.emplace_back();
+        runs.back().emplace_back(name, item.value());
+        previous = key;
+      }
+      CHECK(runs.size() > c.base_num_decoder_layers);
+      ModelInitializer initializer(c, expert_rank);
+      for (const auto& run : runs) initializer.draw(run);
+      const auto expected = whole->named_parameters();
+      for (const auto& item : undrawn->named_parameters()) {
+        INFO(item.key());
+        CHECK(torch::equal(item.value(), expected[item.key()]));
+      }
+    }
+  }
+  SECTION("construction allocates but does not touch the weights; drawing does") {
+    const Config c = tiny_config({"override_model_config=true", "base_num_decoder_layers=8", "base_emb_dim=512",
+                                  "base_mlp_dim=8192"});
+    const double before = resident_bytes();
+    auto model = model_build(c, 0, /*draw=*/false);
+    const double built = resident_bytes();
+    double bytes = 0;
+    for (const auto& p : model->parameters()) bytes += 4.0 * static_cast<double>(p.numel());
+    REQUIRE(bytes > 300e6);
+    CHECK(built - before < 0.05 * bytes);
+    ModelInitializer(c, 0).draw([&] {
+      NamedTensors all;
+      for (const auto& item : model->named_parameters()) all.emplace_back(item.key(), item.value());
+      return all;
+    }());
+    CHECK(resident_bytes() - built > 0.9 * bytes);
+  }
 }
 
 namespace {

@@ -235,6 +235,7 @@ TEST_CASE("load-balancing loss of a crafted router equals the hand-computed valu
     const Config c = tiny_config({"override_model_config=true", "base_emb_dim=2", "num_experts=2", "num_experts_per_tok=1",
                                   "base_moe_mlp_dim=4", "routed_score_func=" + func});
     Moe moe(c);
+    draw_weights(*moe, 0.3);
     torch::NoGradGuard no_grad;
     moe->gate->weight.copy_(torch::eye(2));  // router logits = x
     // Three valid tokens and one padding token that must not count.
@@ -562,6 +563,7 @@ TEST_CASE("top-k dispatch with norm_topk_prob and routed_scaling_factor equals a
                                     std::string("norm_topk_prob=") + (normalize ? "true" : "false")});
       torch::manual_seed(5);
       Moe moe(c);
+      draw_weights(*moe, 0.3);
       torch::NoGradGuard no_grad;
       moe->gate->weight.copy_(torch::tensor({1.0f, 0.0f, 0.0f, 1.0f, 1.0f, 1.0f}).view({3, 2}));
       const auto x = torch::tensor({0.3f, -1.2f, 2.0f, 0.5f, -0.4f, -0.9f}).view({1, 3, 2});
@@ -604,6 +606,7 @@ TEST_CASE("group-limited routing picks the top-k among the best groups' experts,
                                 "topk_routing_group=2"});
   torch::manual_seed(11);
   Moe moe(c);
+  draw_weights(*moe, 0.3);
   torch::NoGradGuard no_grad;
   moe->gate->weight.copy_(torch::eye(8));
   const std::vector<double> bias = {0.0, 0.05, -0.1, 0.0, 0.02, 0.0, 0.0, -0.03};
@@ -748,7 +751,9 @@ TEST_CASE("grouped expert dispatch equals the per-expert loop: outputs and gradi
       loop->to(dtype);
       {
         torch::NoGradGuard no_grad;
-        grouped->gate->weight.normal_(0.0, 0.5);  // the module's own is left to model_build
+        // Modules are built undrawn (model_build draws); these scales keep the routing decisive.
+        for (auto& item : grouped->named_parameters()) item.value().normal_(0.0, 0.15);
+        grouped->gate->weight.normal_(0.0, 0.5);
         auto source = grouped->named_parameters();
         for (auto& item : loop->named_parameters()) item.value().copy_(source[item.key()]);
         for (const int64_t e : test.favoured)
@@ -791,6 +796,7 @@ TEST_CASE("grouped expert dispatch equals the per-expert loop: outputs and gradi
 TEST_CASE("grouped experts with no rows, and under bf16 autocast", "[moe][dispatch]") {
   torch::manual_seed(3);
   MoeExperts experts(4, 16, 12);
+  draw_weights(*experts, 0.3);
   // A rank of an expert-parallel group may receive no rows at all.
   const auto none = torch::zeros({0, 16}).requires_grad_(true);
   const auto y = experts->forward(none, {0, 0, 0, 0}, /*grouped=*/true);

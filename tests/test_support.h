@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include <torch/torch.h>
+
 #include "trainer/config/config.h"
 
 namespace trainer::testing {
@@ -50,6 +52,13 @@ inline std::string source_path(const std::string& relative) {
 }
 
 // configs/base.yml + the test-tiny model + overrides; the process environment is ignored.
+// Modules are built undrawn (model.h: model_build draws); a test that builds one directly draws
+// its weights here, from the global generator.
+inline void draw_weights(torch::nn::Module& module, double std) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : module.parameters()) p.normal_(0.0, std);
+}
+
 inline Config tiny_config(std::vector<std::string> overrides = {}) {
   std::vector<std::string> all = {"model_name=test-tiny", "max_target_length=16", "run_name=test",
                                   "dataset_type=synthetic", "pad_id=0", "data_shuffle_seed=0",

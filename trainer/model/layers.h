@@ -10,7 +10,7 @@
 
 namespace trainer::model_detail {
 
-torch::nn::Linear linear(int64_t in, int64_t out);  // weight (out, in), no bias
+Linear linear(int64_t in, int64_t out);  // weight (out, in), no bias, uninitialized
 
 // F::linear(x, cat(weights)): (..., sum out_i); callers split_with_sizes it (model.cpp says why).
 torch::Tensor linear_fused(const torch::Tensor& x, std::initializer_list<torch::Tensor> weights);

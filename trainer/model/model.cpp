@@ -29,11 +29,20 @@ torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
   return (normed * weight).to(x.scalar_type());
 }
 
+// torch::empty: allocated, never touched until drawn (model.h).
+LinearImpl::LinearImpl(int64_t in, int64_t out) { weight = register_parameter("weight", torch::empty({out, in})); }
+
+torch::Tensor LinearImpl::forward(const torch::Tensor& x) { return F::linear(x, weight); }
+
+EmbeddingImpl::EmbeddingImpl(int64_t vocab, int64_t dim) {
+  weight = register_parameter("weight", torch::empty({vocab, dim}));
+}
+
+torch::Tensor EmbeddingImpl::forward(const torch::Tensor& tokens) { return F::embedding(tokens, weight); }
+
 namespace model_detail {
 
-torch::nn::Linear linear(int64_t in, int64_t out) {
-  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
-}
+Linear linear(int64_t in, int64_t out) { return Linear(in, out); }
 
 // x: (B, H, L, hd). HF's rotate_half pairs dimension i with i + rotary_dim/2:
 //   rope(x) = x * cos + rotate_half(x) * sin,  rotate_half(x) = (-x2, x1)  for x = (x1, x2).
@@ -275,7 +284,7 @@ DecoderStackImpl::DecoderStackImpl(const Config& c)
       rotary_dim_(static_cast<int64_t>(std::llround(c.partial_rotary_factor * static_cast<double>(c.head_dim)))),
       rope_theta_(c.rope_max_timescale) {
   remat_policy = c.remat_policy;
-  embed_tokens = register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.base_emb_dim));
+  embed_tokens = register_module("embed_tokens", Embedding(c.vocab_size, c.base_emb_dim));
   layers = register_module("layers", torch::nn::ModuleList());
   const bool moe_model = c.num_experts > 1;
   for (int64_t i = 0; i < c.base_num_decoder_layers; ++i)
@@ -478,14 +487,14 @@ NamedTensors model_checkpoint_views(const NamedTensors& by_parameter, int64_t fi
   return out;
 }
 
-Transformer model_build(const Config& config, int64_t expert_rank) {
-  Transformer model(config);
-  auto generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.init_weights_seed));
+ModelInitializer::ModelInitializer(const Config& config, int64_t expert_rank)
+    : generator_(at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.init_weights_seed))),
+      first_expert_(expert_rank * (config.num_experts / config.expert_parallelism)),
+      total_experts_(config.num_experts > 1 ? config.num_experts : 0) {}
+
+void ModelInitializer::draw(const NamedTensors& parameters) {
   torch::NoGradGuard no_grad;
-  NamedTensors parameters;
-  for (const auto& item : model->named_parameters()) parameters.emplace_back(item.key(), item.value());
-  const int64_t first_expert = expert_rank * (config.num_experts / config.expert_parallelism);
-  checkpoint_walk(parameters, first_expert, config.num_experts > 1 ? config.num_experts : 0,
+  checkpoint_walk(parameters, first_expert_, total_experts_,
                   [&](const std::string& name, torch::Tensor tensor, const std::vector<int64_t>& shape) {
                     if (ends_with(name, "norm.weight")) {
                       tensor.fill_(1.0);
@@ -493,8 +502,17 @@ Transformer model_build(const Config& config, int64_t expert_rank) {
                     }
                     // Another rank's expert: drawn into scratch, so the generator stays in step.
                     if (!tensor.defined()) tensor = torch::empty(shape);
-                    tensor.normal_(0.0, 0.02, generator);
+                    tensor.normal_(0.0, 0.02, generator_);
                   });
+}
+
+Transformer model_build(const Config& config, int64_t expert_rank, bool draw) {
+  Transformer model(config);
+  if (draw) {
+    NamedTensors parameters;
+    for (const auto& item : model->named_parameters()) parameters.emplace_back(item.key(), item.value());
+    ModelInitializer(config, expert_rank).draw(parameters);
+  }
   return model;
 }
 

@@ -24,6 +24,28 @@ class RMSNormImpl : public torch::nn::Module {
 };
 TORCH_MODULE(RMSNorm);
 
+// The model's weights are built uninitialized: construction allocates but touches no memory, and
+// model_build (or, under optim_grads_params, the sharded state, one unit at a time) draws every
+// value. So a rank that shards the model never holds more than one unit of initial weights.
+
+// A bias-free linear layer, y = x W^T (torch::nn::Linear without its initialization).
+class LinearImpl : public torch::nn::Module {
+ public:
+  LinearImpl(int64_t in, int64_t out);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor weight;  // (out, in)
+};
+TORCH_MODULE(Linear);
+
+// A token embedding table (torch::nn::Embedding without its initialization).
+class EmbeddingImpl : public torch::nn::Module {
+ public:
+  EmbeddingImpl(int64_t vocab, int64_t dim);
+  torch::Tensor forward(const torch::Tensor& tokens);  // (B, L) int64 -> (B, L, D)
+  torch::Tensor weight;  // (V, D)
+};
+TORCH_MODULE(Embedding);
+
 // Rotary embedding tables for explicit per-token positions (positions restart per document).
 struct RopeTables {
   torch::Tensor cos;         // (B, 1, L, rotary_dim): cos of (angles, angles)
@@ -39,10 +61,10 @@ class AttentionImpl : public torch::nn::Module {
   // recompute_norms: q/k norms recomputed in backward (remat_policy=minimal).
   torch::Tensor forward(const torch::Tensor& x, const RopeTables& rope, const torch::Tensor& allowed,
                         bool recompute_norms = false);
-  torch::nn::Linear q_proj{nullptr};  // (Hq*hd, D)
-  torch::nn::Linear k_proj{nullptr};  // (Hkv*hd, D)
-  torch::nn::Linear v_proj{nullptr};  // (Hkv*hd, D)
-  torch::nn::Linear o_proj{nullptr};  // (D, Hq*hd)
+  Linear q_proj{nullptr};  // (Hq*hd, D)
+  Linear k_proj{nullptr};  // (Hkv*hd, D)
+  Linear v_proj{nullptr};  // (Hkv*hd, D)
+  Linear o_proj{nullptr};  // (D, Hq*hd)
   RMSNorm q_norm{nullptr};            // (hd), only with use_qk_norm
   RMSNorm k_norm{nullptr};            // (hd), only with use_qk_norm
  private:
@@ -76,14 +98,14 @@ class MlaAttentionImpl : public torch::nn::Module {
   explicit MlaAttentionImpl(const Config& config);
   // x: (B, L, D); rope: the MLA tables (qk_rope_head_dim wide); allowed as for AttentionImpl.
   torch::Tensor forward(const torch::Tensor& x, const RopeTables& rope, const torch::Tensor& allowed);
-  torch::nn::Linear q_a_proj{nullptr};            // (r_q, D), with q_lora_rank > 0
+  Linear q_a_proj{nullptr};            // (r_q, D), with q_lora_rank > 0
   RMSNorm q_a_layernorm{nullptr};                 // (r_q), with q_lora_rank > 0
-  torch::nn::Linear q_b_proj{nullptr};            // (H*(nope+rope), r_q), with q_lora_rank > 0
-  torch::nn::Linear q_proj{nullptr};              // (H*(nope+rope), D), with q_lora_rank = 0
-  torch::nn::Linear kv_a_proj_with_mqa{nullptr};  // (r_kv + rope, D)
+  Linear q_b_proj{nullptr};            // (H*(nope+rope), r_q), with q_lora_rank > 0
+  Linear q_proj{nullptr};              // (H*(nope+rope), D), with q_lora_rank = 0
+  Linear kv_a_proj_with_mqa{nullptr};  // (r_kv + rope, D)
   RMSNorm kv_a_layernorm{nullptr};                // (r_kv)
-  torch::nn::Linear kv_b_proj{nullptr};           // (H*(nope+v), r_kv)
-  torch::nn::Linear o_proj{nullptr};              // (D, H*v)
+  Linear kv_b_proj{nullptr};           // (H*(nope+v), r_kv)
+  Linear o_proj{nullptr};              // (D, H*v)
   double softmax_scale = 0;                       // s above
  private:
   int64_t num_heads_, q_lora_rank_, kv_lora_rank_, nope_dim_, rope_dim_, v_dim_;
@@ -104,11 +126,11 @@ class GlaAttentionImpl : public torch::nn::Module {
   // x: (B, L, D); rope: the decoder's tables; segment_ids: (B, L), or undefined for one document per row.
   torch::Tensor forward(const torch::Tensor& x, const RopeTables& rope, const torch::Tensor& segment_ids);
   torch::Tensor decay(const torch::Device& device);  // (H) fp32 gamma_h, on `device`
-  torch::nn::Linear q_proj{nullptr};  // (H*hd, D)
-  torch::nn::Linear k_proj{nullptr};  // (H*hd, D)
-  torch::nn::Linear v_proj{nullptr};  // (H*hd, D)
-  torch::nn::Linear g_proj{nullptr};  // (H*hd, D): output gate
-  torch::nn::Linear o_proj{nullptr};  // (D, H*hd)
+  Linear q_proj{nullptr};  // (H*hd, D)
+  Linear k_proj{nullptr};  // (H*hd, D)
+  Linear v_proj{nullptr};  // (H*hd, D)
+  Linear g_proj{nullptr};  // (H*hd, D): output gate
+  Linear o_proj{nullptr};  // (D, H*hd)
   RMSNorm q_norm{nullptr};            // (hd), only with use_qk_norm
   RMSNorm k_norm{nullptr};            // (hd), only with use_qk_norm
   GroupRMSNorm g_norm{nullptr};       // (H*hd), group_norm_size groups
@@ -140,9 +162,9 @@ class MlpImpl : public torch::nn::Module {
   MlpImpl(int64_t dim, int64_t hidden, bool one_gemm_for_gate_up = true);
   // recompute_activation: silu(gate) * up is recomputed in backward (remat_policy=minimal).
   torch::Tensor forward(const torch::Tensor& x, bool recompute_activation = false);
-  torch::nn::Linear gate_proj{nullptr};  // (F, D)
-  torch::nn::Linear up_proj{nullptr};    // (F, D)
-  torch::nn::Linear down_proj{nullptr};  // (D, F)
+  Linear gate_proj{nullptr};  // (F, D)
+  Linear up_proj{nullptr};    // (F, D)
+  Linear down_proj{nullptr};  // (D, F)
  private:
   bool one_gemm_for_gate_up_;
 };
@@ -304,7 +326,7 @@ class MtpLayerImpl : public DecoderLayerImpl {
                               const BlockContext& ctx);
   RMSNorm enorm{nullptr};
   RMSNorm hnorm{nullptr};
-  torch::nn::Linear eh_proj{nullptr};  // (D, 2D)
+  Linear eh_proj{nullptr};  // (D, 2D)
   SharedHead shared_head{nullptr};
 };
 TORCH_MODULE(MtpLayer);
@@ -317,7 +339,7 @@ class DecoderStackImpl : public torch::nn::Module {
   BlockContext context(const torch::Tensor& positions, const torch::Tensor& segment_ids, bool one_segment_per_row) const;
   // The decoder layers (not MTP): embeddings (B, L, D) -> hidden (B, L, D) before the final norm.
   torch::Tensor forward(const torch::Tensor& embeddings, const BlockContext& ctx);
-  torch::nn::Embedding embed_tokens{nullptr};  // (V, D)
+  Embedding embed_tokens{nullptr};  // (V, D)
   torch::nn::ModuleList layers{nullptr};       // N DecoderLayers, then mtp_num_layers MtpLayers
   RMSNorm norm{nullptr};                       // (D)
   int64_t num_decoder_layers = 0;
@@ -351,7 +373,7 @@ class TransformerImpl : public torch::nn::Module {
   // models): the order of ModelOutput::moe_stats. Their gate buffers hold the expert bias.
   std::vector<Moe> moe_layers();
   DecoderStack model{nullptr};
-  torch::nn::Linear lm_head{nullptr};  // (V, D); null with logits_via_embedding (tied)
+  Linear lm_head{nullptr};  // (V, D); null with logits_via_embedding (tied)
  private:
   torch::Tensor head(const torch::Tensor& normed_hidden);
   int64_t mtp_num_layers_;
@@ -386,12 +408,28 @@ NamedTensors model_checkpoint_views(const NamedTensors& by_parameter, int64_t fi
 // MLA's RoPE inverse frequencies (qk_rope_head_dim / 2), rope_type default or yarn (model.cpp).
 std::vector<double> model_mla_rope_inverse_frequencies(const Config& config);
 
-// Builds the model on the CPU with deterministic weights from init_weights_seed:
-// every Linear and the embedding ~ N(0, 0.02^2), norms = 1. Tensors are drawn in checkpoint
-// order (model_checkpoint_views) from one generator, so the same seed gives the same weights on
-// any device, and stacking the experts changed no weight.
+// The initial weights from init_weights_seed: every Linear, expert and the embedding
+// ~ N(0, 0.02^2), norms = 1. Tensors are drawn in checkpoint order (model_checkpoint_views) from
+// one generator, so the same seed gives the same weights on any device, stacking the experts
+// changed no weight, and drawing named_parameters() in consecutive runs (one sharding unit after
+// another) gives the values of drawing them all at once.
 // With expert_parallelism N, the MoE layers hold the E/N experts of position expert_rank in the
 // group (every expert is still drawn, in order, so each keeps the weights it has without EP).
-Transformer model_build(const Config& config, int64_t expert_rank = 0);
+class ModelInitializer {
+ public:
+  ModelInitializer(const Config& config, int64_t expert_rank);
+  // Fills `parameters`, the next run of named_parameters() (CPU tensors of their shapes); a run
+  // holds a layer's experts.gate_up_proj and experts.down_proj together.
+  void draw(const NamedTensors& parameters);
+
+ private:
+  at::Generator generator_;
+  int64_t first_expert_ = 0;
+  int64_t total_experts_ = 0;  // 0 for a dense model
+};
+
+// Builds the model on the CPU; `draw` false leaves every parameter uninitialized (and untouched)
+// for the caller to draw with a ModelInitializer.
+Transformer model_build(const Config& config, int64_t expert_rank = 0, bool draw = true);
 
 }  // namespace trainer

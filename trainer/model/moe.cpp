@@ -171,13 +171,9 @@ class ExchangeRows : public torch::autograd::Function<ExchangeRows> {
 }  // namespace
 
 MoeExpertsImpl::MoeExpertsImpl(int64_t num_experts, int64_t dim, int64_t hidden) {
-  // torch::nn::Linear's default, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), for a layer built on its
-  // own; model_build draws every weight again.
-  const auto fan_in_bound = [](int64_t fan_in) { return 1.0 / std::sqrt(static_cast<double>(fan_in)); };
-  gate_up_proj = register_parameter(
-      "gate_up_proj", torch::empty({num_experts, 2 * hidden, dim}).uniform_(-fan_in_bound(dim), fan_in_bound(dim)));
-  down_proj = register_parameter(
-      "down_proj", torch::empty({num_experts, dim, hidden}).uniform_(-fan_in_bound(hidden), fan_in_bound(hidden)));
+  // Uninitialized, like every weight (model.h): model_build draws them.
+  gate_up_proj = register_parameter("gate_up_proj", torch::empty({num_experts, 2 * hidden, dim}));
+  down_proj = register_parameter("down_proj", torch::empty({num_experts, dim, hidden}));
 }
 
 torch::Tensor MoeExpertsImpl::forward(const torch::Tensor& x_sorted, const std::vector<int64_t>& group_sizes,

@@ -29,14 +29,14 @@ std::pair<double, double> mean_and_std(const std::deque<double>& values) {
 // .grad when grad mode is off, as it is during backward), so K micro-batches use exactly one
 // gradient buffer, and the collective, norm, zero count, clipping and AdamW each run once on
 // the whole buffer.
-void Trainer::build_flat_buffers() {
+void Trainer::build_flat_buffers(ModelInitializer* deferred_init) {
   const auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(device_);
   const std::string& level = config_.data_parallel_sharding;
   int64_t total = 0;
   for (const auto& p : model_->parameters()) total += p.numel();
   if (level == "optim_grads" || level == "optim_grads_params") {
     // The units, shards and gathered buffers are sharding.h's; AdamW runs on the whole shard.
-    sharded_state_ = std::make_unique<ShardedModelState>(model_, *comm_, config_, device_);
+    sharded_state_ = std::make_unique<ShardedModelState>(model_, *comm_, config_, device_, deferred_init);
     flat_params_ = sharded_state_->arena;  // undefined with optim_grads_params
     shard_begin_ = 0;
     shard_end_ = shard_chunk_ = sharded_state_->grad_shard.numel();

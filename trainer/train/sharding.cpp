@@ -53,7 +53,7 @@ std::vector<ShardUnit> model_units(const Transformer& model, std::vector<size_t>
 }
 
 ShardedModelState::ShardedModelState(Transformer model, Communicator& comm, const Config& config,
-                                     const torch::Device& device)
+                                     const torch::Device& device, ModelInitializer* deferred_init)
     : model_(std::move(model)),
       comm_(comm),
       bucket_elements_(std::max<int64_t>(1, config.gradient_bucket_size_mb * (1 << 20) / 4)),
@@ -88,9 +88,22 @@ ShardedModelState::ShardedModelState(Transformer model, Communicator& comm, cons
   torch::NoGradGuard no_grad;
   const auto named = model_->named_parameters();
   int64_t offset = 0;
+  torch::Tensor scratch;  // (unit numel) fp32 host: the initial weights of the unit being sharded
   for (size_t i = 0; i < named.size(); ++i) {
     auto p = named[i].value();
     const ShardUnit& unit = units_[unit_index[i]];
+    if (deferred_init && (i == 0 || unit_index[i] != unit_index[i - 1])) {
+      scratch = torch::empty({unit.numel});
+      NamedTensors members;  // the unit's parameters, pointed at the scratch and drawn there
+      int64_t at = 0;
+      for (size_t j = i; j < named.size() && unit_index[j] == unit_index[i]; ++j) {
+        auto member = named[j].value();
+        member.set_data(scratch.narrow(0, at, member.numel()).view(member.sizes()));
+        members.emplace_back(named[j].key(), member);
+        at += member.numel();
+      }
+      deferred_init->draw(members);
+    }
     const int64_t n = p.numel();
     const bool outer = unit.layer < 0;
     // optim_grads_params: this rank's part of the unit that lies in this parameter, into the shard.

@@ -38,9 +38,13 @@ std::vector<ShardUnit> model_units(const Transformer& model, std::vector<size_t>
 
 class ShardedModelState : public DecoderLayerHooks {
  public:
-  // Moves the model's parameters (full, built on `device`) into the sharded layout, points every
-  // parameter and .grad at its buffers, and registers itself as the decoder stack's layer hooks.
-  ShardedModelState(Transformer model, Communicator& comm, const Config& config, const torch::Device& device);
+  // Moves the model's parameters into the sharded layout on `device`, points every parameter and
+  // .grad at its buffers, and registers itself as the decoder stack's layer hooks. With
+  // `deferred_init` the model was built undrawn (model_build(..., draw = false)): each unit is drawn
+  // into a host scratch buffer just before its parts are taken, so the rank never holds more
+  // than one unit of initial weights (the parameters' own storage, never touched, is released).
+  ShardedModelState(Transformer model, Communicator& comm, const Config& config, const torch::Device& device,
+                    ModelInitializer* deferred_init = nullptr);
   ~ShardedModelState() override;
 
   bool params_sharded() const { return params_sharded_; }  // optim_grads_params

@@ -151,7 +151,7 @@ class Trainer {
 
  private:
   void check_memory_plan();  // exit 2 before allocating when the plan exceeds this rank's memory
-  void build_flat_buffers();
+  void build_flat_buffers(ModelInitializer* deferred_init);  // non-null: draw the weights unit by unit (optim_grads_params)
   bool spike_guard_rejects(double loss, double grad_norm);
   void restore(const CheckpointContents& contents, bool full_state, const std::string& source);
   // Sharded levels: the full state of a verified checkpoint directory (either layout), read one

@@ -101,10 +101,15 @@ Trainer::Trainer(Config config)
                        std::to_string(comm_->world_size()) + ")");
   expert_rank_ = comm_->rank() % N;
   check_memory_plan();
-  model_ = model_build(config_, expert_rank_);
+  // optim_grads_params draws the weights unit by unit as it shards them: no rank ever holds the
+  // whole model. Every level moves the parameters to the device as it copies them into its flat
+  // buffers, one tensor at a time; to() then moves the buffers.
+  const bool draw_per_unit = config_.data_parallel_sharding == "optim_grads_params";
+  model_ = model_build(config_, expert_rank_, /*draw=*/!draw_per_unit);
+  ModelInitializer initializer(config_, expert_rank_);
   perf_startup_mark("model init");
+  build_flat_buffers(draw_per_unit ? &initializer : nullptr);
   model_->to(device_);
-  build_flat_buffers();
   build_expert_parallel();
   perf_startup_mark("to device + flat buffers");
   if (device_.is_cpu()) host_allocations_watch(static_cast<size_t>(step_grads().numel()) * sizeof(float));
