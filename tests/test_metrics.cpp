@@ -289,6 +289,18 @@ TEST_CASE("host reads and allocations per step are counted where they happen", "
   CHECK(json_metric(dense[0], "perf/launch_to_first_step_seconds") > 0);
   CHECK_THROWS(json_metric(dense[1], "perf/launch_to_first_step_seconds"));  // first step only
   CHECK_THAT(dense_log, Catch::Contains("startup: libraries") && Catch::Contains("s from launch"));
+  {
+    // The peaks the startup line reports: the process's own, so at least LibTorch's footprint,
+    // never falling, and the first step's that step's metric (read moments apart; rounded to MiB).
+    double before = 0, after = 0;
+    const auto at = dense_log.find("; peak RSS ");
+    REQUIRE(at != std::string::npos);
+    REQUIRE(std::sscanf(dense_log.c_str() + at, "; peak RSS %lf MiB by the end of resume, %lf MiB by the end of first step",
+                        &before, &after) == 2);
+    CHECK(before > 20);
+    CHECK(after >= before);
+    CHECK(after == Approx(json_metric(dense[0], "memory/peak_rss_bytes") / (1 << 20)).epsilon(0.1));
+  }
   // The spike guard reads loss and grad norm once per step.
   const auto [guarded, guarded_log] = rows_of("counts-guard", "skip_step_on_spikes=true");
   for (const auto& line : guarded) CHECK(json_metric(line, "perf/host_reads_in_step") == 1);

@@ -262,15 +262,32 @@ NamedTensors checkpoint_read_tensors(const std::string& path) {
 CheckpointReader::CheckpointReader(const std::string& checkpoint_dir) {
   const fs::path dir(checkpoint_dir);
   const auto [model_files, optimizer_files] = checkpoint_tensor_files(manifest_shards(dir));
-  for (const auto* files : {&model_files, &optimizer_files})
-    for (const auto& file : *files) {
-      const std::string path = (dir / file).string();
-      auto header = std::make_shared<SafetensorsFile>(read_or_config_error(path, /*with_data=*/false));
-      for (const auto& [name, tensor] : header->tensors) {
-        if (files == &model_files) model_names_.push_back(name);
-        tensors_[name] = {path, header, tensor};
-      }
-    }
+  for (const auto& file : model_files) add_file((dir / file).string(), /*model=*/true);
+  for (const auto& file : optimizer_files) add_file((dir / file).string(), /*model=*/false);
+}
+
+CheckpointReader CheckpointReader::weights(const std::string& path) {
+  CheckpointReader reader;
+  if (!fs::is_directory(path)) {
+    reader.add_file(path, /*model=*/true);
+    return reader;
+  }
+  for (const auto& [file, listed] : hf_directory_files(path)) {
+    reader.add_file(file, /*model=*/true);
+    std::set<std::string> held;
+    for (const auto& [name, location] : reader.tensors_)
+      if (location.path == file) held.insert(name);
+    hf_directory_check_file(path, file, listed, held);
+  }
+  return reader;
+}
+
+void CheckpointReader::add_file(const std::string& path, bool model) {
+  auto header = std::make_shared<SafetensorsFile>(read_or_config_error(path, /*with_data=*/false));
+  for (const auto& [name, tensor] : header->tensors) {
+    if (model) model_names_.push_back(name);
+    tensors_[name] = {path, header, tensor};
+  }
 }
 
 const CheckpointReader::Location* CheckpointReader::find(const std::string& name) const {

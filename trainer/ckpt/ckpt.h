@@ -5,6 +5,7 @@
 #include <exception>
 #include <filesystem>
 #include <map>
+#include <set>
 #include <memory>
 #include <optional>
 #include <string>
@@ -102,6 +103,9 @@ std::pair<CheckpointState, std::string> checkpoint_load_state(const std::string&
 class CheckpointReader {
  public:
   explicit CheckpointReader(const std::string& checkpoint_dir);
+  // Weights only, as load_parameters_path names them: one safetensors file, or a directory's
+  // model.safetensors or the files its model.safetensors.index.json lists (no manifest needed).
+  static CheckpointReader weights(const std::string& path);
   bool contains(const std::string& name) const { return find(name) != nullptr; }
   std::vector<int64_t> shape(const std::string& name) const;  // empty if absent
   torch::Tensor read(const std::string& name) const;          // config_error (exit 2) if absent or unreadable
@@ -113,6 +117,8 @@ class CheckpointReader {
     std::shared_ptr<const SafetensorsFile> header;
     SafetensorsTensor tensor;
   };
+  CheckpointReader() = default;
+  void add_file(const std::string& path, bool model);  // reads its header
   const Location* find(const std::string& name) const;
   std::map<std::string, Location> tensors_;  // model and optimizer ("exp_avg.<name>") tensors
   std::vector<std::string> model_names_;
@@ -140,6 +146,12 @@ NamedTensors hf_tensors_to_checkpoint(const Config& config, const NamedTensors& 
 // Every tensor of a Hugging Face model directory as fp32: the shards listed by
 // model.safetensors.index.json, else model.safetensors. Throws config_error naming the file.
 NamedTensors hf_read_directory(const std::string& dir);
+// The safetensors files of such a directory (model.safetensors, or those its index lists), each
+// with the names the index puts there (none for a single file); config_error if one is missing.
+std::map<std::string, std::set<std::string>> hf_directory_files(const std::string& dir);
+// config_error naming the index entry when a file does not `held` a name the index put there.
+void hf_directory_check_file(const std::string& dir, const std::string& path, const std::set<std::string>& listed,
+                             const std::set<std::string>& held);
 
 // Writes a Hugging Face model directory whose tensors arrive in order, a few at a time:
 // config.json, then the tensors of `plan` (names and shapes in file order; meta tensors will do)
@@ -169,7 +181,7 @@ class HfDirectoryWriter {
   std::vector<File> files_;
   size_t file_ = 0;                                 // the file being written
   std::unique_ptr<SafetensorsStreamWriter> writer_;  // open on files_[file_]
-  bool finished_ = false;
+  bool closed_ = false;  // finished (renamed into place) or failed (removed): no temporary left, no more writes
 };
 
 // The whole directory at once (HfDirectoryWriter with the tensors as their own plan).

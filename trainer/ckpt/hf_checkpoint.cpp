@@ -121,14 +121,14 @@ NamedTensors hf_tensors_to_checkpoint(const Config& c, const NamedTensors& hf, c
   return out;
 }
 
-NamedTensors hf_read_directory(const std::string& dir) {
+std::map<std::string, std::set<std::string>> hf_directory_files(const std::string& dir) {
   const fs::path root(dir);
   const fs::path index_path = root / "model.safetensors.index.json";
   if (!fs::exists(index_path)) {
     const fs::path single = root / "model.safetensors";
     if (!fs::exists(single))
       throw config_error("no model.safetensors or model.safetensors.index.json in " + dir);
-    return checkpoint_read_tensors(single.string());
+    return {{single.string(), {}}};
   }
   nlohmann::json index;
   try {
@@ -139,22 +139,32 @@ NamedTensors hf_read_directory(const std::string& dir) {
   }
   if (!index.contains("weight_map") || !index["weight_map"].is_object())
     throw config_error(index_path.string() + " has no weight_map object");
-  std::map<std::string, std::set<std::string>> names_in_file;  // shard -> the names the index puts there
+  std::map<std::string, std::set<std::string>> names_in_file;  // shard path -> the names the index puts there
   for (const auto& [name, file] : index["weight_map"].items()) {
     if (!file.is_string()) throw config_error(index_path.string() + ": weight_map entry " + name + " is not a file name");
-    names_in_file[file.get<std::string>()].insert(name);
-  }
-  NamedTensors out;
-  for (const auto& [file, names] : names_in_file) {
-    const fs::path path = root / file;
+    const fs::path path = root / file.get<std::string>();
     if (!fs::exists(path))
-      throw config_error(index_path.string() + " lists " + file + " (for " + *names.begin() + "), which is missing");
-    auto tensors = checkpoint_read_tensors(path.string());
-    std::set<std::string> found;
-    for (auto& item : tensors) found.insert(item.first);
-    for (const auto& name : names)
-      if (!found.count(name))
-        throw config_error(index_path.string() + " puts " + name + " in " + file + ", which does not hold it");
+      throw config_error(index_path.string() + " lists " + file.get<std::string>() + " (for " + name + "), which is missing");
+    names_in_file[path.string()].insert(name);
+  }
+  return names_in_file;
+}
+
+void hf_directory_check_file(const std::string& dir, const std::string& path, const std::set<std::string>& listed,
+                             const std::set<std::string>& held) {
+  for (const auto& name : listed)
+    if (!held.count(name))
+      throw config_error((fs::path(dir) / "model.safetensors.index.json").string() + " puts " + name + " in " +
+                         fs::path(path).filename().string() + ", which does not hold it");
+}
+
+NamedTensors hf_read_directory(const std::string& dir) {
+  NamedTensors out;
+  for (const auto& [path, names] : hf_directory_files(dir)) {
+    auto tensors = checkpoint_read_tensors(path);
+    std::set<std::string> held;
+    for (auto& item : tensors) held.insert(item.first);
+    hf_directory_check_file(dir, path, names, held);
     for (auto& item : tensors) out.push_back(std::move(item));
   }
   return out;
@@ -197,7 +207,7 @@ HfDirectoryWriter::HfDirectoryWriter(const std::string& dir, const std::string& 
 }
 
 HfDirectoryWriter::~HfDirectoryWriter() {
-  if (finished_) return;
+  if (closed_) return;
   writer_.reset();
   std::error_code ignored;
   fs::remove_all(partial_, ignored);
@@ -207,12 +217,12 @@ void HfDirectoryWriter::fail(const std::string& why) {
   writer_.reset();
   std::error_code ignored;
   fs::remove_all(partial_, ignored);
-  finished_ = true;  // nothing left to remove
+  closed_ = true;
   throw Error(kExitFailure, "cannot write the Hugging Face checkpoint " + dir_ + ": " + why);
 }
 
 void HfDirectoryWriter::append(const NamedTensors& tensors) {
-  if (finished_) fail("append after the directory was finished");
+  if (closed_) fail("append after the directory was finished or failed");
   try {
     for (const auto& [name, tensor] : tensors) {
       while (writer_->complete()) {  // the current file is full: close it, open the next
@@ -253,7 +263,7 @@ void HfDirectoryWriter::finish() {
     if (fs::exists(target_)) fs::remove(target_);  // the empty directory checked at construction
     fs::rename(partial_, target_);
     directory_sync(target_.parent_path().string());
-    finished_ = true;
+    closed_ = true;
   } catch (const std::exception& e) {
     fail(e.what());
   }

@@ -1,6 +1,7 @@
 // Host-read counter and startup timeline (see perf_counters.h).
 #include "trainer/metrics/perf_counters.h"
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -13,7 +14,18 @@
 namespace trainer {
 namespace {
 std::atomic<int64_t> g_host_reads{0};
-std::vector<std::pair<std::string, double>> g_marks;  // startup is single-threaded
+struct StartupMark {
+  std::string phase;
+  double age = 0;          // process age when the phase ended (s)
+  double peak_bytes = 0;   // peak resident set size so far (getrusage)
+};
+std::vector<StartupMark> g_marks;  // startup is single-threaded
+
+double peak_resident_bytes() {
+  struct rusage usage {};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_maxrss) * 1024.0;
+}
 }  // namespace
 
 void perf_note_host_read() { g_host_reads.fetch_add(1, std::memory_order_relaxed); }
@@ -36,19 +48,30 @@ double perf_process_age_seconds() {
   return uptime - start;
 }
 
-void perf_startup_mark(const std::string& phase) { g_marks.emplace_back(phase, perf_process_age_seconds()); }
+void perf_startup_mark(const std::string& phase) {
+  g_marks.push_back({phase, perf_process_age_seconds(), peak_resident_bytes()});
+}
 
 std::string perf_startup_summary() {
   std::string out;
   double previous = 0;
-  char buf[96];
-  for (const auto& [phase, age] : g_marks) {
-    std::snprintf(buf, sizeof buf, "%s%s %.2f s", out.empty() ? "" : ", ", phase.c_str(), age - previous);
+  char buf[128];
+  for (const auto& mark : g_marks) {
+    std::snprintf(buf, sizeof buf, "%s%s %.2f s", out.empty() ? "" : ", ", mark.phase.c_str(), mark.age - previous);
     out += buf;
-    previous = age;
+    previous = mark.age;
   }
   std::snprintf(buf, sizeof buf, " = %.2f s from launch", previous);
-  return out + buf;
+  out += buf;
+  // The peak before the last phase (the first step) is what building and loading the model took.
+  if (g_marks.size() >= 2) {
+    const auto& before = g_marks[g_marks.size() - 2];
+    std::snprintf(buf, sizeof buf, "; peak RSS %.0f MiB by the end of %s, %.0f MiB by the end of %s",
+                  before.peak_bytes / (1 << 20), before.phase.c_str(), g_marks.back().peak_bytes / (1 << 20),
+                  g_marks.back().phase.c_str());
+    out += buf;
+  }
+  return out;
 }
 
 }  // namespace trainer

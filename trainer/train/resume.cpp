@@ -216,9 +216,8 @@ std::string shape_text(const std::vector<int64_t>& shape) {
 
 }  // namespace
 
-void Trainer::restore_streamed(const std::string& checkpoint_dir, const std::string& source) {
+void Trainer::restore_streamed(const CheckpointReader& reader, bool full_state, const std::string& source) {
   torch::NoGradGuard no_grad;
-  const CheckpointReader reader(checkpoint_dir);
   std::vector<std::string> problems;
   std::set<std::string> restored, mismatched;
   // Parameters in arena order, in groups restored together: a layer's stacked experts
@@ -234,6 +233,7 @@ void Trainer::restore_streamed(const std::string& checkpoint_dir, const std::str
     size_t last = first + 1;
     while (last < parameters.size() && model_is_stacked_down_proj(std::get<0>(parameters[last]))) ++last;
     for (const std::string prefix : {"", "exp_avg.", "exp_avg_sq."}) {
+      if (!full_state && !prefix.empty()) break;  // weights only
       NamedTensors group;  // host tensors shaped as the parameters
       for (size_t i = first; i < last; ++i)
         group.emplace_back(std::get<0>(parameters[i]), torch::empty(std::get<1>(parameters[i]).sizes(), torch::kFloat32));
@@ -265,7 +265,7 @@ void Trainer::restore_streamed(const std::string& checkpoint_dir, const std::str
   }
   for (const auto& item : model_->named_buffers()) {
     if (!reader.contains(item.key())) {
-      problems.push_back("missing " + item.key());
+      if (full_state) problems.push_back("missing " + item.key());  // a weights file may leave buffers out
     } else if (reader.shape(item.key()) != item.value().sizes().vec()) {
       problems.push_back(item.key() + " has shape " + shape_text(reader.shape(item.key())) + " in the checkpoint, " +
                          shape_text(item.value().sizes().vec()) + " in the model");
@@ -277,8 +277,6 @@ void Trainer::restore_streamed(const std::string& checkpoint_dir, const std::str
   for (const auto& name : reader.model_names())
     if (!restored.count(name)) problems.push_back("unexpected " + name);
   throw_if_mismatched(problems, source);
-  const auto [state, config_yaml] = checkpoint_load_state(checkpoint_dir);
-  restore_state(state, config_yaml, source);
 }
 
 // Copies checkpoint tensors into the model (and, for a full state, the optimizer and counters).
@@ -372,8 +370,10 @@ int64_t Trainer::load_initial_state() {
     if (sharded_state_) {
       const std::string problem = checkpoint_verify(dir);
       if (!problem.empty()) throw config_error("checkpoint " + dir + " is not usable: " + problem);
-      restore_streamed(dir, source);
-      return checkpoint_load_state(dir).first;
+      restore_streamed(CheckpointReader(dir), /*full_state=*/true, source);
+      const auto [state, config_yaml] = checkpoint_load_state(dir);
+      restore_state(state, config_yaml, source);
+      return state;
     }
     const auto contents = checkpoint_load(dir);
     restore(contents, /*full_state=*/true, source);
@@ -394,13 +394,19 @@ int64_t Trainer::load_initial_state() {
   } else if (!c.load_parameters_path.empty()) {
     // A file, or a checkpoint directory: its model.safetensors or, written by several ranks, the
     // shards its model.safetensors.index.json lists.
+    // Sharded levels read it one tensor at a time, as a resume does; the others read it all.
     const std::string& path = c.load_parameters_path;
     const bool dir = std::filesystem::is_directory(path);
     if (!dir && !std::filesystem::exists(path)) throw config_error("load_parameters_path: no file " + path);
-    CheckpointContents weights;
-    weights.model = dir ? hf_read_directory(path) : checkpoint_read_tensors(path);
-    restore(weights, /*full_state=*/false, "load_parameters_path " + path);
-    spdlog::info("loaded weights from {}; optimizer and step start fresh", path);
+    if (sharded_state_) {
+      restore_streamed(CheckpointReader::weights(path), /*full_state=*/false, "load_parameters_path " + path);
+    } else {
+      CheckpointContents weights;
+      weights.model = dir ? hf_read_directory(path) : checkpoint_read_tensors(path);
+      restore(weights, /*full_state=*/false, "load_parameters_path " + path);
+    }
+    spdlog::info("loaded weights from {}{}; optimizer and step start fresh", path,
+                 sharded_state_ ? " (one tensor at a time, each rank keeping its parts)" : "");
   }
   return 0;
 }
@@ -418,14 +424,26 @@ void Trainer::load_hf_parameters(const std::string& dir) {
   spdlog::info("loaded the {} weights of {}; optimizer and step start fresh", architecture, dir);
 }
 
+namespace {
+// Whether the unit's arena range holds a MoE layer's stacked experts (which expert parallelism gathers).
+bool holds_stacked_experts(const Transformer& model, const ShardUnit& unit) {
+  int64_t offset = 0;
+  for (const auto& item : model->named_parameters()) {
+    if (offset >= unit.begin + unit.numel) break;
+    if (offset >= unit.begin && model_is_stacked_experts(item.key())) return true;
+    offset += item.value().numel();
+  }
+  return false;
+}
+}  // namespace
+
 // Exports stream the weights one unit at a time (sharding.h's model_units: the embedding, each
 // decoder layer, the rest), then the buffers: no rank ever holds more than one unit of weights
 // beyond its own state, and the optimizer moments are not read. Rank 0 first plans the files from
 // the same walk over meta tensors (names and shapes, no data, no collective), so each file's header
 // is written before its tensors arrive.
-NamedTensors Trainer::export_unit(size_t index, bool meta) {
+NamedTensors Trainer::export_unit(const ShardUnit& unit, size_t index, bool meta) {
   torch::NoGradGuard no_grad;
-  const ShardUnit unit = model_units(model_).at(index);
   const bool rank0 = comm_->rank() == 0;
   torch::Tensor params;  // (numel) the unit's arena elements, on the host (or meta)
   if (meta) {
@@ -433,7 +451,7 @@ NamedTensors Trainer::export_unit(size_t index, bool meta) {
     params = torch::empty({unit.numel}, torch::TensorOptions().dtype(torch::kFloat32).device(torch::kMeta));
   } else if (sharded_state_) {
     params = sharded_state_->unit_params_to_host(index, rank0);  // a collective with optim_grads_params
-  } else if (rank0 || expert_group_) {  // with expert parallelism every rank brings its experts
+  } else if (rank0 || (expert_group_ && holds_stacked_experts(model_, unit))) {  // every rank brings its experts
     params = flat_params_.narrow(0, unit.begin, unit.numel).to(torch::kCPU, false, /*copy=*/true);
   }
   if (!params.defined()) return {};
@@ -453,17 +471,17 @@ NamedTensors Trainer::export_buffers(bool meta) const {
 
 NamedTensors Trainer::export_plan() {
   NamedTensors plan;
-  const size_t units = model_units(model_).size();
-  for (size_t i = 0; i < units; ++i)
-    for (auto& item : export_unit(i, /*meta=*/true)) plan.push_back(std::move(item));
+  const auto units = model_units(model_);
+  for (size_t i = 0; i < units.size(); ++i)
+    for (auto& item : export_unit(units[i], i, /*meta=*/true)) plan.push_back(std::move(item));
   for (auto& item : export_buffers(/*meta=*/true)) plan.push_back(std::move(item));
   return plan;
 }
 
 void Trainer::export_stream(const std::function<void(const NamedTensors&)>& write, std::exception_ptr& failure) {
-  const size_t units = model_units(model_).size();
-  for (size_t i = 0; i <= units; ++i) {
-    const auto tensors = i < units ? export_unit(i, /*meta=*/false) : export_buffers(/*meta=*/false);
+  const auto units = model_units(model_);
+  for (size_t i = 0; i <= units.size(); ++i) {
+    const auto tensors = i < units.size() ? export_unit(units[i], i, /*meta=*/false) : export_buffers(/*meta=*/false);
     if (tensors.empty() || failure) continue;  // a failed write: the others still take part to the end
     try {
       write(tensors);

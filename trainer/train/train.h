@@ -154,10 +154,11 @@ class Trainer {
   void build_flat_buffers(ModelInitializer* deferred_init);  // non-null: draw the weights unit by unit (optim_grads_params)
   bool spike_guard_rejects(double loss, double grad_norm);
   void restore(const CheckpointContents& contents, bool full_state, const std::string& source);
-  // Sharded levels: the full state of a verified checkpoint directory (either layout), read one
+  // Sharded levels: the weights, and with full_state the moments and counters, of a verified
+  // checkpoint directory (either layout) or of a weights file (CheckpointReader::weights), read one
   // tensor (one layer's stacked experts) at a time, each rank keeping its parts, so no rank holds
   // the whole state. Mismatches are listed as by restore (exit 2).
-  void restore_streamed(const std::string& checkpoint_dir, const std::string& source);
+  void restore_streamed(const CheckpointReader& reader, bool full_state, const std::string& source);
   // The counters, spike-guard window and RNG of a checkpoint; warns about changed config keys.
   void restore_state(const CheckpointState& state, const std::string& config_yaml, const std::string& source);
   // load_parameters_path as a Hugging Face directory: config.json checked against the config
@@ -196,7 +197,7 @@ class Trainer {
   // expert) on rank 0, nothing elsewhere (a collective with optim_grads_params or expert
   // parallelism); with `meta` rank 0's names and shapes only, no collective. export_buffers: the
   // model's buffers (fp32) on rank 0. export_plan: all of it as meta tensors, in file order.
-  NamedTensors export_unit(size_t index, bool meta);
+  NamedTensors export_unit(const ShardUnit& unit, size_t index, bool meta);  // unit = model_units(model_)[index]
   NamedTensors export_buffers(bool meta) const;
   NamedTensors export_plan();
   // Runs every unit's export_unit, then export_buffers, calling `write` on rank 0 with each
