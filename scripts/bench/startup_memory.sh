@@ -37,7 +37,7 @@ measure() {
   fi
   end=$(date +%s.%N)
   rm -f "$out/$name.safetensors"
-  echo "$(sed -n 's/.*maxrss_kb=\([0-9]*\).*/\1/p' "$out/$name.log" | awk '{printf "%.0f ", $1 / 1024}')" \
+  echo "$(grep -o 'maxrss_kb=[0-9]*' "$out/$name.log" | cut -d= -f2 | awk '{printf "%.0f ", $1 / 1024}')" \
        "$(python3 -c "print($end - $start)")"
 }
 
