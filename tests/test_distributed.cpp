@@ -384,7 +384,7 @@ TEST_CASE("ZeRO-1 at R=4 (a padded parameter arena) equals one process with the 
   }
 }
 
-TEST_CASE("sharded levels (optim_grads, optim_grads_params) at R=2 and R=4 equal one process", "[dist][cli][sharding]") {
+TEST_CASE("sharded levels (optim_grads, optim_grads_params) at R=2 and R=4, and HSDP at R=4, equal one process", "[dist][cli][sharding]") {
   // R x K = 4 samples per step: R=2 x K=2 and R=4 x K=1 against R=1 x K=4, in both normalization
   // modes, on a MoE + MTP model with aux losses. Each decoder layer's gradient is reduced after its
   // backward in every micro-batch (and with optim_grads_params its weights are gathered before its
@@ -400,15 +400,20 @@ TEST_CASE("sharded levels (optim_grads, optim_grads_params) at R=2 and R=4 equal
     const auto b = metrics_of(one);
     REQUIRE(b.size() == 3);
     for (const std::string level : {"optim_grads", "optim_grads_params"}) {
-      for (const auto& [ranks, K] : std::vector<std::pair<int, int>>{{2, 2}, {4, 1}}) {
-        INFO(level << " R=" << ranks << " K=" << K << " calculate_per_token_loss=" << per_token);
-        const std::string run = "shard-" + level + "-r" + std::to_string(ranks) + "-" + per_token;
+      // HSDP (data_parallel_shard_degree=2 at R=4): two sharding groups of two ranks, each
+      // holding a sharded copy; the gradient shard is summed over the two replicas once per step.
+      for (const auto& [ranks, K, degree] : std::vector<std::tuple<int, int, int>>{{2, 2, -1}, {4, 1, -1}, {4, 1, 2}}) {
+        INFO(level << " R=" << ranks << " K=" << K << " data_parallel_shard_degree=" << degree
+                   << " calculate_per_token_loss=" << per_token);
+        const std::string run = "shard-" + level + "-r" + std::to_string(ranks) + "-d" + std::to_string(degree) + "-" + per_token;
         const auto result = mpirun(ranks, common + "data_parallel_sharding=" + level + " remat_policy=full "
-                                   "gradient_accumulation_steps=" + std::to_string(K) + " run_name=" + run);
+                                   "data_parallel_shard_degree=" + std::to_string(degree) +
+                                   " gradient_accumulation_steps=" + std::to_string(K) + " run_name=" + run);
         INFO(result.output);
         REQUIRE(result.exit_code == 0);
         CHECK_THAT(result.output, Catch::Contains("data_parallel_sharding=" + level + ": 5 units over " +
-                                                  std::to_string(ranks) + " ranks"));
+                                                  std::to_string(degree > 0 ? degree : ranks) + " ranks" +
+                                                  (degree > 0 ? " (HSDP: 2 replicas of the sharded state)" : ";")));
         const auto a = metrics_of(run);
         REQUIRE(a.size() == 3);
         for (size_t i = 0; i < 3; ++i) {
@@ -428,6 +433,23 @@ TEST_CASE("sharded levels (optim_grads, optim_grads_params) at R=2 and R=4 equal
   }
 }
 
+TEST_CASE("data_parallel_shard_degree that does not divide the ranks, or without a sharding level, is refused naming it",
+          "[dist][cli][sharding]") {
+  const std::string common = "model_name=test-tiny max_target_length=16 per_device_batch_size=1 steps=1 base_output_directory=" +
+                             kOut + " ";
+  const auto uneven = mpirun(4, common + "data_parallel_sharding=optim_grads data_parallel_shard_degree=3 run_name=hsdp-uneven");
+  INFO(uneven.output);
+  CHECK(uneven.exit_code == 2);
+  CHECK_THAT(uneven.output, Catch::Contains("data_parallel_shard_degree=3 must divide the number of ranks (4)"));
+  const auto unsharded = run_trainer(common + "data_parallel_shard_degree=2 run_name=hsdp-none");
+  CHECK(unsharded.exit_code == 2);
+  CHECK_THAT(unsharded.output, Catch::Contains("data_parallel_shard_degree=2 (HSDP) needs data_parallel_sharding=optim_grads or "
+                                               "optim_grads_params (data_parallel_sharding=none)"));
+  const auto zero = run_trainer(common + "data_parallel_sharding=optim_grads data_parallel_shard_degree=0 run_name=hsdp-zero");
+  CHECK(zero.exit_code == 2);
+  CHECK_THAT(zero.output, Catch::Contains("data_parallel_shard_degree must be -1 (shard over all data-parallel ranks) or >= 1, got 0"));
+}
+
 TEST_CASE("a checkpoint of R=4 optim_grads_params resumes at R=2 optim_grads and at R=1 none, one of R=1 none at R=2 optim_grads_params",
           "[dist][cli][sharding][checkpoint]") {
   // Each rank writes its own shard of the model and optimizer state (whole tensors under HF names,
@@ -438,7 +460,7 @@ TEST_CASE("a checkpoint of R=4 optim_grads_params resumes at R=2 optim_grads and
   const std::string common = "model_name=moe-tiny max_target_length=16 per_device_batch_size=1 warmup_steps_fraction=0 "
                              "learning_rate=0.01 synthetic_min_valid_fraction=0.3 learning_rate_schedule_steps=4 "
                              "adam_eps=0.01 base_output_directory=" + kOut + " ";
-  for (const std::string run : {"reshard-straight", "reshard-a", "reshard-b", "reshard-c"}) fs::remove_all(kOut + "/" + run);
+  for (const std::string run : {"reshard-straight", "reshard-a", "reshard-b", "reshard-c", "reshard-d"}) fs::remove_all(kOut + "/" + run);
   REQUIRE(run_trainer(common + "gradient_accumulation_steps=4 steps=4 run_name=reshard-straight").exit_code == 0);
   const auto first = mpirun(4, common + "data_parallel_sharding=optim_grads_params remat_policy=full "
                                         "gradient_accumulation_steps=1 steps=2 run_name=reshard-a");
@@ -493,9 +515,19 @@ TEST_CASE("a checkpoint of R=4 optim_grads_params resumes at R=2 optim_grads and
   INFO(up.output);
   REQUIRE(up.exit_code == 0);
   CHECK_THAT(up.output, Catch::Contains("resumed from checkpoint"));
+  // HSDP: R=4 sharded in two groups of two (each rank writes its own checkpoint shard, as at any
+  // level) resumes at R=2 optim_grads.
+  const auto hsdp = mpirun(4, common + "data_parallel_sharding=optim_grads_params remat_policy=full data_parallel_shard_degree=2 "
+                                       "gradient_accumulation_steps=1 steps=2 run_name=reshard-d");
+  INFO(hsdp.output);
+  REQUIRE(hsdp.exit_code == 0);
+  const auto from_hsdp = mpirun(2, common + "data_parallel_sharding=optim_grads gradient_accumulation_steps=2 steps=4 run_name=reshard-d");
+  INFO(from_hsdp.output);
+  REQUIRE(from_hsdp.exit_code == 0);
+  CHECK_THAT(from_hsdp.output, Catch::Contains("resumed from checkpoint"));
   const auto straight = metrics_of("reshard-straight");
   REQUIRE(straight.size() == 4);
-  for (const std::string run : {"reshard-a", "reshard-b", "reshard-c"}) {
+  for (const std::string run : {"reshard-a", "reshard-b", "reshard-c", "reshard-d"}) {
     const auto resumed = metrics_of(run);
     REQUIRE(resumed.size() == 4);
     for (size_t i = 0; i < 4; ++i) {

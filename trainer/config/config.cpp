@@ -233,6 +233,14 @@ std::vector<std::string> validation_errors(const Config& c) {
           "data_parallel_sharding=optim_grads_params needs remat_policy=full (remat_policy=" + c.remat_policy +
               "): a decoder layer's parameters are freed after its forward and gathered again for its backward, "
               "which reruns the layer from its input (docs/distributed.md)");
+  require(c.data_parallel_shard_degree == -1 || c.data_parallel_shard_degree >= 1,
+          "data_parallel_shard_degree must be -1 (shard over all data-parallel ranks) or >= 1, got " +
+              std::to_string(c.data_parallel_shard_degree));
+  require(c.data_parallel_shard_degree == -1 || c.data_parallel_sharding == "optim_grads" ||
+              c.data_parallel_sharding == "optim_grads_params",
+          "data_parallel_shard_degree=" + std::to_string(c.data_parallel_shard_degree) +
+              " (HSDP) needs data_parallel_sharding=optim_grads or optim_grads_params (data_parallel_sharding=" +
+              c.data_parallel_sharding + ")");
   require(c.expert_parallelism >= 1, "expert_parallelism must be >= 1 (1 = every rank holds every expert)");
   if (c.expert_parallelism > 1) {
     const std::string ep = "expert_parallelism=" + std::to_string(c.expert_parallelism);
@@ -425,6 +433,10 @@ std::string config_to_yaml(const Config& config) {
   out += "# global_batch_size: " + std::to_string(config.global_batch_size) + "\n";
   out += "# run_dir: " + config.run_dir + "\n";
   return out;
+}
+
+int64_t config_shard_degree(const Config& config) {
+  return config.data_parallel_shard_degree == -1 ? config.data_parallel_size : config.data_parallel_shard_degree;
 }
 
 }  // namespace trainer

@@ -124,6 +124,7 @@ using StringList = std::vector<std::string>;
   X(int64_t, gradient_bucket_size_mb)             \
   X(bool, shard_optimizer_over_data)              \
   X(std::string, data_parallel_sharding)          \
+  X(int64_t, data_parallel_shard_degree)          \
   X(int64_t, expert_parallelism)                  \
   X(std::string, remat_policy)                    \
   /* loss and normalization */                    \
@@ -182,6 +183,10 @@ void config_derive_and_validate(Config& config);
 
 // The resolved config as YAML, every key in declaration order plus the derived values as comments.
 std::string config_to_yaml(const Config& config);
+
+// The ranks each sharding group spans (HSDP): data_parallel_shard_degree, or all data-parallel
+// ranks when it is -1. R / degree groups each hold a full copy of the model state, sharded.
+int64_t config_shard_degree(const Config& config);
 
 // Names of every key, in declaration order.
 const std::vector<std::string>& config_key_names();

@@ -163,7 +163,10 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
     // trainer/train/sharding.h: units (the embedding, each decoder layer, the rest), each split in
     // R parts of ceil(n / R); S = this rank's parts. Gradients reduce per layer, so only one layer's
     // full gradient (and, with optim_grads_params, one layer's gathered weights) exists at a time.
-    const double R = static_cast<double>(ctx.world_size);
+    // With HSDP (data_parallel_shard_degree D) the units are split over the D ranks of a group.
+    const int64_t shard_ranks = c.data_parallel_shard_degree > 0 ? std::min(c.data_parallel_shard_degree, ctx.world_size)
+                                                                  : ctx.world_size;
+    const double R = static_cast<double>(shard_ranks);
     const auto part = [&](double n) { return std::ceil(n / R); };
     const double embed = s.V * s.D, rest = static_cast<double>(size.mtp_params) + s.D + (c.logits_via_embedding ? 0 : s.V * s.D);
     const double dense_layer = static_cast<double>(size.per_layer_params);
@@ -174,7 +177,7 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
                      static_cast<double>(moe_layers) * part(moe_layer);
     const double layer = R * std::max(dense_layers > 0 ? part(dense_layer) : 0.0, moe_layers > 0 ? part(moe_layer) : 0.0);
     const double outer = R * (part(embed) + part(rest));
-    const std::string shard_text = count_text(S) + " elements (this rank's 1/" + std::to_string(ctx.world_size) + " of every unit)";
+    const std::string shard_text = count_text(S) + " elements (this rank's 1/" + std::to_string(shard_ranks) + " of every unit)";
     if (zero2)
       add(plan, "weights (fp32 flat buffer)", 4 * (P + std::max({layer, R * part(embed), R * part(rest)})),
           params + " x 4 B (AdamW updates this rank's " + shard_text + " in place) and the largest unit's gather buffer");

@@ -9,6 +9,7 @@
 
 #include "trainer/metrics/perf_counters.h"
 #include "trainer/train/train.h"
+#include "trainer/util/error.h"
 #include "trainer/util/torch_compat.h"
 
 namespace trainer {
@@ -36,7 +37,21 @@ void Trainer::build_flat_buffers(ModelInitializer* deferred_init) {
   for (const auto& p : model_->parameters()) total += p.numel();
   if (level == "optim_grads" || level == "optim_grads_params") {
     // The units, shards and gathered buffers are sharding.h's; AdamW runs on the whole shard.
-    sharded_state_ = std::make_unique<ShardedModelState>(model_, *comm_, config_, device_, deferred_init);
+    // HSDP: groups of D consecutive ranks shard the state; ranks r % D (one per group) are its
+    // replicas. Every rank makes its two subgroups in the same order, so each rendezvous completes.
+    const int64_t D = config_shard_degree(config_), R = comm_->world_size(), rank = comm_->rank();
+    if (R % D != 0)
+      throw config_error("data_parallel_shard_degree=" + std::to_string(D) + " must divide the number of ranks (" +
+                         std::to_string(R) + ")");
+    if (D < R) {
+      std::vector<int64_t> group, replicas;
+      for (int64_t r = rank / D * D; r < rank / D * D + D; ++r) group.push_back(r);
+      for (int64_t r = rank % D; r < R; r += D) replicas.push_back(r);
+      shard_group_ = comm_->split(group, "sharding group");
+      shard_replicas_ = comm_->split(replicas, "sharding replica group");
+    }
+    sharded_state_ = std::make_unique<ShardedModelState>(model_, shard_group_ ? *shard_group_ : *comm_,
+                                                         shard_replicas_.get(), config_, device_, deferred_init);
     flat_params_ = sharded_state_->arena;  // undefined with optim_grads_params
     shard_begin_ = 0;
     shard_end_ = shard_chunk_ = sharded_state_->grad_shard.numel();

@@ -52,10 +52,11 @@ std::vector<ShardUnit> model_units(const Transformer& model, std::vector<size_t>
   return units;
 }
 
-ShardedModelState::ShardedModelState(Transformer model, Communicator& comm, const Config& config,
+ShardedModelState::ShardedModelState(Transformer model, Communicator& comm, Communicator* replicas, const Config& config,
                                      const torch::Device& device, ModelInitializer* deferred_init)
     : model_(std::move(model)),
       comm_(comm),
+      replicas_(replicas),
       bucket_elements_(std::max<int64_t>(1, config.gradient_bucket_size_mb * (1 << 20) / 4)),
       params_sharded_(config.data_parallel_sharding == "optim_grads_params") {
   const int64_t R = comm_.world_size(), rank = comm_.rank();
@@ -124,10 +125,11 @@ ShardedModelState::ShardedModelState(Transformer model, Communicator& comm, cons
     offset += n;
   }
   model_->model->layer_hooks = this;
-  spdlog::info("data_parallel_sharding={}: {} units over {} ranks; this rank holds {:.1f} MiB of each of parameters, "
+  spdlog::info("data_parallel_sharding={}: {} units over {} ranks{}; this rank holds {:.1f} MiB of each of parameters, "
                "gradients and the two AdamW moments ({:.1f} MiB without sharding)",
-               config.data_parallel_sharding, units_.size(), R, 4.0 * static_cast<double>(shard) / (1 << 20),
-               4.0 * static_cast<double>(total_) / (1 << 20));
+               config.data_parallel_sharding, units_.size(), R,
+               replicas_ ? " (HSDP: " + std::to_string(replicas_->world_size()) + " replicas of the sharded state)" : "",
+               4.0 * static_cast<double>(shard) / (1 << 20), 4.0 * static_cast<double>(total_) / (1 << 20));
 }
 
 ShardedModelState::~ShardedModelState() { model_->model->layer_hooks = nullptr; }
@@ -220,6 +222,14 @@ void ShardedModelState::step_reduce_outer() {
   const int64_t R = comm_.world_size();
   reduce_unit(units_.front(), outer_grads_.narrow(0, 0, R * units_.front().part));
   reduce_unit(units_.back(), outer_grads_.narrow(0, outer_rest_offset_, R * units_.back().part));
+  // HSDP: each sharding group summed its own ranks' gradients into its shard; the replicas hold
+  // the same elements, so one sum over them (once per step: the sum is linear, so summing the
+  // step's accumulated shard equals summing every micro-batch's) completes the sum over all ranks.
+  if (!replicas_) return;
+  for (int64_t offset = 0; offset < grad_shard.numel(); offset += bucket_elements_) {
+    auto view = grad_shard.narrow(0, offset, std::min(bucket_elements_, grad_shard.numel() - offset));
+    replicas_->all_reduce_sum(view, "the gradient shard over the replicas at element " + std::to_string(offset));
+  }
 }
 
 void ShardedModelState::params_updated() {

@@ -43,8 +43,11 @@ class ShardedModelState : public DecoderLayerHooks {
   // `deferred_init` the model was built undrawn (model_build(..., draw = false)): each unit is drawn
   // into a host scratch buffer just before its parts are taken, so the rank never holds more
   // than one unit of initial weights (the parameters' own storage, never touched, is released).
-  ShardedModelState(Transformer model, Communicator& comm, const Config& config, const torch::Device& device,
-                    ModelInitializer* deferred_init = nullptr);
+  // `comm` is the sharding group (all data-parallel ranks, or with HSDP its D ranks); `replicas`
+  // (HSDP, else null) the ranks holding the same shard, over which the step's gradient shard is
+  // summed once, after the last micro-batch.
+  ShardedModelState(Transformer model, Communicator& comm, Communicator* replicas, const Config& config,
+                    const torch::Device& device, ModelInitializer* deferred_init = nullptr);
   ~ShardedModelState() override;
 
   bool params_sharded() const { return params_sharded_; }  // optim_grads_params
@@ -74,7 +77,7 @@ class ShardedModelState : public DecoderLayerHooks {
   torch::Tensor unit_params_to_host(size_t index, bool keep);
 
   // The step's phases: zero the gradients and make the outer units' parameters current; reduce the
-  // outer units' gradients after the last micro-batch; bring the parameters up to date after AdamW
+  // outer units' gradients after the last micro-batch (and, with HSDP, the gradient shard over the replicas); bring the parameters up to date after AdamW
   // changed param_shard (optim_grads: every unit gathered into the arena; optim_grads_params: the
   // outer units are gathered again before the next forward, the layers before each of theirs).
   void step_begin();
@@ -127,6 +130,7 @@ class ShardedModelState : public DecoderLayerHooks {
 
   Transformer model_;
   Communicator& comm_;
+  Communicator* replicas_;  // HSDP only
   int64_t rank_ = 0;
   int64_t bucket_elements_;
   bool params_sharded_;

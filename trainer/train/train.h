@@ -229,6 +229,9 @@ class Trainer {
   std::vector<std::pair<int64_t, int64_t>> expert_segments_;  // (offset, numel) of the stacked expert tensors in the arena
   Transformer model_{nullptr};
   std::unique_ptr<ShardedModelState> sharded_state_;  // data_parallel_sharding optim_grads | optim_grads_params
+  // HSDP (data_parallel_shard_degree D < R): the D consecutive ranks the model state is sharded
+  // over, and the R/D ranks holding the same shard (its gradient is summed there). Null otherwise.
+  std::unique_ptr<Communicator> shard_group_, shard_replicas_;
   DataLoader data_;
   ModelSize size_;
   double peak_tflops_ = 0;      // for perf/mfu; 0 = unknown

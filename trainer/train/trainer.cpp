@@ -152,11 +152,17 @@ void Trainer::build_expert_parallel() {
 }
 
 int64_t Trainer::collectives_so_far() const {
-  return comm_->collectives() + (expert_group_ ? expert_group_->collectives() + expert_replicas_->collectives() : 0);
+  int64_t n = comm_->collectives();
+  for (const auto* group : {&expert_group_, &expert_replicas_, &shard_group_, &shard_replicas_})
+    if (*group) n += (*group)->collectives();
+  return n;
 }
 
 double Trainer::bytes_sent_so_far() const {
-  return comm_->bytes_sent() + (expert_group_ ? expert_group_->bytes_sent() + expert_replicas_->bytes_sent() : 0.0);
+  double bytes = comm_->bytes_sent();
+  for (const auto* group : {&expert_group_, &expert_replicas_, &shard_group_, &shard_replicas_})
+    if (*group) bytes += (*group)->bytes_sent();
+  return bytes;
 }
 
 // Before the first parameter is allocated: the plan (memory_plan.h) against what this rank can
