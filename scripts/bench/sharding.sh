@@ -5,7 +5,7 @@
 # Prints a markdown table for docs/benchmarks.md.
 #   scripts/bench/sharding.sh                         all rows below, `medium` shape
 #   ROWS="1:none:none 2:optim:none" SHAPE=small STEPS=6 scripts/bench/sharding.sh
-# A row is ranks:data_parallel_sharding:remat_policy.
+# A row is ranks:data_parallel_sharding:remat_policy[:data_parallel_shard_degree] (HSDP; default -1).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 TRAINER=${TRAINER:-build/trainer}
@@ -16,13 +16,15 @@ ROWS=${ROWS:-"1:none:none 1:none:full 1:none:minimal 2:none:none 2:optim:none 4:
 STEPS=${STEPS:-6}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-echo "| R | data_parallel_sharding | remat_policy | plan per rank (MiB) | peak RSS rank 0 (MiB) | plan / peak | step (s) | collectives / step | MiB sent / step |"
+echo "| R | data_parallel_sharding (shard degree) | remat_policy | plan per rank (MiB) | peak RSS rank 0 (MiB) | plan / peak | step (s) | collectives / step | MiB sent / step |"
 echo "|---|---|---|---|---|---|---|---|---|"
 for row in $ROWS; do
-  IFS=: read -r ranks level remat <<< "$row"
-  name="r$ranks-$level-$remat"
+  IFS=: read -r ranks level remat degree <<< "$row"
+  degree=${degree:--1}
+  name="r$ranks-$level-$remat-$degree"
   args="${SHAPES[$SHAPE]} dataset_type=synthetic pad_id=0 steps=$STEPS enable_checkpointing=false
-        data_parallel_sharding=$level remat_policy=$remat base_output_directory=$out run_name=$name"
+        data_parallel_sharding=$level remat_policy=$remat data_parallel_shard_degree=$degree
+        base_output_directory=$out run_name=$name"
   # The plan as rank 0 of `ranks` sees it (the launcher variables are all it needs).
   plan=$(WORLD_SIZE=$ranks RANK=0 LOCAL_RANK=0 "$TRAINER" configs/base.yml $args --dry-run)
   total=$(sed -n 's/.*total .*(\([0-9]*\) bytes).*/\1/p' <<< "$plan")
@@ -32,9 +34,11 @@ for row in $ROWS; do
     mpirun --allow-run-as-root --oversubscribe --bind-to none -np "$ranks" "$TRAINER" configs/base.yml $args \
       > "$out/$name.log" 2>&1 || { cat "$out/$name.log" >&2; exit 1; }
   fi
-  python3 - "$ranks" "$level" "$remat" "$total" "$out/$name/metrics.jsonl" <<'PY'
+  python3 - "$ranks" "$level" "$remat" "$total" "$out/$name/metrics.jsonl" "$degree" <<'PY'
 import json, statistics, sys
-ranks, level, remat, total, path = sys.argv[1:6]
+ranks, level, remat, total, path, degree = sys.argv[1:7]
+if degree != "-1":
+    level += f" ({degree})"
 rows = [json.loads(line) for line in open(path)]
 peak = max(r["memory/peak_rss_bytes"] for r in rows)
 step = statistics.median(r["perf/step_time_seconds"] for r in rows[2:])
