@@ -47,6 +47,10 @@ class LocalCommunicator : public Communicator {
   bool is_local() const override { return true; }
   void all_reduce_sum(torch::Tensor&, const std::string&) override {}
   void all_gather(std::vector<torch::Tensor>&, const std::string&) override {}
+  void reduce_scatter_sum(std::vector<torch::Tensor>& parts, torch::Tensor& output, const std::string&) override {
+    output.copy_(parts.at(0));
+  }
+  bool has_reduce_scatter() override { return true; }
   void all_to_all(torch::Tensor& output, const torch::Tensor& input, const std::vector<int64_t>&,
                   const std::vector<int64_t>&, const std::string&) override {
     output.copy_(input);
@@ -179,6 +183,38 @@ class C10dCommunicator : public Communicator {
     ++collectives_;
     bytes_sent_ += static_cast<double>(world_ - 1) * static_cast<double>(parts[0].numel() * parts[0].element_size());
   }
+  void reduce_scatter_sum(std::vector<torch::Tensor>& parts, torch::Tensor& output, const std::string& what) override {
+    TORCH_CHECK(static_cast<int64_t>(parts.size()) == world_, "reduce_scatter_sum: one part per rank");
+    std::vector<at::Tensor> outputs{output};
+    std::vector<std::vector<at::Tensor>> inputs{parts};
+    try {
+      auto work = group_->reduce_scatter(outputs, inputs);
+      work->wait(timeout_);
+    } catch (const std::exception& e) {
+      throw dist_error(who() + ": reduce_scatter of " + what + " failed (a peer rank died or hung; timeout " +
+                       std::to_string(timeout_.count() / 1000) + " s): " + first_line(e.what()));
+    }
+    ++collectives_;
+    bytes_sent_ += static_cast<double>(world_ - 1) * static_cast<double>(parts[0].numel() * parts[0].element_size());
+  }
+  bool has_reduce_scatter() override {
+    if (reduce_scatter_known_) return reduce_scatter_;
+    // Gloo in LibTorch 1.13 refuses the call itself ("does not support reduce_scatter"), on every
+    // rank alike, before any exchange; a backend that has it runs this one-element probe.
+    std::vector<at::Tensor> outputs{torch::zeros({1}, torch::TensorOptions().device(device_))};
+    std::vector<std::vector<at::Tensor>> inputs{std::vector<at::Tensor>(static_cast<size_t>(world_), torch::ones({1}, outputs[0].options()))};
+    try {
+      auto work = group_->reduce_scatter(outputs, inputs);
+      work->wait(timeout_);
+      reduce_scatter_ = outputs[0].item<double>() == static_cast<double>(world_);
+    } catch (const std::exception& e) {
+      if (std::string(e.what()).find("does not support") == std::string::npos)
+        throw dist_error(who() + ": the reduce_scatter probe failed (a peer rank died or hung): " + first_line(e.what()));
+      reduce_scatter_ = false;
+    }
+    reduce_scatter_known_ = true;
+    return reduce_scatter_;
+  }
   std::unique_ptr<PendingCollective> all_gather_start(std::vector<torch::Tensor>& parts, const std::string& what) override {
     TORCH_CHECK(static_cast<int64_t>(parts.size()) == world_, "all_gather_start: one part per rank");
     std::vector<std::vector<at::Tensor>> outputs{parts};
@@ -252,6 +288,7 @@ class C10dCommunicator : public Communicator {
   std::chrono::milliseconds timeout_;
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<Group> group_;
+  bool reduce_scatter_known_ = false, reduce_scatter_ = false;  // has_reduce_scatter(), once probed
 };
 #endif
 

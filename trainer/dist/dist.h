@@ -37,6 +37,12 @@ class Communicator {
   // all_gather started, not finished: the parts must stay untouched until wait() returns. Ranks
   // start their collectives in the same order (the prefetch of the next decoder layer's weights).
   virtual std::unique_ptr<PendingCollective> all_gather_start(std::vector<torch::Tensor>& parts, const std::string& what);
+  // Sum over ranks of world_size() equal-sized `parts` (on this rank's device), part r landing in
+  // rank r's `output`. Only where has_reduce_scatter(); callers otherwise all-reduce.
+  virtual void reduce_scatter_sum(std::vector<torch::Tensor>& parts, torch::Tensor& output, const std::string& what) = 0;
+  // Whether the backend has a reduce-scatter: NCCL, and Gloo from LibTorch 2.x; Gloo in 1.13 has
+  // none. Decided by the first call, a collective of one element per rank (every member calls it).
+  virtual bool has_reduce_scatter() = 0;
   // All-to-all of rows (expert parallelism): input rows [sum(input_splits[<d]), + input_splits[d])
   // go to rank d; output (sum(output_splits) rows, allocated by the caller) receives
   // output_splits[s] rows from rank s, in rank order. Row width and dtype must agree on all ranks.

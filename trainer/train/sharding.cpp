@@ -125,11 +125,15 @@ ShardedModelState::ShardedModelState(Transformer model, Communicator& comm, Comm
     offset += n;
   }
   model_->model->layer_hooks = this;
+  reduce_scatter_ = comm_.has_reduce_scatter();
+  if (reduce_scatter_)
+    reduce_scatter_buffer_ = torch::empty({std::max<int64_t>(1, std::min(bucket_elements_ / R, shard))}, opts);
   spdlog::info("data_parallel_sharding={}: {} units over {} ranks{}; this rank holds {:.1f} MiB of each of parameters, "
-               "gradients and the two AdamW moments ({:.1f} MiB without sharding)",
+               "gradients and the two AdamW moments ({:.1f} MiB without sharding); gradients by {}",
                config.data_parallel_sharding, units_.size(), R,
                replicas_ ? " (HSDP: " + std::to_string(replicas_->world_size()) + " replicas of the sharded state)" : "",
-               4.0 * static_cast<double>(shard) / (1 << 20), 4.0 * static_cast<double>(total_) / (1 << 20));
+               4.0 * static_cast<double>(shard) / (1 << 20), 4.0 * static_cast<double>(total_) / (1 << 20),
+               reduce_scatter_ ? "reduce-scatter" : "all-reduce (this backend has no reduce-scatter)");
 }
 
 ShardedModelState::~ShardedModelState() { model_->model->layer_hooks = nullptr; }
@@ -188,14 +192,29 @@ std::vector<std::unique_ptr<PendingCollective>> ShardedModelState::gather_unit_s
   return started;
 }
 
-// Without a reduce-scatter in Gloo (LibTorch 1.13) the unit is all-reduced bucket by bucket and
-// each rank keeps its part: 2 (R-1)/R x 4 numel bytes sent instead of (R-1)/R x 4 numel.
+// A reduce-scatter (NCCL; Gloo from LibTorch 2.x) sums the R parts bucket by bucket, each rank
+// receiving its own: (R-1)/R x 4 R part bytes sent. Without one (Gloo in LibTorch 1.13) the unit
+// is all-reduced bucket by bucket and each rank keeps its part: twice those bytes.
 void ShardedModelState::reduce_unit(const ShardUnit& unit, torch::Tensor padded) {
-  for (int64_t offset = 0; offset < unit.numel; offset += bucket_elements_) {
-    auto view = padded.narrow(0, offset, std::min(bucket_elements_, unit.numel - offset));
-    comm_.all_reduce_sum(view, "the gradient of " + unit.name + " at element " + std::to_string(offset));
+  if (reduce_scatter_) {
+    const int64_t R = comm_.world_size();
+    const int64_t slice = std::max<int64_t>(1, bucket_elements_ / R);
+    for (int64_t offset = 0; offset < unit.part; offset += slice) {
+      const int64_t n = std::min(slice, unit.part - offset);
+      std::vector<torch::Tensor> parts;
+      for (int64_t r = 0; r < R; ++r) parts.push_back(padded.narrow(0, r * unit.part + offset, n));
+      auto summed = reduce_scatter_buffer_.narrow(0, 0, n);
+      comm_.reduce_scatter_sum(parts, summed,
+                               "the gradient of " + unit.name + " (reduce-scatter at element " + std::to_string(offset) + ")");
+      grad_shard.narrow(0, unit.shard_offset + offset, n).add_(summed);
+    }
+  } else {
+    for (int64_t offset = 0; offset < unit.numel; offset += bucket_elements_) {
+      auto view = padded.narrow(0, offset, std::min(bucket_elements_, unit.numel - offset));
+      comm_.all_reduce_sum(view, "the gradient of " + unit.name + " at element " + std::to_string(offset));
+    }
+    grad_shard.narrow(0, unit.shard_offset, unit.part).add_(padded.narrow(0, rank_ * unit.part, unit.part));
   }
-  grad_shard.narrow(0, unit.shard_offset, unit.part).add_(padded.narrow(0, rank_ * unit.part, unit.part));
   padded.zero_();
 }
 

@@ -131,6 +131,8 @@ class ShardedModelState : public DecoderLayerHooks {
   Transformer model_;
   Communicator& comm_;
   Communicator* replicas_;  // HSDP only
+  bool reduce_scatter_ = false;          // the backend has one (else gradients are all-reduced)
+  torch::Tensor reduce_scatter_buffer_;  // (bucket / R) fp32: one bucket's summed part
   int64_t rank_ = 0;
   int64_t bucket_elements_;
   bool params_sharded_;
