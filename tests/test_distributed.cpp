@@ -402,18 +402,24 @@ TEST_CASE("sharded levels (optim_grads, optim_grads_params) at R=2 and R=4, and 
     for (const std::string level : {"optim_grads", "optim_grads_params"}) {
       // HSDP (data_parallel_shard_degree=2 at R=4): two sharding groups of two ranks, each
       // holding a sharded copy; the gradient shard is summed over the two replicas once per step.
-      for (const auto& [ranks, K, degree] : std::vector<std::tuple<int, int, int>>{{2, 2, -1}, {4, 1, -1}, {4, 1, 2}}) {
+      // The reduce-scatter path (NCCL's; Gloo has none) is taken once more, emulated, in buckets of
+      // 1000 elements per part (every unit of moe-tiny takes several).
+      for (const auto& [ranks, K, degree, emulate] : std::vector<std::tuple<int, int, int, bool>>{
+               {2, 2, -1, false}, {4, 1, -1, false}, {4, 1, 2, false}, {4, 1, -1, true}}) {
         INFO(level << " R=" << ranks << " K=" << K << " data_parallel_shard_degree=" << degree
-                   << " calculate_per_token_loss=" << per_token);
-        const std::string run = "shard-" + level + "-r" + std::to_string(ranks) + "-d" + std::to_string(degree) + "-" + per_token;
+                   << " debug_emulate_reduce_scatter=" << emulate << " calculate_per_token_loss=" << per_token);
+        const std::string run = "shard-" + level + "-r" + std::to_string(ranks) + "-d" + std::to_string(degree) +
+                                (emulate ? "-rs-" : "-") + per_token;
         const auto result = mpirun(ranks, common + "data_parallel_sharding=" + level + " remat_policy=full "
                                    "data_parallel_shard_degree=" + std::to_string(degree) +
+                                   (emulate ? " debug_emulate_reduce_scatter=true" : "") +
                                    " gradient_accumulation_steps=" + std::to_string(K) + " run_name=" + run);
         INFO(result.output);
         REQUIRE(result.exit_code == 0);
         CHECK_THAT(result.output, Catch::Contains("data_parallel_sharding=" + level + ": 5 units over " +
                                                   std::to_string(degree > 0 ? degree : ranks) + " ranks" +
                                                   (degree > 0 ? " (HSDP: 2 replicas of the sharded state)" : ";")));
+        CHECK_THAT(result.output, Catch::Contains(emulate ? "gradients by reduce-scatter, emulated" : "gradients by all-reduce"));
         const auto a = metrics_of(run);
         REQUIRE(a.size() == 3);
         for (size_t i = 0; i < 3; ++i) {

@@ -153,7 +153,8 @@ using StringList = std::vector<std::string>;
   X(std::string, debug_inject_nonfinite_kind)     \
   X(bool, debug_drop_aux_token_weighting)         \
   X(int64_t, debug_kill_rank_before_parameter_gather) \
-  X(int64_t, debug_kill_rank_in_expert_dispatch)
+  X(int64_t, debug_kill_rank_in_expert_dispatch)  \
+  X(bool, debug_emulate_reduce_scatter)
 
 struct Config {
 #define TRAINER_DECLARE_FIELD(type, name) type name{};

@@ -185,6 +185,7 @@ class C10dCommunicator : public Communicator {
   }
   void reduce_scatter_sum(std::vector<torch::Tensor>& parts, torch::Tensor& output, const std::string& what) override {
     TORCH_CHECK(static_cast<int64_t>(parts.size()) == world_, "reduce_scatter_sum: one part per rank");
+    if (!has_reduce_scatter()) return Communicator::reduce_scatter_sum(parts, output, what);
     std::vector<at::Tensor> outputs{output};
     std::vector<std::vector<at::Tensor>> inputs{parts};
     try {
@@ -363,6 +364,13 @@ std::pair<std::string, int> rendezvous_via_mpi(const DistEnv& env) {
 }
 
 }  // namespace
+
+void Communicator::reduce_scatter_sum(std::vector<torch::Tensor>& parts, torch::Tensor& output, const std::string& what) {
+  TORCH_CHECK(static_cast<int64_t>(parts.size()) == world_size(), "reduce_scatter_sum: one part per rank");
+  auto all = torch::cat(parts);
+  all_reduce_sum(all, what + " (reduce-scatter emulated by an all-reduce)");
+  output.copy_(all.narrow(0, rank() * output.numel(), output.numel()));
+}
 
 std::unique_ptr<PendingCollective> Communicator::all_gather_start(std::vector<torch::Tensor>& parts,
                                                                  const std::string& what) {

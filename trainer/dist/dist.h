@@ -38,8 +38,9 @@ class Communicator {
   // start their collectives in the same order (the prefetch of the next decoder layer's weights).
   virtual std::unique_ptr<PendingCollective> all_gather_start(std::vector<torch::Tensor>& parts, const std::string& what);
   // Sum over ranks of world_size() equal-sized `parts` (on this rank's device), part r landing in
-  // rank r's `output`. Only where has_reduce_scatter(); callers otherwise all-reduce.
-  virtual void reduce_scatter_sum(std::vector<torch::Tensor>& parts, torch::Tensor& output, const std::string& what) = 0;
+  // rank r's `output`. Where !has_reduce_scatter() it is emulated: the parts are all-reduced
+  // together and this rank's copied out (twice the bytes; for tests of the callers' path).
+  virtual void reduce_scatter_sum(std::vector<torch::Tensor>& parts, torch::Tensor& output, const std::string& what);
   // Whether the backend has a reduce-scatter: NCCL, and Gloo from LibTorch 2.x; Gloo in 1.13 has
   // none. Decided by the first call, a collective of one element per rank (every member calls it).
   virtual bool has_reduce_scatter() = 0;

@@ -125,7 +125,8 @@ ShardedModelState::ShardedModelState(Transformer model, Communicator& comm, Comm
     offset += n;
   }
   model_->model->layer_hooks = this;
-  reduce_scatter_ = comm_.has_reduce_scatter();
+  emulated_reduce_scatter_ = !comm_.has_reduce_scatter() && config.debug_emulate_reduce_scatter;
+  reduce_scatter_ = comm_.has_reduce_scatter() || emulated_reduce_scatter_;
   if (reduce_scatter_)
     reduce_scatter_buffer_ = torch::empty({std::max<int64_t>(1, std::min(bucket_elements_ / R, shard))}, opts);
   spdlog::info("data_parallel_sharding={}: {} units over {} ranks{}; this rank holds {:.1f} MiB of each of parameters, "
@@ -133,7 +134,9 @@ ShardedModelState::ShardedModelState(Transformer model, Communicator& comm, Comm
                config.data_parallel_sharding, units_.size(), R,
                replicas_ ? " (HSDP: " + std::to_string(replicas_->world_size()) + " replicas of the sharded state)" : "",
                4.0 * static_cast<double>(shard) / (1 << 20), 4.0 * static_cast<double>(total_) / (1 << 20),
-               reduce_scatter_ ? "reduce-scatter" : "all-reduce (this backend has no reduce-scatter)");
+               !reduce_scatter_           ? "all-reduce (this backend has no reduce-scatter)"
+               : emulated_reduce_scatter_ ? "reduce-scatter, emulated (debug_emulate_reduce_scatter)"
+                                          : "reduce-scatter");
 }
 
 ShardedModelState::~ShardedModelState() { model_->model->layer_hooks = nullptr; }
@@ -198,12 +201,13 @@ std::vector<std::unique_ptr<PendingCollective>> ShardedModelState::gather_unit_s
 void ShardedModelState::reduce_unit(const ShardUnit& unit, torch::Tensor padded) {
   if (reduce_scatter_) {
     const int64_t R = comm_.world_size();
-    const int64_t slice = std::max<int64_t>(1, bucket_elements_ / R);
+    // Emulated (a test of this path on Gloo), buckets are cut small so a unit takes several.
+    const int64_t slice = emulated_reduce_scatter_ ? kEmulatedReduceScatterSlice : std::max<int64_t>(1, bucket_elements_ / R);
     for (int64_t offset = 0; offset < unit.part; offset += slice) {
       const int64_t n = std::min(slice, unit.part - offset);
       std::vector<torch::Tensor> parts;
       for (int64_t r = 0; r < R; ++r) parts.push_back(padded.narrow(0, r * unit.part + offset, n));
-      auto summed = reduce_scatter_buffer_.narrow(0, 0, n);
+      auto summed = reduce_scatter_buffer_.narrow(0, 0, n);  // n <= the buffer: n <= part <= S, n <= bucket / R
       comm_.reduce_scatter_sum(parts, summed,
                                "the gradient of " + unit.name + " (reduce-scatter at element " + std::to_string(offset) + ")");
       grad_shard.narrow(0, unit.shard_offset + offset, n).add_(summed);

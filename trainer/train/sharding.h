@@ -131,7 +131,9 @@ class ShardedModelState : public DecoderLayerHooks {
   Transformer model_;
   Communicator& comm_;
   Communicator* replicas_;  // HSDP only
-  bool reduce_scatter_ = false;          // the backend has one (else gradients are all-reduced)
+  bool reduce_scatter_ = false;           // the backend has one (else gradients are all-reduced)
+  bool emulated_reduce_scatter_ = false;  // debug_emulate_reduce_scatter on a backend without one
+  static constexpr int64_t kEmulatedReduceScatterSlice = 1000;  // elements per part and bucket, emulated
   torch::Tensor reduce_scatter_buffer_;  // (bucket / R) fp32: one bucket's summed part
   int64_t rank_ = 0;
   int64_t bucket_elements_;
