@@ -15,6 +15,10 @@ the exit status is the number of failed checks (0 = all passed).
   6. moe_grouped_mm: moe-tiny in bf16 with moe_dispatch=grouped (at::_grouped_mm, group offsets on
      the device) against moe_dispatch=loop: the same losses to bf16 tolerance, and one host read
      fewer per MoE layer and micro-batch (2 layers x K=2 = 4 per step).
+  7. nccl_sharding_levels: one NCCL rank under data_parallel_sharding=optim_grads and
+     optim_grads_params (remat full) gives the losses of the unsharded run (1e-5) with its gradients
+     reduce-scattered (NCCL's reduce_scatter, which no CPU run can call); prints each level's CUDA
+     peak memory (issue 13: "run one rank of each level under NCCL and report memory").
 """
 import json
 import math
@@ -85,6 +89,18 @@ check("nccl_one_rank", losses(nccl) == losses(plain) and
       f"{losses(nccl, 'learning/param_norm') == losses(plain, 'learning/param_norm')}; "
       f"collectives per step {nccl[0]['perf/collectives_per_step']}; NCCL named in the log: {'NCCL' in log}")
 
+levels = {}
+for level in ["none", "optim_grads", "optim_grads_params"]:
+    levels[level] = run("nccl-" + level, common + ["hardware=gpu", "dist_backend=nccl", "remat_policy=full",
+                                                   f"data_parallel_sharding={level}"])
+worst = max(rel(a, b) for level in ["optim_grads", "optim_grads_params"]
+            for a, b in zip(losses(levels[level][0]), losses(levels["none"][0])))
+scattered = all("gradients by reduce-scatter" in levels[level][1] for level in ["optim_grads", "optim_grads_params"])
+check("nccl_sharding_levels", worst <= 1e-5 and scattered,
+      f"worst relative loss difference against none {worst:.2e}; reduce-scatter named in both logs: {scattered}; "
+      "cuda peak allocated per level: " +
+      ", ".join(f"{level} {levels[level][0][-1].get('memory/cuda_peak_allocated_bytes')}" for level in levels))
+
 bf16, log = run("bf16", SYNTHETIC + ["hardware=gpu", "dtype=bfloat16", "steps=30", "per_device_batch_size=8"])
 first, last = sum(losses(bf16)[:5]) / 5, sum(losses(bf16)[-5:]) / 5
 row = bf16[-1]
@@ -114,5 +130,5 @@ check("moe_grouped_mm", worst <= 2e-2 and all(g == l - 4 for g, l in zip(*reads)
       f"worst relative loss difference grouped vs loop {worst:.2e}; host reads per step grouped {reads[0]} "
       f"loop {reads[1]}")
 
-print(f"{len(failures)} of 6 GPU checks failed: {failures}" if failures else "all 6 GPU checks passed")
+print(f"{len(failures)} of 7 GPU checks failed: {failures}" if failures else "all 7 GPU checks passed")
 sys.exit(len(failures))
