@@ -200,7 +200,7 @@ class C10dCommunicator : public Communicator {
   }
   bool has_reduce_scatter() override {
     if (reduce_scatter_known_) return reduce_scatter_;
-    // Gloo in LibTorch 1.13 refuses the call itself ("does not support reduce_scatter"), on every
+    // Gloo (LibTorch 1.13 and 2.6) refuses the call itself ("does not support reduce_scatter"), on every
     // rank alike, before any exchange; a backend that has it runs this one-element probe.
     std::vector<at::Tensor> outputs{torch::zeros({1}, torch::TensorOptions().device(device_))};
     std::vector<std::vector<at::Tensor>> inputs{std::vector<at::Tensor>(static_cast<size_t>(world_), torch::ones({1}, outputs[0].options()))};

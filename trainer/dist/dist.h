@@ -41,7 +41,7 @@ class Communicator {
   // rank r's `output`. Where !has_reduce_scatter() it is emulated: the parts are all-reduced
   // together and this rank's copied out (twice the bytes; for tests of the callers' path).
   virtual void reduce_scatter_sum(std::vector<torch::Tensor>& parts, torch::Tensor& output, const std::string& what);
-  // Whether the backend has a reduce-scatter: NCCL, and Gloo from LibTorch 2.x; Gloo in 1.13 has
+  // Whether the backend has a reduce-scatter: NCCL; Gloo (LibTorch 1.13 and 2.6) has
   // none. Decided by the first call, a collective of one element per rank (every member calls it).
   virtual bool has_reduce_scatter() = 0;
   // All-to-all of rows (expert parallelism): input rows [sum(input_splits[<d]), + input_splits[d])

@@ -195,8 +195,8 @@ std::vector<std::unique_ptr<PendingCollective>> ShardedModelState::gather_unit_s
   return started;
 }
 
-// A reduce-scatter (NCCL; Gloo from LibTorch 2.x) sums the R parts bucket by bucket, each rank
-// receiving its own: (R-1)/R x 4 R part bytes sent. Without one (Gloo in LibTorch 1.13) the unit
+// A reduce-scatter (NCCL; Gloo has none, in 1.13 or 2.6) sums the R parts bucket by bucket, each rank
+// receiving its own: (R-1)/R x 4 R part bytes sent. Without one (Gloo) the unit
 // is all-reduced bucket by bucket and each rank keeps its part: twice those bytes.
 void ShardedModelState::reduce_unit(const ShardUnit& unit, torch::Tensor padded) {
   if (reduce_scatter_) {
