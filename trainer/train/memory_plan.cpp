@@ -164,20 +164,30 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
     // R parts of ceil(n / R); S = this rank's parts. Gradients reduce per layer, so only one layer's
     // full gradient (and, with optim_grads_params, one layer's gathered weights) exists at a time.
     // With HSDP (data_parallel_shard_degree D) the units are split over the D ranks of a group.
+    // With expert parallelism a MoE layer's routed experts (this rank's E/N) are a unit of their
+    // own, split over the R/N ranks holding the same experts.
     const int64_t shard_ranks = c.data_parallel_shard_degree > 0 ? std::min(c.data_parallel_shard_degree, ctx.world_size)
                                                                   : ctx.world_size;
     const double R = static_cast<double>(shard_ranks);
+    const double expert_ranks = R / static_cast<double>(c.expert_parallelism);
     const auto part = [&](double n) { return std::ceil(n / R); };
     const double embed = s.V * s.D, rest = static_cast<double>(size.mtp_params) + s.D + (c.logits_via_embedding ? 0 : s.V * s.D);
     const double dense_layer = static_cast<double>(size.per_layer_params);
     const double moe_layer = moe_layers > 0 ? (P - embed - rest - static_cast<double>(dense_layers) * dense_layer) /
                                                   static_cast<double>(moe_layers)
                                             : 0;
+    const double layer_experts = c.expert_parallelism > 1 ? s.E / static_cast<double>(c.expert_parallelism) * 3 * s.D * s.Fm
+                                                          : 0;  // a MoE layer's expert unit (this rank's experts); 0: not cut out
+    const double expert_part = std::ceil(layer_experts / expert_ranks);
+    const double moe_part = part(moe_layer - layer_experts) + expert_part;  // this rank's share of one MoE layer
     const double S = part(embed) + part(rest) + static_cast<double>(dense_layers) * part(dense_layer) +
-                     static_cast<double>(moe_layers) * part(moe_layer);
-    const double layer = R * std::max(dense_layers > 0 ? part(dense_layer) : 0.0, moe_layers > 0 ? part(moe_layer) : 0.0);
+                     static_cast<double>(moe_layers) * moe_part;
+    const double moe_gathered = R * part(moe_layer - layer_experts) + expert_ranks * expert_part;
+    const double layer = std::max(dense_layers > 0 ? R * part(dense_layer) : 0.0, moe_layers > 0 ? moe_gathered : 0.0);
     const double outer = R * (part(embed) + part(rest));
-    const std::string shard_text = count_text(S) + " elements (this rank's 1/" + std::to_string(shard_ranks) + " of every unit)";
+    const std::string shard_text =
+        count_text(S) + " elements (this rank's 1/" + std::to_string(shard_ranks) + " of every unit" +
+        (c.expert_parallelism > 1 ? ", 1/" + std::to_string(shard_ranks / c.expert_parallelism) + " of its experts'" : "") + ")";
     if (zero2)
       add(plan, "weights (fp32 flat buffer)", 4 * (P + std::max({layer, R * part(embed), R * part(rest)})),
           params + " x 4 B (AdamW updates this rank's " + shard_text + " in place) and the largest unit's gather buffer");
@@ -384,7 +394,7 @@ std::vector<std::string> memory_plan_suggestions(const Config& config, const Mem
       break;
     }
   }
-  if (context.world_size > 1 && config.data_parallel_sharding == "none") {
+  if (context.world_size > 1 && config.data_parallel_sharding == "none" && config.expert_parallelism == 1) {
     Config c = config;
     c.data_parallel_sharding = "optim";
     try_config(c, "data_parallel_sharding=optim (ZeRO-1 over " + std::to_string(context.world_size) + " ranks)");

@@ -43,6 +43,10 @@ void Trainer::build_flat_buffers(ModelInitializer* deferred_init) {
     if (R % D != 0)
       throw config_error("data_parallel_shard_degree=" + std::to_string(D) + " must divide the number of ranks (" +
                          std::to_string(R) + ")");
+    if (D < R && expert_replicas_)
+      throw config_error("expert_parallelism=" + std::to_string(config_.expert_parallelism) +
+                         " with data_parallel_shard_degree=" + std::to_string(D) + " < " + std::to_string(R) +
+                         " ranks (HSDP) is not implemented yet; shard over all ranks (data_parallel_shard_degree=-1)");
     if (D < R) {
       std::vector<int64_t> group, replicas;
       for (int64_t r = rank / D * D; r < rank / D * D + D; ++r) group.push_back(r);
@@ -50,8 +54,10 @@ void Trainer::build_flat_buffers(ModelInitializer* deferred_init) {
       shard_group_ = comm_->split(group, "sharding group");
       shard_replicas_ = comm_->split(replicas, "sharding replica group");
     }
-    sharded_state_ = std::make_unique<ShardedModelState>(model_, shard_group_ ? *shard_group_ : *comm_,
-                                                         shard_replicas_.get(), config_, device_, deferred_init);
+    // With expert parallelism the routed experts differ between the ranks of a group: they shard
+    // over the ranks holding the same ones.
+    const ShardingGroups groups{shard_group_ ? shard_group_.get() : comm_.get(), shard_replicas_.get(), expert_replicas_.get()};
+    sharded_state_ = std::make_unique<ShardedModelState>(model_, groups, config_, device_, deferred_init);
     flat_params_ = sharded_state_->arena;  // undefined with optim_grads_params
     shard_begin_ = 0;
     shard_end_ = shard_chunk_ = sharded_state_->grad_shard.numel();

@@ -110,15 +110,34 @@ CheckpointContents Trainer::snapshot(int64_t completed_steps) {
     c.shard_rank = rank;
     c.shard_count = comm_->world_size();
   }
+  // Sharded with expert parallelism, a rank writes the other tensors of its range, and its own
+  // experts of each stacked expert tensor in its expert-parallel group's ranges: the group's N
+  // ranks hold the N slices of every such tensor, so together they write each expert once.
+  int64_t keep_begin = begin, keep_end = end;  // the arena range this rank copies to the host
+  if (own_shard && expert_group_) {
+    const int64_t N = expert_group_->world_size(), first = rank / N * N;
+    keep_begin = checkpoint_range(first).first;
+    keep_end = checkpoint_range(first + N - 1).second;
+  }
+  const auto own_shard_views = [&, begin = begin, end = end](const torch::Tensor& host) {
+    NamedTensors kept;
+    int64_t offset = 0;
+    std::map<std::string, int64_t> offsets;
+    for (const auto& item : model_->named_parameters()) offsets[item.key()] = offset, offset += item.value().numel();
+    for (auto& [name, view] : arena_views(host, keep_begin))
+      if (model_is_stacked_experts(name) || (offsets[name] >= begin && offsets[name] < end)) kept.emplace_back(name, view);
+    return model_checkpoint_views(kept, expert_rank_ * (config_.num_experts / config_.expert_parallelism));
+  };
   // One copy per flat buffer; the named tensors are views into those copies.
   // Sharded levels gather every unit through one unit-sized buffer (docs/checkpoints.md).
-  const auto params = sharded_state_ ? sharded_state_->params_to_host(begin, end)
+  const ShardedModelState::HostRange kept{keep_begin, keep_end, begin, end};
+  const auto params = sharded_state_ ? sharded_state_->params_to_host(kept)
                                      : flat_params_.narrow(0, begin, end - begin).to(torch::kCPU, false, /*copy=*/true);
   // Moments on the host; with ZeRO-1 assembled from every rank (a collective) through a transient
   // padded buffer laid out as the parameter arena, in which this rank fills its chunk.
   torch::Tensor full = sharded() ? torch::zeros_like(flat_params_padded_) : torch::Tensor();
   const auto host_moments = [&](const torch::Tensor& shard, const std::string& what) {
-    if (sharded_state_) return sharded_state_->gather_to_host(shard, what, begin, end);
+    if (sharded_state_) return sharded_state_->gather_to_host(shard, what, kept);
     if (!sharded()) return shard.narrow(0, begin, end - begin).to(torch::kCPU, false, true);
     full.narrow(0, shard_begin_, shard_end_ - shard_begin_).copy_(shard);
     all_gather_chunks(full, what);
@@ -126,16 +145,16 @@ CheckpointContents Trainer::snapshot(int64_t completed_steps) {
   };
   const auto m = host_moments(adam_m_, "the AdamW first moments");
   const auto v = host_moments(adam_v_, "the AdamW second moments");
-  if (begin == end) return c;  // nothing kept here
+  if (keep_begin == keep_end) return c;  // nothing kept here
   // With expert parallelism every stacked expert tensor is gathered from the group: a checkpoint
   // holds every expert under its HF name, whatever expert_parallelism wrote it.
-  c.model = model_checkpoint_views(own_shard ? arena_views(params, begin) : with_all_experts(arena_views(params), "the expert weights"));
+  c.model = own_shard ? own_shard_views(params) : model_checkpoint_views(with_all_experts(arena_views(params), "the expert weights"));
   if (rank == 0 || !own_shard)
     for (const auto& item : model_->named_buffers())
       c.model.emplace_back(item.key(), item.value().to(torch::kCPU, torch::kFloat32, false, true).contiguous());
   for (const auto& [prefix, moments] : {std::pair{"exp_avg.", m}, std::pair{"exp_avg_sq.", v}})
-    for (const auto& [name, view] : model_checkpoint_views(own_shard ? arena_views(moments, begin)
-                                                                     : with_all_experts(arena_views(moments), "the expert AdamW moments")))
+    for (const auto& [name, view] : own_shard ? own_shard_views(moments)
+                                              : model_checkpoint_views(with_all_experts(arena_views(moments), "the expert AdamW moments")))
       c.optimizer.emplace_back(prefix + name, view);
   c.state.step = completed_steps;
   c.state.updates_applied = updates_applied_;
@@ -223,6 +242,8 @@ void Trainer::restore_streamed(const CheckpointReader& reader, bool full_state, 
   // Parameters in arena order, in groups restored together: a layer's stacked experts
   // (gate_up_proj, down_proj) share their per-expert checkpoint names; every other parameter is
   // its own group. Each group goes through host tensors of its size, then this rank keeps its parts.
+  // With expert parallelism the host tensors of stacked experts hold the whole layer (every
+  // expert is read, so every name is accounted for), and this rank keeps its experts' slice.
   std::vector<std::tuple<std::string, torch::Tensor, int64_t>> parameters;  // name, parameter, arena offset
   int64_t offset = 0;
   for (const auto& item : model_->named_parameters()) {
@@ -235,8 +256,11 @@ void Trainer::restore_streamed(const CheckpointReader& reader, bool full_state, 
     for (const std::string prefix : {"", "exp_avg.", "exp_avg_sq."}) {
       if (!full_state && !prefix.empty()) break;  // weights only
       NamedTensors group;  // host tensors shaped as the parameters
-      for (size_t i = first; i < last; ++i)
-        group.emplace_back(std::get<0>(parameters[i]), torch::empty(std::get<1>(parameters[i]).sizes(), torch::kFloat32));
+      for (size_t i = first; i < last; ++i) {
+        auto shape = std::get<1>(parameters[i]).sizes().vec();
+        if (expert_group_ && model_is_stacked_experts(std::get<0>(parameters[i]))) shape[0] *= expert_group_->world_size();
+        group.emplace_back(std::get<0>(parameters[i]), torch::empty(shape, torch::kFloat32));
+      }
       for (auto& [name, view] : model_checkpoint_views(group)) {
         const std::string key = prefix + name;
         if (!prefix.empty() && mismatched.count(name)) continue;  // its weight's problem is listed
@@ -255,7 +279,10 @@ void Trainer::restore_streamed(const CheckpointReader& reader, bool full_state, 
       }
       if (!problems.empty()) continue;  // reported below; nothing more is copied
       for (size_t i = first; i < last; ++i) {
-        const auto values = group[i - first].second.reshape({-1});
+        auto values = group[i - first].second;
+        const int64_t local = std::get<1>(parameters[i]).size(0);
+        if (values.size(0) != local) values = values.narrow(0, expert_rank_ * local, local);  // this rank's experts
+        values = values.reshape({-1});
         const int64_t begin = std::get<2>(parameters[i]);
         if (prefix.empty()) sharded_state_->params_load_range(values, begin);
         else sharded_state_->shard_load_range(prefix == "exp_avg." ? adam_m_ : adam_v_, values, begin);
@@ -424,21 +451,8 @@ void Trainer::load_hf_parameters(const std::string& dir) {
   spdlog::info("loaded the {} weights of {}; optimizer and step start fresh", architecture, dir);
 }
 
-namespace {
-// Whether the unit's arena range holds a MoE layer's stacked experts (which expert parallelism gathers).
-bool holds_stacked_experts(const Transformer& model, const ShardUnit& unit) {
-  int64_t offset = 0;
-  for (const auto& item : model->named_parameters()) {
-    if (offset >= unit.begin + unit.numel) break;
-    if (offset >= unit.begin && model_is_stacked_experts(item.key())) return true;
-    offset += item.value().numel();
-  }
-  return false;
-}
-}  // namespace
-
 // Exports stream the weights one unit at a time (sharding.h's model_units: the embedding, each
-// decoder layer, the rest), then the buffers: no rank ever holds more than one unit of weights
+// decoder layer, with expert parallelism its stacked experts apart, the rest), then the buffers: no rank ever holds more than one unit of weights
 // beyond its own state, and the optimizer moments are not read. Rank 0 first plans the files from
 // the same walk over meta tensors (names and shapes, no data, no collective), so each file's header
 // is written before its tensors arrive.
@@ -450,8 +464,9 @@ NamedTensors Trainer::export_unit(const ShardUnit& unit, size_t index, bool meta
     if (!rank0) return {};
     params = torch::empty({unit.numel}, torch::TensorOptions().dtype(torch::kFloat32).device(torch::kMeta));
   } else if (sharded_state_) {
-    params = sharded_state_->unit_params_to_host(index, rank0);  // a collective with optim_grads_params
-  } else if (rank0 || (expert_group_ && holds_stacked_experts(model_, unit))) {  // every rank brings its experts
+    // A collective with optim_grads_params; with expert parallelism every rank brings its experts.
+    params = sharded_state_->unit_params_to_host(index, rank0 || unit.experts);
+  } else if (rank0 || unit.experts) {  // every rank brings its experts
     params = flat_params_.narrow(0, unit.begin, unit.numel).to(torch::kCPU, false, /*copy=*/true);
   }
   if (!params.defined()) return {};
@@ -471,7 +486,7 @@ NamedTensors Trainer::export_buffers(bool meta) const {
 
 NamedTensors Trainer::export_plan() {
   NamedTensors plan;
-  const auto units = model_units(model_);
+  const auto units = model_units(model_, /*split_experts=*/expert_group_ != nullptr);
   for (size_t i = 0; i < units.size(); ++i)
     for (auto& item : export_unit(units[i], i, /*meta=*/true)) plan.push_back(std::move(item));
   for (auto& item : export_buffers(/*meta=*/true)) plan.push_back(std::move(item));
@@ -479,7 +494,7 @@ NamedTensors Trainer::export_plan() {
 }
 
 void Trainer::export_stream(const std::function<void(const NamedTensors&)>& write, std::exception_ptr& failure) {
-  const auto units = model_units(model_);
+  const auto units = model_units(model_, /*split_experts=*/expert_group_ != nullptr);
   for (size_t i = 0; i <= units.size(); ++i) {
     const auto tensors = i < units.size() ? export_unit(units[i], i, /*meta=*/false) : export_buffers(/*meta=*/false);
     if (tensors.empty() || failure) continue;  // a failed write: the others still take part to the end

@@ -197,7 +197,7 @@ class Trainer {
   // expert) on rank 0, nothing elsewhere (a collective with optim_grads_params or expert
   // parallelism); with `meta` rank 0's names and shapes only, no collective. export_buffers: the
   // model's buffers (fp32) on rank 0. export_plan: all of it as meta tensors, in file order.
-  NamedTensors export_unit(const ShardUnit& unit, size_t index, bool meta);  // unit = model_units(model_)[index]
+  NamedTensors export_unit(const ShardUnit& unit, size_t index, bool meta);  // unit = model_units(model_, EP)[index]
   NamedTensors export_buffers(bool meta) const;
   NamedTensors export_plan();
   // Runs every unit's export_unit, then export_buffers, calling `write` on rank 0 with each

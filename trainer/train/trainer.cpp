@@ -108,9 +108,9 @@ Trainer::Trainer(Config config)
   model_ = model_build(config_, expert_rank_, /*draw=*/!draw_per_unit);
   ModelInitializer initializer(config_, expert_rank_);
   perf_startup_mark("model init");
+  build_expert_parallel();  // before the flat buffers: the sharded levels shard the experts over its replica group
   build_flat_buffers(draw_per_unit ? &initializer : nullptr);
   model_->to(device_);
-  build_expert_parallel();
   perf_startup_mark("to device + flat buffers");
   if (device_.is_cpu()) host_allocations_watch(static_cast<size_t>(step_grads().numel()) * sizeof(float));
   const std::string name = device_name(device_);
