@@ -506,6 +506,30 @@ TEST_CASE("memory plan: sharded levels count the shard and one unit's buffers, a
       CHECK(plan_item(plan, "optimizer") == 12 * S);
       if (R == 1) CHECK(S == P);
     }
+    // Expert parallelism, N = 2 of R = 4: this rank's half of a MoE layer's experts is a unit of
+    // its own, split over the R/N = 2 ranks that hold the same experts; the shared expert after it
+    // another. Built as rank 0 of the expert-parallel group would build it (no process group needed).
+    const Config ep = tiny_config({"model_name=moe-tiny", "mtp_num_layers=1", "data_parallel_sharding=" + level,
+                                   "remat_policy=full", "expert_parallelism=2"});
+    const auto model = model_build(ep, /*expert_rank=*/0, /*draw=*/false);
+    double P_rank = 0, S = 0, outer = 0, widest = 0;
+    std::map<int64_t, double> layers;  // gathered elements per decoder layer
+    size_t expert_units = 0;
+    for (const auto& unit : model_units(model, /*split_experts=*/true)) {
+      const double ranks = unit.experts ? 2 : 4, part = std::ceil(static_cast<double>(unit.numel) / ranks);
+      P_rank += static_cast<double>(unit.numel);
+      S += part;
+      (unit.layer >= 0 ? layers[unit.layer] : outer) += ranks * part;
+      widest = std::max(widest, ranks * part);
+      expert_units += unit.experts;
+    }
+    CHECK(expert_units == 2);  // moe-tiny's two MoE layers
+    double layer = 0;
+    for (const auto& [index, elements] : layers) layer = std::max(layer, elements);
+    const MemoryPlan plan = memory_plan(ep, {4, 1, false, false});
+    CHECK(plan_item(plan, "weights") == (level == "optim_grads" ? 4 * (P_rank + widest) : 4 * (S + outer + 2 * layer)));
+    CHECK(plan_item(plan, "gradients") == 4 * (S + outer + layer));
+    CHECK(plan_item(plan, "optimizer") == 12 * S);
   }
 }
 

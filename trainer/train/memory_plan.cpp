@@ -176,20 +176,28 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
     const double moe_layer = moe_layers > 0 ? (P - embed - rest - static_cast<double>(dense_layers) * dense_layer) /
                                                   static_cast<double>(moe_layers)
                                             : 0;
-    const double layer_experts = c.expert_parallelism > 1 ? s.E / static_cast<double>(c.expert_parallelism) * 3 * s.D * s.Fm
-                                                          : 0;  // a MoE layer's expert unit (this rank's experts); 0: not cut out
+    // A MoE layer's units: before its experts, the experts (this rank's), after them (the shared
+    // experts); without expert parallelism all one unit (`before`).
+    const bool cut = c.expert_parallelism > 1;
+    const double layer_experts = cut ? s.E / static_cast<double>(c.expert_parallelism) * 3 * s.D * s.Fm : 0;
+    const double after_experts = cut ? 3 * s.D * s.Fs : 0;
+    const double before_experts = moe_layer - layer_experts - after_experts;
     const double expert_part = std::ceil(layer_experts / expert_ranks);
-    const double moe_part = part(moe_layer - layer_experts) + expert_part;  // this rank's share of one MoE layer
+    const double moe_part = part(before_experts) + part(after_experts) + expert_part;  // this rank's share of one MoE layer
     const double S = part(embed) + part(rest) + static_cast<double>(dense_layers) * part(dense_layer) +
                      static_cast<double>(moe_layers) * moe_part;
-    const double moe_gathered = R * part(moe_layer - layer_experts) + expert_ranks * expert_part;
+    const double moe_gathered = R * (part(before_experts) + part(after_experts)) + expert_ranks * expert_part;
     const double layer = std::max(dense_layers > 0 ? R * part(dense_layer) : 0.0, moe_layers > 0 ? moe_gathered : 0.0);
+    // optim_grads gathers one unit at a time (into the arena, through a buffer of the widest).
+    const double widest_layer_unit =
+        std::max({dense_layers > 0 ? R * part(dense_layer) : 0.0, moe_layers > 0 ? R * part(before_experts) : 0.0,
+                  moe_layers > 0 ? R * part(after_experts) : 0.0, moe_layers > 0 ? expert_ranks * expert_part : 0.0});
     const double outer = R * (part(embed) + part(rest));
     const std::string shard_text =
         count_text(S) + " elements (this rank's 1/" + std::to_string(shard_ranks) + " of every unit" +
         (c.expert_parallelism > 1 ? ", 1/" + std::to_string(shard_ranks / c.expert_parallelism) + " of its experts'" : "") + ")";
     if (zero2)
-      add(plan, "weights (fp32 flat buffer)", 4 * (P + std::max({layer, R * part(embed), R * part(rest)})),
+      add(plan, "weights (fp32 flat buffer)", 4 * (P + std::max({widest_layer_unit, R * part(embed), R * part(rest)})),
           params + " x 4 B (AdamW updates this rank's " + shard_text + " in place) and the largest unit's gather buffer");
     else
       add(plan, "weights (fp32 shard + gathered units)", 4 * (S + outer + 2 * layer),
