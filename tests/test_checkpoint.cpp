@@ -628,6 +628,18 @@ TEST_CASE("Hugging Face directories: config.json round trips the model keys, and
   CHECK_THROWS_WITH(hf_tensors_to_checkpoint(no_bias, with(bias, torch::full({ling.num_experts}, 0.5f)), "BailingMoeV2ForCausalLM", dir),
                     Catch::Contains(bias) && Catch::Contains("routed_bias is false"));
   CHECK_NOTHROW(hf_tensors_to_checkpoint(no_bias, with(bias, torch::zeros({ling.num_experts})), "BailingMoeV2ForCausalLM", dir));
+  // The streaming reader (the sharded levels' load) gives the same tensors under the same names,
+  // one at a time, q, k and v read as rows of the fused tensor.
+  const auto whole = hf_tensors_to_checkpoint(ling, tensors, "BailingMoeV2ForCausalLM", dir);
+  const auto reader = CheckpointReader::hugging_face(dir, ling, "BailingMoeV2ForCausalLM");
+  CHECK(reader.model_names().size() == whole.size());
+  CHECK(reader.contains("model.layers.1.self_attn.k_proj.weight"));
+  CHECK_FALSE(reader.contains(qkv));
+  for (const auto& [name, tensor] : whole) {
+    INFO(name);
+    CHECK(reader.shape(name) == tensor.sizes().vec());
+    CHECK(torch::equal(reader.read(name), tensor));
+  }
   // An index naming a shard that is gone.
   const std::string broken = kOut + "/hf-broken";
   fs::remove_all(broken);

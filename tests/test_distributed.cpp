@@ -622,6 +622,51 @@ TEST_CASE("load_parameters_path under optim_grads and optim_grads_params reads o
   CHECK_THAT(bad.output, Catch::Contains("load_parameters_path " + file + " does not match the model of this config"));
 }
 
+TEST_CASE("a Hugging Face directory as load_parameters_path under optim_grads_params streams and starts as one process does",
+          "[dist][cli][sharding][checkpoint]") {
+  // BailingMoeV2 (ling-mini-tiny): renamed tensors, a fused query_key_value read as q, k and v
+  // rows, the expert bias, a MoE MTP block. R=1 `none` converts the whole directory at once
+  // (hf_tensors_to_checkpoint); the sharded levels read it one tensor at a time through
+  // CheckpointReader::hugging_face, with and without expert parallelism.
+  const std::string common = "model_name=ling-mini-tiny max_target_length=16 per_device_batch_size=1 warmup_steps_fraction=0 "
+                             "learning_rate=0.01 synthetic_min_valid_fraction=0.3 learning_rate_schedule_steps=4 "
+                             "adam_eps=0.01 steps=2 base_output_directory=" + kOut + " ";
+  const std::string hf = kOut + "/hfl-export";
+  for (const std::string run : {"hfl-src", "hfl-export", "hfl-ref", "hfl-zero3", "hfl-ep", "hfl-bias"}) fs::remove_all(kOut + "/" + run);
+  REQUIRE(run_trainer(common + "gradient_accumulation_steps=4 run_name=hfl-src").exit_code == 0);
+  REQUIRE(run_trainer(common + "gradient_accumulation_steps=4 run_name=hfl-src --export-hf " + hf).exit_code == 0);
+  REQUIRE(safetensors_read(hf + "/model.safetensors").tensors.count("model.layers.0.attention.query_key_value.weight") == 1);
+  REQUIRE(run_trainer(common + "gradient_accumulation_steps=4 run_name=hfl-ref load_parameters_path=" + hf).exit_code == 0);
+  const std::string zero3 = common + "gradient_accumulation_steps=2 data_parallel_sharding=optim_grads_params remat_policy=full ";
+  const auto sharded = mpirun(2, zero3 + "run_name=hfl-zero3 load_parameters_path=" + hf);
+  INFO(sharded.output);
+  REQUIRE(sharded.exit_code == 0);
+  CHECK_THAT(sharded.output, Catch::Contains("loaded the BailingMoeV2ForCausalLM weights of " + hf + " (one tensor at a time"));
+  const auto experts = mpirun(2, zero3 + "expert_parallelism=2 run_name=hfl-ep load_parameters_path=" + hf);
+  INFO(experts.output);
+  REQUIRE(experts.exit_code == 0);
+  const auto want = metrics_of("hfl-ref");
+  REQUIRE(want.size() == 2);
+  for (const std::string run : {"hfl-zero3", "hfl-ep"}) {
+    const auto got = metrics_of(run);
+    REQUIRE(got.size() == 2);
+    for (size_t i = 0; i < 2; ++i)
+      for (const char* name : {"learning/loss", "learning/raw_grad_norm", "learning/param_norm", "learning/mtp_loss"}) {
+        INFO(run << " step " << i << " " << name);
+        CHECK(got[i][name].get<double>() == Approx(want[i][name].get<double>()).epsilon(1e-5));
+      }
+  }
+  // Loaded, not trained from the seed: the first step's loss is the source run's trained model's.
+  CHECK(metrics_of("hfl-zero3")[0]["learning/loss"].get<double>() < metrics_of("hfl-src")[0]["learning/loss"].get<double>());
+  // The source's expert bias moved (routed_bias_update_rate): a config that would ignore it is
+  // refused when the tensor is read (exit 2), as by the whole-directory conversion.
+  const auto bias = mpirun(2, zero3 + "override_model_config=true routed_bias=false run_name=hfl-bias load_parameters_path=" + hf);
+  INFO(bias.output);
+  CHECK(bias.exit_code == 2);
+  CHECK_THAT(bias.output, Catch::Contains(hf + ": model.layers.") &&
+                              Catch::Contains(".mlp.gate.expert_bias is nonzero, but routed_bias is false"));
+}
+
 TEST_CASE("sharded checkpoints: bit-exact resume at the same R, a corrupt shard falls back, a failed shard write exits 1",
           "[dist][cli][sharding][checkpoint]") {
   const std::string common = "model_name=moe-tiny max_target_length=16 per_device_batch_size=1 warmup_steps_fraction=0 "

@@ -291,13 +291,25 @@ void CheckpointReader::add_file(const std::string& path, bool model) {
 }
 
 const CheckpointReader::Location* CheckpointReader::find(const std::string& name) const {
-  const auto it = tensors_.find(name);
+  if (!aliases_.empty()) {
+    const auto alias = aliases_.find(name);
+    return alias == aliases_.end() ? nullptr : find_stored(alias->second.stored);
+  }
+  return find_stored(name);
+}
+
+const CheckpointReader::Location* CheckpointReader::find_stored(const std::string& stored) const {
+  const auto it = tensors_.find(stored);
   return it == tensors_.end() ? nullptr : &it->second;
 }
 
 std::vector<int64_t> CheckpointReader::shape(const std::string& name) const {
   const auto* at = find(name);
-  return at ? at->tensor.shape : std::vector<int64_t>{};
+  if (!at) return {};
+  auto shape = at->tensor.shape;
+  const auto alias = aliases_.find(name);
+  if (alias != aliases_.end() && alias->second.rows >= 0) shape.at(0) = alias->second.rows;
+  return shape;
 }
 
 torch::Tensor CheckpointReader::read(const std::string& name) const {
@@ -309,7 +321,12 @@ torch::Tensor CheckpointReader::read(const std::string& name) const {
   } catch (const std::exception& e) {
     throw config_error(e.what());
   }
-  return tensor_from_bytes(bytes.data(), at->tensor, at->path, name);
+  auto tensor = tensor_from_bytes(bytes.data(), at->tensor, at->path, name);
+  const auto alias = aliases_.find(name);
+  if (alias != aliases_.end() && alias->second.rows >= 0)
+    tensor = tensor.narrow(0, alias->second.row_begin, alias->second.rows).contiguous();
+  if (check_read_) check_read_(name, alias != aliases_.end() ? alias->second.stored : name, tensor);
+  return tensor;
 }
 
 std::string checkpoint_verify(const std::string& checkpoint_dir) {

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <exception>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <set>
 #include <memory>
@@ -106,6 +107,13 @@ class CheckpointReader {
   // Weights only, as load_parameters_path names them: one safetensors file, or a directory's
   // model.safetensors or the files its model.safetensors.index.json lists (no manifest needed).
   static CheckpointReader weights(const std::string& path);
+  // A Hugging Face model directory (config.json's `architecture`) as checkpoint names, one tensor
+  // at a time (hf_checkpoint.cpp): BailingMoeV2's tensors renamed and its fused query_key_value
+  // read as q, k and v rows; a tied model's stored lm_head left out (a warning if it differs from
+  // the embedding). config_error naming the directory and the tensor for a fused tensor of the
+  // wrong shape and, when read, for a nonzero expert bias the config would ignore (routed_bias
+  // false), as hf_tensors_to_checkpoint.
+  static CheckpointReader hugging_face(const std::string& dir, const Config& config, const std::string& architecture);
   bool contains(const std::string& name) const { return find(name) != nullptr; }
   std::vector<int64_t> shape(const std::string& name) const;  // empty if absent
   torch::Tensor read(const std::string& name) const;          // config_error (exit 2) if absent or unreadable
@@ -117,11 +125,20 @@ class CheckpointReader {
     std::shared_ptr<const SafetensorsFile> header;
     SafetensorsTensor tensor;
   };
+  // A name read from another stored tensor: its name in the files and the rows it takes (-1: all).
+  struct Alias {
+    std::string stored;
+    int64_t row_begin = 0, rows = -1;
+  };
   CheckpointReader() = default;
   void add_file(const std::string& path, bool model);  // reads its header
-  const Location* find(const std::string& name) const;
-  std::map<std::string, Location> tensors_;  // model and optimizer ("exp_avg.<name>") tensors
+  const Location* find(const std::string& name) const;       // by model name (through aliases_)
+  const Location* find_stored(const std::string& stored) const;  // by the name in the files
+  std::map<std::string, Location> tensors_;  // model and optimizer ("exp_avg.<name>") tensors, as stored
   std::vector<std::string> model_names_;
+  std::map<std::string, Alias> aliases_;  // hugging_face: every model name, else empty
+  // Every tensor read passes it (if set): (name, name in the files, tensor).
+  std::function<void(const std::string&, const std::string&, const torch::Tensor&)> check_read_;
 };
 
 // Reads the tensors of one safetensors file as fp32 CPU tensors (F32, BF16, F16, F64 accepted).

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <map>
 #include <set>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
@@ -76,49 +77,107 @@ NamedTensors hf_tensors_from_checkpoint(const Config& c, const NamedTensors& mod
   return out;
 }
 
-NamedTensors hf_tensors_to_checkpoint(const Config& c, const NamedTensors& hf, const std::string& architecture,
-                                      const std::string& source) {
+namespace {
+
+// Where each checkpoint tensor of a Hugging Face directory comes from: its stored (the
+// architecture's) name and the rows it takes (BailingMoeV2's fused query_key_value gives q, k and
+// v), in stored order. A tied model's stored lm_head is left out. Throws config_error naming
+// `source` and the tensor when a fused tensor has the wrong shape.
+struct HfTensorSource {
+  std::string stored;
+  int64_t row_begin = 0, rows = -1;  // rows -1: the whole tensor
+};
+std::vector<std::pair<std::string, HfTensorSource>> hf_checkpoint_sources(
+    const Config& c, const std::vector<std::pair<std::string, std::vector<int64_t>>>& stored, const std::string& architecture,
+    const std::string& source) {
   const bool bailing = architecture == kBailing;
   const int64_t q_rows = c.base_num_query_heads * c.head_dim, kv_rows = c.base_num_kv_heads * c.head_dim;
-  NamedTensors out;
-  torch::Tensor embedding;
-  for (const auto& [name, tensor] : hf)
-    if (name == (bailing ? "model.word_embeddings.weight" : "model.embed_tokens.weight")) embedding = tensor;
-  for (const auto& [name, tensor] : hf) {
-    if (c.logits_via_embedding && name == "lm_head.weight") {
-      // Some tied checkpoints store the head anyway; the embedding is what the model uses.
-      if (embedding.defined() && !torch::equal(tensor, embedding))
-        spdlog::warn("{}: lm_head.weight differs from the embedding; the tied model uses the embedding", source);
-      continue;
-    }
+  std::vector<std::pair<std::string, HfTensorSource>> out;
+  for (const auto& [name, shape] : stored) {
+    if (c.logits_via_embedding && name == "lm_head.weight") continue;  // the tied model uses the embedding
     if (!bailing) {
-      out.emplace_back(name, tensor);
+      out.push_back({name, {name}});
       continue;
     }
     if (ends_with(name, kQkv)) {
       const std::string layer = name.substr(0, name.size() - kQkv.size());
-      if (tensor.dim() != 2 || tensor.size(0) != q_rows + 2 * kv_rows) {
-        std::ostringstream shape;
-        shape << tensor.sizes();
-        throw config_error(source + ": " + name + " has shape " + shape.str() + "; this config needs (" +
+      if (shape.size() != 2 || shape[0] != q_rows + 2 * kv_rows) {
+        std::ostringstream text;
+        text << torch::IntArrayRef(shape);
+        throw config_error(source + ": " + name + " has shape " + text.str() + "; this config needs (" +
                            std::to_string(q_rows + 2 * kv_rows) + ", " + std::to_string(c.base_emb_dim) +
                            "): (num_attention_heads + 2 num_key_value_heads) x head_dim rows");
       }
-      out.emplace_back(layer + kQ, tensor.narrow(0, 0, q_rows).contiguous());
-      out.emplace_back(layer + kK, tensor.narrow(0, q_rows, kv_rows).contiguous());
-      out.emplace_back(layer + kV, tensor.narrow(0, q_rows + kv_rows, kv_rows).contiguous());
+      out.push_back({layer + kQ, {name, 0, q_rows}});
+      out.push_back({layer + kK, {name, q_rows, kv_rows}});
+      out.push_back({layer + kV, {name, q_rows + kv_rows, kv_rows}});
       continue;
     }
     std::string renamed = name;
     for (const auto& [ours, theirs] : kBailingParts)
       if (rename_part(renamed, theirs, ours)) break;
-    // BailingMoeV2Gate adds expert_bias to the scores whatever moe_router_enable_expert_bias says.
-    if (ends_with(renamed, ".e_score_correction_bias") && !c.routed_bias && tensor.abs().max().item<float>() != 0)
-      throw config_error(source + ": " + name + " is nonzero, but routed_bias is false (it would be ignored): "
-                         "pass routed_bias=true (override_model_config=true with a model file)");
-    out.emplace_back(renamed, tensor);
+    out.push_back({renamed, {name}});
   }
   return out;
+}
+
+// BailingMoeV2Gate adds expert_bias to the scores whatever moe_router_enable_expert_bias says, so
+// a nonzero one with routed_bias false would compute differently here: refused.
+// `name` is the checkpoint name, `stored` the one the message shows.
+void hf_check_expert_bias(const Config& c, const std::string& name, const std::string& stored, const torch::Tensor& tensor,
+                          const std::string& source) {
+  if (ends_with(name, ".e_score_correction_bias") && !c.routed_bias && tensor.abs().max().item<float>() != 0)
+    throw config_error(source + ": " + stored + " is nonzero, but routed_bias is false (it would be ignored): "
+                       "pass routed_bias=true (override_model_config=true with a model file)");
+}
+
+// Some tied checkpoints store the head anyway; the embedding is what the model uses.
+void hf_warn_if_stored_head_differs(const Config& c, const torch::Tensor& head, const torch::Tensor& embedding,
+                                    const std::string& source) {
+  if (c.logits_via_embedding && head.defined() && embedding.defined() && !torch::equal(head, embedding))
+    spdlog::warn("{}: lm_head.weight differs from the embedding; the tied model uses the embedding", source);
+}
+
+std::string hf_embedding_name(const std::string& architecture) {
+  return architecture == kBailing ? "model.word_embeddings.weight" : "model.embed_tokens.weight";
+}
+
+}  // namespace
+
+NamedTensors hf_tensors_to_checkpoint(const Config& c, const NamedTensors& hf, const std::string& architecture,
+                                      const std::string& source) {
+  std::map<std::string, torch::Tensor> by_name(hf.begin(), hf.end());
+  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+  for (const auto& [name, tensor] : hf) shapes.emplace_back(name, tensor.sizes().vec());
+  if (by_name.count("lm_head.weight") && by_name.count(hf_embedding_name(architecture)))
+    hf_warn_if_stored_head_differs(c, by_name["lm_head.weight"], by_name[hf_embedding_name(architecture)], source);
+  NamedTensors out;
+  for (const auto& [name, from] : hf_checkpoint_sources(c, shapes, architecture, source)) {
+    auto tensor = by_name.at(from.stored);
+    if (from.rows >= 0) tensor = tensor.narrow(0, from.row_begin, from.rows).contiguous();
+    hf_check_expert_bias(c, name, from.stored, tensor, source);
+    out.emplace_back(name, tensor);
+  }
+  return out;
+}
+
+CheckpointReader CheckpointReader::hugging_face(const std::string& dir, const Config& config, const std::string& architecture) {
+  CheckpointReader files = weights(dir);
+  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+  for (const auto& name : files.model_names_) shapes.emplace_back(name, files.shape(name));
+  const std::string& source = dir;  // named in errors as hf_tensors_to_checkpoint's callers name it
+  if (files.contains("lm_head.weight") && files.contains(hf_embedding_name(architecture)) && config.logits_via_embedding)
+    hf_warn_if_stored_head_differs(config, files.read("lm_head.weight"), files.read(hf_embedding_name(architecture)), source);
+  CheckpointReader reader;
+  reader.tensors_ = std::move(files.tensors_);
+  for (const auto& [name, from] : hf_checkpoint_sources(config, shapes, architecture, source)) {
+    reader.model_names_.push_back(name);
+    reader.aliases_[name] = {from.stored, from.row_begin, from.rows};
+  }
+  reader.check_read_ = [config, source](const std::string& name, const std::string& stored, const torch::Tensor& tensor) {
+    hf_check_expert_bias(config, name, stored, tensor, source);
+  };
+  return reader;
 }
 
 std::map<std::string, std::set<std::string>> hf_directory_files(const std::string& dir) {

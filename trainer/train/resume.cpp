@@ -445,10 +445,16 @@ void Trainer::load_hf_parameters(const std::string& dir) {
   for (const auto& difference : differences.other)
     spdlog::warn("load_parameters_path: {} (the weights fit; they will compute differently than there)", difference);
   const std::string architecture = hf_config_architecture(dir);
-  CheckpointContents weights;
-  weights.model = hf_tensors_to_checkpoint(config_, hf_read_directory(dir), architecture, dir);
-  restore(weights, /*full_state=*/false, "Hugging Face checkpoint " + dir);
-  spdlog::info("loaded the {} weights of {}; optimizer and step start fresh", architecture, dir);
+  if (sharded_state_) {  // one tensor at a time, each rank keeping its parts, as a resume reads
+    restore_streamed(CheckpointReader::hugging_face(dir, config_, architecture), /*full_state=*/false,
+                     "Hugging Face checkpoint " + dir);
+  } else {
+    CheckpointContents weights;
+    weights.model = hf_tensors_to_checkpoint(config_, hf_read_directory(dir), architecture, dir);
+    restore(weights, /*full_state=*/false, "Hugging Face checkpoint " + dir);
+  }
+  spdlog::info("loaded the {} weights of {}{}; optimizer and step start fresh", architecture, dir,
+               sharded_state_ ? " (one tensor at a time, each rank keeping its parts)" : "");
 }
 
 // Exports stream the weights one unit at a time (sharding.h's model_units: the embedding, each

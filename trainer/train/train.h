@@ -162,7 +162,8 @@ class Trainer {
   // The counters, spike-guard window and RNG of a checkpoint; warns about changed config keys.
   void restore_state(const CheckpointState& state, const std::string& config_yaml, const std::string& source);
   // load_parameters_path as a Hugging Face directory: config.json checked against the config
-  // (exit 2 on the first shape mismatch, a warning for each other difference), tensors renamed.
+  // (exit 2 on the first shape mismatch, a warning for each other difference), tensors renamed;
+  // the sharded levels read it one tensor at a time (CheckpointReader::hugging_face).
   void load_hf_parameters(const std::string& dir);
   // Views of `flat`, which holds the arena's elements from `begin` on: one per parameter that lies
   // wholly inside it, named and shaped as named_parameters().
