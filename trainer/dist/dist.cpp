@@ -365,6 +365,14 @@ std::pair<std::string, int> rendezvous_via_mpi(const DistEnv& env) {
 
 }  // namespace
 
+void Communicator::all_reduce_sum_in_buckets(const torch::Tensor& tensor, int64_t bucket, const std::string& what,
+                                             int64_t first) {
+  for (int64_t offset = 0; offset < tensor.numel(); offset += bucket) {
+    auto view = tensor.narrow(0, offset, std::min(bucket, tensor.numel() - offset));
+    all_reduce_sum(view, what + " at element " + std::to_string(first + offset));
+  }
+}
+
 void Communicator::reduce_scatter_sum(std::vector<torch::Tensor>& parts, torch::Tensor& output, const std::string& what) {
   TORCH_CHECK(static_cast<int64_t>(parts.size()) == world_size(), "reduce_scatter_sum: one part per rank");
   auto all = torch::cat(parts);

@@ -30,6 +30,10 @@ class Communicator {
   virtual int64_t world_size() const = 0;
   // In-place sum over ranks (a tensor on the host or on this rank's device).
   virtual void all_reduce_sum(torch::Tensor& tensor, const std::string& what) = 0;
+  // all_reduce_sum of a 1-D tensor in buckets of `bucket` elements, one after another; bucket i
+  // is named "<what> at element <first + i bucket>" (`first`: where the tensor starts in the
+  // buffer the caller names).
+  void all_reduce_sum_in_buckets(const torch::Tensor& tensor, int64_t bucket, const std::string& what, int64_t first = 0);
   // In-place all-gather: `parts` are world_size() equal-sized tensors on this rank's device;
   // parts[rank()] holds this rank's data on entry, and every part holds its rank's data on return.
   // The parts may be views of one buffer (the ZeRO-1 parameter arena), so nothing is copied twice.

@@ -270,10 +270,7 @@ void ShardedModelState::reduce_unit(const ShardUnit& unit, torch::Tensor padded)
       grad_shard.narrow(0, unit.shard_offset + offset, n).add_(summed);
     }
   } else {
-    for (int64_t offset = 0; offset < unit.numel; offset += bucket_elements_) {
-      auto view = padded.narrow(0, offset, std::min(bucket_elements_, unit.numel - offset));
-      g.comm->all_reduce_sum(view, "the gradient of " + unit.name + " at element " + std::to_string(offset));
-    }
+    g.comm->all_reduce_sum_in_buckets(padded.narrow(0, 0, unit.numel), bucket_elements_, "the gradient of " + unit.name);
     grad_shard.narrow(0, unit.shard_offset, unit.part).add_(padded.narrow(0, unit.group_rank * unit.part, unit.part));
   }
   padded.zero_();
@@ -305,11 +302,7 @@ void ShardedModelState::step_reduce_outer() {
   // HSDP: each sharding group summed its own ranks' gradients into its shard; the replicas hold
   // the same elements, so one sum over them (once per step: the sum is linear, so summing the
   // step's accumulated shard equals summing every micro-batch's) completes the sum over all ranks.
-  if (!replicas_) return;
-  for (int64_t offset = 0; offset < grad_shard.numel(); offset += bucket_elements_) {
-    auto view = grad_shard.narrow(0, offset, std::min(bucket_elements_, grad_shard.numel() - offset));
-    replicas_->all_reduce_sum(view, "the gradient shard over the replicas at element " + std::to_string(offset));
-  }
+  if (replicas_) replicas_->all_reduce_sum_in_buckets(grad_shard, bucket_elements_, "the gradient shard over the replicas");
 }
 
 void ShardedModelState::params_updated() {

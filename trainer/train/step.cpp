@@ -331,10 +331,7 @@ StepOutput Trainer::forward_backward(int64_t step) {
 void Trainer::reduce_gradients() {
   const int64_t bucket = config_.gradient_bucket_size_mb * (1 << 20) / 4;
   const auto reduce = [&](Communicator& group, int64_t begin, int64_t end) {
-    for (int64_t offset = begin; offset < end; offset += bucket) {
-      auto view = flat_grads_.narrow(0, offset, std::min(bucket, end - offset));
-      group.all_reduce_sum(view, "the gradient bucket at element " + std::to_string(offset));
-    }
+    group.all_reduce_sum_in_buckets(flat_grads_.narrow(0, begin, end - begin), bucket, "the gradient bucket", begin);
   };
   // Dense runs between the expert segments go over all ranks; each expert segment over the ranks
   // holding the same experts (the gradient of rows from the whole group reached it through the
