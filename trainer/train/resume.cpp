@@ -307,14 +307,14 @@ void Trainer::restore_streamed(const CheckpointReader& reader, bool full_state, 
 }
 
 // Copies checkpoint tensors into the model (and, for a full state, the optimizer and counters).
-// Names and shapes must match exactly; every difference is listed (exit code 2).
+// Names and shapes must match exactly; every difference is listed (exit code 2). The levels that
+// hold the whole arena only: the sharded ones restore through restore_streamed.
 void Trainer::restore(const CheckpointContents& c, bool full_state, const std::string& source) {
+  TORCH_CHECK(!sharded_state_, "restore: the sharded levels restore one tensor at a time (restore_streamed)");
   torch::NoGradGuard no_grad;
   std::map<std::string, torch::Tensor> saved(c.model.begin(), c.model.end());
   std::vector<std::string> problems;
-  // Sharded levels restore through a host copy of the arena, from which each rank keeps its parts.
-  const int64_t P = sharded_state_ ? sharded_state_->total_params() : flat_params_.numel();
-  const auto params = sharded_state_ ? torch::empty({P}, torch::kFloat32) : flat_params_;
+  const auto params = flat_params_;
   const auto targets = restore_targets(params);  // with expert parallelism: whole-layer experts
   NamedTensors tensors = model_checkpoint_views(targets);
   for (const auto& item : model_->named_buffers()) tensors.emplace_back(item.key(), item.value());
@@ -337,7 +337,6 @@ void Trainer::restore(const CheckpointContents& c, bool full_state, const std::s
   for (const auto& [name, tensor] : saved) problems.push_back("unexpected " + name);
   throw_if_mismatched(problems, source);
   keep_local_experts(targets, params);
-  if (sharded_state_) sharded_state_->params_load(params);
   if (!full_state) return;
   std::map<std::string, torch::Tensor> moments(c.optimizer.begin(), c.optimizer.end());
   auto full_m = torch::empty_like(params), full_v = torch::empty_like(params);  // (P)
@@ -352,8 +351,8 @@ void Trainer::restore(const CheckpointContents& c, bool full_state, const std::s
     keep_local_experts(moment_targets, flat);
   }
   // Checkpoints hold the full moments, so any world size and sharding can load them.
-  adam_m_.copy_(sharded_state_ ? sharded_state_->shard_of(full_m) : full_m.narrow(0, shard_begin_, shard_end_ - shard_begin_));
-  adam_v_.copy_(sharded_state_ ? sharded_state_->shard_of(full_v) : full_v.narrow(0, shard_begin_, shard_end_ - shard_begin_));
+  adam_m_.copy_(full_m.narrow(0, shard_begin_, shard_end_ - shard_begin_));
+  adam_v_.copy_(full_v.narrow(0, shard_begin_, shard_end_ - shard_begin_));
   restore_state(c.state, c.config_yaml, source);
 }
 

@@ -381,23 +381,6 @@ torch::Tensor ShardedModelState::gather_to_host(const torch::Tensor& shard, cons
   return out;
 }
 
-torch::Tensor ShardedModelState::shard_of(const torch::Tensor& full) const {
-  auto out = torch::zeros({grad_shard.numel()}, full.options());
-  for (const auto& unit : units_)
-    if (unit.own > 0) out.narrow(0, unit.shard_offset, unit.own).copy_(full.narrow(0, unit.begin + unit.group_rank * unit.part, unit.own));
-  return out;
-}
-
-void ShardedModelState::params_load(const torch::Tensor& full) {
-  torch::NoGradGuard no_grad;
-  if (params_sharded_) {
-    param_shard.copy_(shard_of(full));
-    outer_stale_ = true;
-  } else {
-    arena.copy_(full);
-  }
-}
-
 void ShardedModelState::shard_load_range(torch::Tensor& shard, const torch::Tensor& values, int64_t begin) const {
   torch::NoGradGuard no_grad;
   const int64_t end = begin + values.numel();

@@ -123,10 +123,6 @@ class ShardedModelState : public DecoderLayerHooks {
   // through one unit-sized device buffer (a collective: every rank takes part in every unit's
   // gather, whatever range it keeps).
   torch::Tensor gather_to_host(const torch::Tensor& shard, const std::string& what, const HostRange& range);
-  // This rank's (S) shard of a (P) arena-ordered tensor, on `full`'s device.
-  torch::Tensor shard_of(const torch::Tensor& full) const;
-  // Parameters from a (P) arena-ordered tensor (a restore).
-  void params_load(const torch::Tensor& full);
   // A restore in pieces: `values` holds the arena's elements [begin, begin + values.numel()); this
   // rank's parts among them go into `shard` (shard-shaped, e.g. an AdamW moment), or into the
   // parameters (all of them with optim_grads, which keeps the whole arena).
