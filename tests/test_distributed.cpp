@@ -475,13 +475,13 @@ TEST_CASE("data_parallel_shard_degree that does not divide the ranks, or without
   const auto zero = run_trainer(common + "data_parallel_sharding=optim_grads data_parallel_shard_degree=0 run_name=hsdp-zero");
   CHECK(zero.exit_code == 2);
   CHECK_THAT(zero.output, Catch::Contains("data_parallel_shard_degree must be -1 (shard over all data-parallel ranks) or >= 1, got 0"));
+  // HSDP with expert parallelism needs whole expert-parallel groups inside each sharding group.
   const auto with_experts = mpirun(4, "model_name=moe-tiny max_target_length=16 per_device_batch_size=1 steps=1 base_output_directory=" +
-                                          kOut + " expert_parallelism=2 data_parallel_sharding=optim_grads data_parallel_shard_degree=2 "
+                                          kOut + " expert_parallelism=4 data_parallel_sharding=optim_grads data_parallel_shard_degree=2 "
                                           "run_name=hsdp-ep");
   INFO(with_experts.output);
   CHECK(with_experts.exit_code == 2);
-  CHECK_THAT(with_experts.output, Catch::Contains("expert_parallelism=2 with data_parallel_shard_degree=2 < 4 ranks (HSDP) is not "
-                                                  "implemented yet"));
+  CHECK_THAT(with_experts.output, Catch::Contains("expert_parallelism=4 must divide data_parallel_shard_degree=2 (HSDP)"));
 }
 
 TEST_CASE("a checkpoint of R=4 optim_grads_params resumes at R=2 optim_grads and at R=1 none, one of R=1 none at R=2 optim_grads_params",
@@ -1055,19 +1055,23 @@ TEST_CASE("expert parallelism with optim_grads and optim_grads_params at R=2 and
   // after 3 updates, the losses, norms and zero counts must be those of one process (to float
   // rounding: sums in another order). Rows: R=2 (one rank per expert position: the expert units
   // are not split at all), R=4 EP=2 (split in 2), R=4 EP=4, and the reduce-scatter path
-  // (emulated) over both kinds of group. ling2-tiny adds GLA/MLA, a MoE MTP block and the expert
-  // bias update; moe-tiny the shared expert and both normalization modes.
+  // (emulated) over both kinds of group; HSDP (R=4 in two sharding groups of 2, each holding one
+  // expert-parallel group: the experts are not split within a group, and every shard part is
+  // summed over the 2 replicas). ling2-tiny adds GLA/MLA, a MoE MTP block and the expert bias
+  // update; moe-tiny the shared expert and both normalization modes.
   struct Row {
     int ranks, ep;
     std::string level, per_token;
     bool emulate;
+    int degree = -1;  // data_parallel_shard_degree (HSDP)
   };
   const std::vector<std::pair<std::string, std::vector<Row>>> models = {
       {"moe-tiny",
        {{2, 2, "optim_grads", "true", false}, {2, 2, "optim_grads_params", "true", false},
         {2, 2, "optim_grads_params", "false", false}, {4, 2, "optim_grads", "false", false},
         {4, 2, "optim_grads_params", "true", false}, {4, 4, "optim_grads_params", "true", false},
-        {4, 2, "optim_grads_params", "true", true}}},
+        {4, 2, "optim_grads_params", "true", true}, {4, 2, "optim_grads_params", "false", false, 2},
+        {4, 2, "optim_grads", "true", false, 2}}},
       {"ling2-tiny", {{2, 2, "optim_grads_params", "true", false}, {4, 2, "optim_grads", "true", false}}}};
   for (const auto& [model, rows] : models)
     for (const std::string per_token : {"true", "false"}) {
@@ -1087,18 +1091,24 @@ TEST_CASE("expert parallelism with optim_grads and optim_grads_params at R=2 and
       for (const auto& row : rows) {
         if (row.per_token != per_token) continue;
         INFO(model << " R=" << row.ranks << " expert_parallelism=" << row.ep << " " << row.level
-                   << " calculate_per_token_loss=" << per_token << " debug_emulate_reduce_scatter=" << row.emulate);
+                   << " calculate_per_token_loss=" << per_token << " debug_emulate_reduce_scatter=" << row.emulate
+                   << " data_parallel_shard_degree=" << row.degree);
         const std::string run = "ep-shard-" + model + "-" + row.level + "-r" + std::to_string(row.ranks) + "-ep" +
-                                std::to_string(row.ep) + (row.emulate ? "-rs-" : "-") + per_token;
+                                std::to_string(row.ep) + "-d" + std::to_string(row.degree) + (row.emulate ? "-rs-" : "-") + per_token;
         fs::remove_all(kOut + "/" + run);
         const auto result = mpirun(row.ranks, common + "expert_parallelism=" + std::to_string(row.ep) +
                                                   " data_parallel_sharding=" + row.level + " remat_policy=full" +
                                                   (row.emulate ? " debug_emulate_reduce_scatter=true" : "") +
+                                                  " data_parallel_shard_degree=" + std::to_string(row.degree) +
                                                   " gradient_accumulation_steps=" + std::to_string(4 / row.ranks) + " run_name=" + run);
         INFO(result.output);
         REQUIRE(result.exit_code == 0);
-        CHECK_THAT(result.output, Catch::Contains("units over " + std::to_string(row.ranks) + " ranks, the routed experts over the " +
-                                                  std::to_string(row.ranks / row.ep) + " holding the same ones"));
+        // HSDP (degree D): the experts shard over the D/N ranks of a sharding group holding them.
+        const int shard_ranks = row.degree > 0 ? row.degree : row.ranks;
+        CHECK_THAT(result.output, Catch::Contains("units over " + std::to_string(shard_ranks) + " ranks" +
+                                                  (row.degree > 0 ? " (HSDP: " + std::to_string(row.ranks / row.degree) + " replicas of the sharded state)" : "") +
+                                                  ", the routed experts over the " + std::to_string(shard_ranks / row.ep) +
+                                                  " holding the same ones"));
         const auto a = metrics_of(run);
         REQUIRE(a.size() == 3);
         for (size_t i = 0; i < 3; ++i) {
@@ -1106,9 +1116,14 @@ TEST_CASE("expert parallelism with optim_grads and optim_grads_params at R=2 and
           std::vector<std::string> names = {"learning/loss", "learning/lm_loss", "learning/moe_lb_loss",
                                             "learning/raw_grad_norm", "learning/param_norm", "moe/expert_load_max_over_mean"};
           if (model == "ling2-tiny") names.push_back("learning/mtp_loss");
+          // ling2-tiny's gradient norm is large (16, clipped to 1) and its deeper stack (GLA chunk
+          // sums, MLA, the MTP block) carries the rounding of step 0's sums in another order into
+          // step 1: 1.5e-5 relative in raw_grad_norm with LibTorch 2.6 (measured; 1.13 stays
+          // within 1e-5). The weights and moments below are still held to 1e-6.
+          const double tolerance = model == "ling2-tiny" ? 5e-5 : 1e-5;
           for (const auto& name : names) {
             INFO(name);
-            CHECK(a[i][name].get<double>() == Approx(b[i][name].get<double>()).epsilon(1e-5));
+            CHECK(a[i][name].get<double>() == Approx(b[i][name].get<double>()).epsilon(tolerance));
           }
           // Padding is not counted; an element that cancels exactly in one summation order may be
           // 1e-12 in another.

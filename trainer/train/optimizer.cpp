@@ -43,10 +43,10 @@ void Trainer::build_flat_buffers(ModelInitializer* deferred_init) {
     if (R % D != 0)
       throw config_error("data_parallel_shard_degree=" + std::to_string(D) + " must divide the number of ranks (" +
                          std::to_string(R) + ")");
-    if (D < R && expert_replicas_)
-      throw config_error("expert_parallelism=" + std::to_string(config_.expert_parallelism) +
-                         " with data_parallel_shard_degree=" + std::to_string(D) + " < " + std::to_string(R) +
-                         " ranks (HSDP) is not implemented yet; shard over all ranks (data_parallel_shard_degree=-1)");
+    const int64_t N = config_.expert_parallelism;
+    if (D < R && N > 1 && D % N != 0)
+      throw config_error("expert_parallelism=" + std::to_string(N) + " must divide data_parallel_shard_degree=" +
+                         std::to_string(D) + " (HSDP): each sharding group must hold whole expert-parallel groups");
     if (D < R) {
       std::vector<int64_t> group, replicas;
       for (int64_t r = rank / D * D; r < rank / D * D + D; ++r) group.push_back(r);
@@ -54,9 +54,18 @@ void Trainer::build_flat_buffers(ModelInitializer* deferred_init) {
       shard_group_ = comm_->split(group, "sharding group");
       shard_replicas_ = comm_->split(replicas, "sharding replica group");
     }
-    // With expert parallelism the routed experts differ between the ranks of a group: they shard
-    // over the ranks holding the same ones.
-    const ShardingGroups groups{shard_group_ ? shard_group_.get() : comm_.get(), shard_replicas_.get(), expert_replicas_.get()};
+    // With expert parallelism the routed experts differ between the ranks of an expert-parallel
+    // group: they shard over the ranks of the sharding group holding the same ones (all of the
+    // expert replica group without HSDP; with it, the D/N of this sharding group, whose replicas in
+    // the other groups hold the same parts, so the replica sum covers them as it does the rest).
+    Communicator* expert_shards = expert_replicas_.get();
+    if (D < R && N > 1) {
+      std::vector<int64_t> same_experts;
+      for (int64_t r = rank / D * D + rank % N; r < rank / D * D + D; r += N) same_experts.push_back(r);
+      expert_shard_group_ = comm_->split(same_experts, "expert sharding group");
+      expert_shards = expert_shard_group_.get();
+    }
+    const ShardingGroups groups{shard_group_ ? shard_group_.get() : comm_.get(), shard_replicas_.get(), expert_shards};
     sharded_state_ = std::make_unique<ShardedModelState>(model_, groups, config_, device_, deferred_init);
     flat_params_ = sharded_state_->arena;  // undefined with optim_grads_params
     shard_begin_ = 0;

@@ -55,8 +55,8 @@ struct ShardingGroups {
   Communicator* shard = nullptr;     // the ranks the state is sharded over: all data-parallel ranks, or HSDP's D
   Communicator* replicas = nullptr;  // HSDP: the ranks holding the same shard (the step's gradient shard is summed
                                      // there once, after the last micro-batch); else null
-  Communicator* experts = nullptr;   // expert parallelism: the ranks holding the same experts, over which the
-                                     // expert units shard; else null
+  Communicator* experts = nullptr;   // expert parallelism: the ranks of `shard` holding the same experts, over
+                                     // which the expert units shard; else null
 };
 
 class ShardedModelState : public DecoderLayerHooks {
@@ -66,8 +66,8 @@ class ShardedModelState : public DecoderLayerHooks {
   // `deferred_init` the model was built undrawn (model_build(..., draw = false)): each unit is drawn
   // into a host scratch buffer just before its parts are taken, so the rank never holds more
   // than one unit of initial weights (the parameters' own storage, never touched, is released).
-  // HSDP and expert parallelism together are refused by the caller: the norms below sum the shards
-  // over `groups.shard`, which covers every element once only when it is all ranks.
+  // The norms below sum the shards over `groups.shard`: it holds every element of the model once
+  // (with expert parallelism every expert once: `groups.experts` lies inside it).
   ShardedModelState(Transformer model, ShardingGroups groups, const Config& config, const torch::Device& device,
                     ModelInitializer* deferred_init = nullptr);
   ~ShardedModelState() override;

@@ -233,6 +233,9 @@ class Trainer {
   // HSDP (data_parallel_shard_degree D < R): the D consecutive ranks the model state is sharded
   // over, and the R/D ranks holding the same shard (its gradient is summed there). Null otherwise.
   std::unique_ptr<Communicator> shard_group_, shard_replicas_;
+  // HSDP with expert parallelism: the ranks of this sharding group that hold the same experts (the
+  // expert units shard over them). Null otherwise.
+  std::unique_ptr<Communicator> expert_shard_group_;
   DataLoader data_;
   ModelSize size_;
   double peak_tflops_ = 0;      // for perf/mfu; 0 = unknown

@@ -153,14 +153,14 @@ void Trainer::build_expert_parallel() {
 
 int64_t Trainer::collectives_so_far() const {
   int64_t n = comm_->collectives();
-  for (const auto* group : {&expert_group_, &expert_replicas_, &shard_group_, &shard_replicas_})
+  for (const auto* group : {&expert_group_, &expert_replicas_, &shard_group_, &shard_replicas_, &expert_shard_group_})
     if (*group) n += (*group)->collectives();
   return n;
 }
 
 double Trainer::bytes_sent_so_far() const {
   double bytes = comm_->bytes_sent();
-  for (const auto* group : {&expert_group_, &expert_replicas_, &shard_group_, &shard_replicas_})
+  for (const auto* group : {&expert_group_, &expert_replicas_, &shard_group_, &shard_replicas_, &expert_shard_group_})
     if (*group) bytes += (*group)->bytes_sent();
   return bytes;
 }
