@@ -1145,6 +1145,37 @@ TEST_CASE("expert parallelism with optim_grads and optim_grads_params at R=2 and
     }
 }
 
+TEST_CASE("expert parallelism with ZeRO-1 shards AdamW over the ranks holding the same experts and equals one process",
+          "[dist][cli][moe][sharding]") {
+  // R=4, N=2: ranks 0 and 2 (1 and 3) hold equal arenas (the same dense weights and experts), so
+  // AdamW is split in 2 chunks over each pair and the updated chunks are all-gathered there.
+  const std::string common = "model_name=moe-tiny override_model_config=true max_target_length=16 per_device_batch_size=1 steps=3 "
+                             "warmup_steps_fraction=0 learning_rate=0.01 synthetic_min_valid_fraction=0.3 "
+                             "learning_rate_schedule_steps=4 load_balance_loss_weight=0.1 routed_bias_update_rate=0.01 "
+                             "adam_eps=0.01 base_output_directory=" + kOut + " ";  // adam_eps: see the EP test above
+  for (const auto& run : {"ep-zero1", "ep-zero1-one"}) fs::remove_all(kOut + "/" + run);
+  const auto four = mpirun(4, common + "expert_parallelism=2 data_parallel_sharding=optim run_name=ep-zero1");
+  INFO(four.output);
+  REQUIRE(four.exit_code == 0);
+  CHECK_THAT(four.output, Catch::Contains("(ZeRO-1 over 2 ranks, those holding the same experts)"));
+  REQUIRE(run_trainer(common + "gradient_accumulation_steps=4 run_name=ep-zero1-one").exit_code == 0);
+  const auto a = metrics_of("ep-zero1"), b = metrics_of("ep-zero1-one");
+  REQUIRE(a.size() == 3);
+  REQUIRE(b.size() == 3);
+  for (size_t i = 0; i < 3; ++i)
+    for (const char* name : {"learning/loss", "learning/moe_lb_loss", "learning/raw_grad_norm", "learning/param_norm"}) {
+      INFO("step " << i << " " << name);
+      CHECK(a[i][name].get<double>() == Approx(b[i][name].get<double>()).epsilon(1e-5));
+    }
+  // One writer (rank 0) with every expert and both full moments, gathered over the chunks and the group.
+  for (const std::string file : {"model.safetensors", "optimizer.safetensors"}) {
+    INFO(file);
+    CHECK(largest_difference(tensors_of(checkpoint_dir("ep-zero1", 3) + "/" + file),
+                             tensors_of(checkpoint_dir("ep-zero1-one", 3) + "/" + file)) < 1e-6);
+  }
+  CHECK(expert_bias_bytes(checkpoint_model("ep-zero1", 3)) == expert_bias_bytes(checkpoint_model("ep-zero1-one", 3)));
+}
+
 TEST_CASE("a checkpoint written with EP=2 resumes with EP=1, and one written with EP=1 with EP=2, also sharded", "[dist][cli][moe][checkpoint]") {
   // Sharded (optim_grads_params, optim_grads) with EP=2, each rank writes its own checkpoint
   // shard: the dense tensors of its range and its experts of the stacked ones, so the checkpoint
@@ -1194,8 +1225,6 @@ TEST_CASE("expert parallelism settings that cannot work are refused naming the k
   CHECK_THROWS_WITH(tiny_config({"model_name=moe-tiny", "expert_parallelism=3"}),
                     Catch::Contains("expert_parallelism=3 must divide num_experts (8)"));
   CHECK_THROWS_WITH(tiny_config({"model_name=test-tiny", "expert_parallelism=2"}), Catch::Contains("of a MoE model"));
-  CHECK_THROWS_WITH(tiny_config({"model_name=moe-tiny", "expert_parallelism=2", "data_parallel_sharding=optim"}),
-                    Catch::Contains("expert_parallelism=2 with data_parallel_sharding=optim (ZeRO-1) is not implemented yet"));
   CHECK_THROWS_WITH(tiny_config({"model_name=moe-tiny", "expert_parallelism=0"}), Catch::Contains("expert_parallelism"));
   // One process cannot hold half of the experts with nobody holding the other half.
   CHECK_THROWS_WITH(Trainer(tiny_config({"model_name=moe-tiny", "expert_parallelism=2"})),

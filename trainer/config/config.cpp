@@ -246,9 +246,6 @@ std::vector<std::string> validation_errors(const Config& c) {
     const std::string ep = "expert_parallelism=" + std::to_string(c.expert_parallelism);
     require(c.num_experts > 1 && c.num_experts % c.expert_parallelism == 0,
             ep + " must divide num_experts (" + std::to_string(c.num_experts) + ") of a MoE model");
-    require(c.data_parallel_sharding != "optim",
-            ep + " with data_parallel_sharding=optim (ZeRO-1) is not implemented yet; optim_grads shards the optimizer "
-                 "state and the gradients with expert parallelism");
   }
   require(c.z_loss_multiplier >= 0, "z_loss_multiplier must be >= 0");
   require(c.learning_rate >= 0, "learning_rate must be >= 0");

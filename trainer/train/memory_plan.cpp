@@ -155,7 +155,9 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
 
   MemoryPlan plan;
   const std::string params = "P = " + count_text(P) + (c.expert_parallelism > 1 ? " (this rank's share of the experts)" : "");
-  const bool zero1 = c.data_parallel_sharding == "optim" && ctx.world_size > 1;
+  // ZeRO-1 shards over the ranks with equal arenas: all, or with expert parallelism R/N.
+  const int64_t zero1_ranks = ctx.world_size / c.expert_parallelism;
+  const bool zero1 = c.data_parallel_sharding == "optim" && zero1_ranks > 1;
   const bool zero2 = c.data_parallel_sharding == "optim_grads", zero3 = c.data_parallel_sharding == "optim_grads_params";
   const double adam_per_element = ctx.cuda ? 8 : 12;  // m, v (+ the unfused update's denominator)
   const std::string adam_detail = std::string(ctx.cuda ? "m, v" : "m, v, update workspace") + " x 4 B over ";
@@ -208,14 +210,14 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
         "until its reduction");
     add(plan, "optimizer state (AdamW)", adam_per_element * S, adam_detail + "the shard");
   } else {
-    const double shard = zero1 ? std::ceil(P / static_cast<double>(ctx.world_size)) : P;
-    const double padded = zero1 ? shard * static_cast<double>(ctx.world_size) : P;  // the arena, R equal chunks
+    const double shard = zero1 ? std::ceil(P / static_cast<double>(zero1_ranks)) : P;
+    const double padded = zero1 ? shard * static_cast<double>(zero1_ranks) : P;  // the arena, R equal chunks
     add(plan, "weights (fp32 flat buffer)", 4 * padded,
         params + " x 4 B" + (padded > P ? " (padded to " + count_text(padded) + ": R equal chunks)" : std::string()));
     add(plan, "gradients (fp32 flat buffer)", 4 * P, params + " x 4 B, accumulated in place over K micro-batches");
     add(plan, "optimizer state (AdamW)", adam_per_element * shard,
         adam_detail + count_text(shard) + " elements" +
-            (zero1 ? " (ZeRO-1: 1/" + std::to_string(ctx.world_size) + " of P)" : ""));
+            (zero1 ? " (ZeRO-1: 1/" + std::to_string(zero1_ranks) + " of P)" : ""));
   }
   plan.model_state_bytes = plan.total_bytes;
 
@@ -402,10 +404,11 @@ std::vector<std::string> memory_plan_suggestions(const Config& config, const Mem
       break;
     }
   }
-  if (context.world_size > 1 && config.data_parallel_sharding == "none" && config.expert_parallelism == 1) {
+  if (context.world_size > 1 && config.data_parallel_sharding == "none") {
     Config c = config;
     c.data_parallel_sharding = "optim";
-    try_config(c, "data_parallel_sharding=optim (ZeRO-1 over " + std::to_string(context.world_size) + " ranks)");
+    try_config(c, "data_parallel_sharding=optim (ZeRO-1 over " + std::to_string(context.world_size / config.expert_parallelism) +
+                      " ranks)");
   }
   if (context.world_size > 1 && config.data_parallel_sharding != "optim_grads_params") {
     Config c = config;

@@ -73,8 +73,9 @@ void Trainer::build_flat_buffers(ModelInitializer* deferred_init) {
   } else {
     // With ZeRO-1 the parameter arena is padded to R equal chunks (at most R - 1 extra zeros),
     // so each rank's chunk is a view the all-gather fills in place; the parameters view the first
-    // `total` elements. rank r owns [r*chunk, (r+1)*chunk) of the padded arena.
-    const int64_t ranks = level == "optim" ? comm_->world_size() : 1;
+    // `total` elements. rank r owns [r*chunk, (r+1)*chunk) of the padded arena. With expert
+    // parallelism R is the expert replica group's size: only its ranks hold the same arena.
+    const int64_t ranks = level == "optim" ? zero1_group().world_size() : 1;
     shard_chunk_ = (total + ranks - 1) / ranks;
     flat_params_padded_ = torch::zeros({shard_chunk_ * ranks}, opts);
     flat_grads_ = torch::zeros({total}, opts);
@@ -96,7 +97,7 @@ void Trainer::build_flat_buffers(ModelInitializer* deferred_init) {
       }
       offset += n;
     }
-    shard_begin_ = std::min(total, (ranks > 1 ? comm_->rank() : 0) * shard_chunk_);
+    shard_begin_ = std::min(total, (ranks > 1 ? zero1_group().rank() : 0) * shard_chunk_);
     shard_end_ = std::min(total, shard_begin_ + shard_chunk_);
   }
   // AdamW state for this rank's shard only: all of P without sharding, [r*chunk, (r+1)*chunk)
@@ -110,7 +111,9 @@ void Trainer::build_flat_buffers(ModelInitializer* deferred_init) {
     adam_scratch_ = torch::empty({shard_end_ - shard_begin_}, opts);
   spdlog::info("AdamW state: {:.1f} MiB on this rank{} ({:.1f} MiB without sharding)",
                2.0 * 4 * static_cast<double>(shard_end_ - shard_begin_) / (1 << 20),
-               sharded() ? " (ZeRO-1 over " + std::to_string(comm_->world_size()) + " ranks)" : "",
+               sharded() ? " (ZeRO-1 over " + std::to_string(zero1_group().world_size()) + " ranks" +
+                               (expert_replicas_ ? ", those holding the same experts)" : ")")
+                         : "",
                2.0 * 4 * static_cast<double>(total) / (1 << 20));
 }
 
@@ -232,13 +235,14 @@ void Trainer::update_expert_bias(StepOutput& out, bool apply) {
 void Trainer::all_gather_chunks(torch::Tensor& padded, const std::string& what) {
   // Bucketed: each round gathers one bucket-sized slice of every rank's chunk, so the transient
   // buffer c10d uses for the exchange is R x bucket, never parameter-sized.
-  const int64_t ranks = comm_->world_size();
+  Communicator& group = zero1_group();
+  const int64_t ranks = group.world_size();
   const int64_t slice = std::max<int64_t>(1, config_.gradient_bucket_size_mb * (1 << 20) / 4 / ranks);
   for (int64_t offset = 0; offset < shard_chunk_; offset += slice) {
     const int64_t n = std::min(slice, shard_chunk_ - offset);
     std::vector<torch::Tensor> parts;
     for (int64_t r = 0; r < ranks; ++r) parts.push_back(padded.narrow(0, r * shard_chunk_ + offset, n));
-    comm_->all_gather(parts, what + " (ZeRO-1 all-gather) at chunk offset " + std::to_string(offset));
+    group.all_gather(parts, what + " (ZeRO-1 all-gather) at chunk offset " + std::to_string(offset));
   }
 }
 

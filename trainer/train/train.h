@@ -179,6 +179,9 @@ class Trainer {
   // sets out.moe_router_bias_mean.
   void update_expert_bias(StepOutput& out, bool apply);
   bool sharded() const { return !sharded_state_ && shard_end_ - shard_begin_ < flat_params_.numel(); }  // ZeRO-1
+  // The ranks ZeRO-1 shards the AdamW state over: all, or with expert parallelism the expert
+  // replica group (the ranks whose arenas are equal: same dense weights, same experts).
+  Communicator& zero1_group() const { return expert_replicas_ ? *expert_replicas_ : *comm_; }
   // The gradient buffer a step accumulates, normalizes and clips: the flat arena, or the shard.
   torch::Tensor step_grads() const { return sharded_state_ ? sharded_state_->grad_shard : flat_grads_; }
   // Expert parallelism (docs/distributed.md): the subgroups, and the MoE layers wired to them.
