@@ -94,8 +94,8 @@ class ShardedModelState : public DecoderLayerHooks {
   torch::Tensor params_norm();    // fp64 L2 norm of all parameters (a collective with optim_grads_params or experts)
   // What a rank keeps on the host of the arena (a checkpoint shard): the elements [begin, end)
   // of the expert units, and of the other units those in [dense_begin, dense_end), a part of it.
-  // Only those elements of the (end - begin) host buffer are written (the rest is never touched,
-  // so it never becomes resident). Without expert parallelism the two ranges are the same.
+  // Only those elements of the (end - begin) host buffer are written; the rest is never written,
+  // so fresh pages there are not made resident. Without expert parallelism the ranges are equal.
   struct HostRange {
     int64_t begin = 0, end = 0, dense_begin = 0, dense_end = 0;
   };
