@@ -151,6 +151,8 @@ TEST_CASE("R=2 under mpirun equals R=1 on the same samples, in both normalizatio
       CHECK(a[i]["learning/num_zeros"] == b[i]["learning/num_zeros"]);
       CHECK(a[i]["perf/collectives_per_step"] == 2);  // one gradient bucket + the step's scalars
       CHECK(b[i]["perf/collectives_per_step"] == 0);
+      // The step's loss sums are reduced where they live and W on the host: nothing read back.
+      CHECK(a[i]["perf/host_reads_in_step"] == 0);
     }
     const auto wa = checkpoint_read_tensors(kOut + "/r2-" + mode + "/checkpoints/3/model.safetensors");
     const auto wb = checkpoint_read_tensors(kOut + "/r1-" + mode + "/checkpoints/3/model.safetensors");

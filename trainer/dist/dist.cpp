@@ -264,6 +264,10 @@ class C10dCommunicator : public Communicator {
     return std::make_unique<C10dCommunicator<Group>>(store, me - ranks.begin(), static_cast<int64_t>(ranks.size()),
                                                      global_rank_, label, device_, timeout_);
   }
+  Communicator& host_group() override { return host_group_ ? *host_group_ : *this; }
+  // Under NCCL: the Gloo group host_group() returns, over the same ranks and store. Every rank
+  // calls it once, at start-up.
+  void host_group_create();
   std::string broadcast_string(const std::string& key, const std::string& value) override {
     try {
       if (rank_ == 0) store_->set(key, std::vector<uint8_t>(value.begin(), value.end()));
@@ -290,6 +294,7 @@ class C10dCommunicator : public Communicator {
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<Group> group_;
   bool reduce_scatter_known_ = false, reduce_scatter_ = false;  // has_reduce_scatter(), once probed
+  std::unique_ptr<Communicator> host_group_;  // NCCL only: a Gloo group for host tensors
 };
 #endif
 
@@ -313,6 +318,18 @@ template <>
 void C10dCommunicator<c10d::ProcessGroupNCCL>::configure(c10d::ProcessGroupNCCL::Options&) {
   setenv("TORCH_NCCL_BLOCKING_WAIT", "1", /*overwrite=*/0);
 }
+#if TRAINER_WITH_GLOO
+template <>
+void C10dCommunicator<c10d::ProcessGroupNCCL>::host_group_create() {
+  const std::string label = "host group";
+  host_group_ = std::make_unique<C10dCommunicator<c10d::ProcessGroupGloo>>(
+      c10::make_intrusive<c10d::PrefixStore>(label, store_), rank_, world_, global_rank_, label, torch::Device(torch::kCPU),
+      timeout_);
+}
+#else
+template <>
+void C10dCommunicator<c10d::ProcessGroupNCCL>::host_group_create() {}  // host values make a round trip through the device
+#endif
 // NCCL's communicators must be torn down explicitly before the process exits (LibTorch 2.x
 // warns otherwise and may hang in its watchdog).
 template <>
@@ -421,7 +438,9 @@ std::unique_ptr<Communicator> dist_init(const DistEnv& env, const DistOptions& o
 #endif
   } else {
 #if TRAINER_WITH_NCCL
-    comm = std::make_unique<C10dCommunicator<c10d::ProcessGroupNCCL>>(env, host, port, options);
+    auto nccl = std::make_unique<C10dCommunicator<c10d::ProcessGroupNCCL>>(env, host, port, options);
+    nccl->host_group_create();
+    comm = std::move(nccl);
 #else
     throw config_error("world size " + std::to_string(env.world_size) +
                        " with dist_backend=nccl, but this build has no NCCL (build with scripts/gpu/build.sh)");

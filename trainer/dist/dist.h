@@ -61,6 +61,11 @@ class Communicator {
   virtual std::string broadcast_string(const std::string& key, const std::string& value) = 0;
   // True for the one-process stand-in without a process group (collectives are skipped).
   virtual bool is_local() const { return false; }
+  // The communicator for values the host already holds (a step's token count, the stop vote):
+  // this one where its backend takes host tensors (Gloo, the local stand-in); under NCCL, which
+  // takes device tensors only, a Gloo group over the same ranks, so summing them never waits for
+  // the device. Its collectives and bytes are its own (not counted in this one's).
+  virtual Communicator& host_group() { return *this; }
   int64_t collectives() const { return collectives_; }  // collectives so far
   // Bytes this rank sent in them, as ring algorithms move data: an all-reduce of n bytes sends
   // 2 (R-1)/R n, an all-gather of R parts of n bytes sends n, an all-to-all the rows that

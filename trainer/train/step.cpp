@@ -258,37 +258,41 @@ StepOutput Trainer::forward_backward(int64_t step) {
     }
   }
 
-  // Data parallel: one bucketed all-reduce of the flat gradient and one of the step's scalars
-  // (W, the J accumulators, expert counts, the stop vote), once per step, not per micro-batch.
-  // Sharded levels reduced each decoder layer's gradient after its backward; the outer units' now.
+  // Data parallel: one bucketed all-reduce of the flat gradient and the step's scalars, once per
+  // step, not per micro-batch. Sharded levels reduced each decoder layer's gradient after its
+  // backward; the outer units' now. The scalars come in two kinds: W and the stop vote, which the
+  // host holds, and the J accumulators and expert counts, which live on the device. Each is summed
+  // where it is (host values on the host group: Gloo, also under NCCL), so the host never waits
+  // for the device here; where one group serves both (Gloo on the CPU) it is one all-reduce.
   const auto sync_start = std::chrono::steady_clock::now();
   if (sharded_state_) sharded_state_->step_reduce_outer();
   if (!comm_->is_local()) {
     if (!sharded_state_) reduce_gradients();
-    std::vector<torch::Tensor> parts = {torch::tensor({W, stop_vote_ ? 1.0 : 0.0}, torch::kFloat64),
-                                        torch::cat({torch::stack({ce_acc, z_acc, lb_acc, mtp_acc, router_z_acc, mtp_raw_acc,
-                                                                  ce_sum_acc, lb_unweighted_acc, router_z_unweighted_acc,
-                                                                  router_probs_std_acc}),
-                                                    mtp_depths_acc}).cpu()};
-    perf_note_host_read();  // the accumulators' .cpu() above
-    if (expert_counts.defined()) {
-      parts.push_back(expert_counts.to(torch::kCPU, torch::kFloat64).reshape({-1}));
-      perf_note_host_read();
+    auto host_stats = torch::tensor({W, stop_vote_ ? 1.0 : 0.0}, torch::kFloat64);  // (2)
+    std::vector<torch::Tensor> device_parts = {torch::stack({ce_acc, z_acc, lb_acc, mtp_acc, router_z_acc, mtp_raw_acc,
+                                                             ce_sum_acc, lb_unweighted_acc, router_z_unweighted_acc,
+                                                             router_probs_std_acc}),
+                                               mtp_depths_acc};
+    if (expert_counts.defined()) device_parts.push_back(expert_counts.to(torch::kFloat64).reshape({-1}));
+    auto device_stats = torch::cat(device_parts);  // (10 + depths + MoE layers * E) on the device
+    Communicator& host_group = comm_->host_group();
+    if (&host_group == comm_.get() && device_stats.device() == host_stats.device()) {
+      auto stats = torch::cat({host_stats, device_stats});
+      comm_->all_reduce_sum(stats, "the step's token count, loss sums and expert load");
+      host_stats = stats.narrow(0, 0, 2), device_stats = stats.narrow(0, 2, device_stats.numel());
+    } else {
+      host_group.all_reduce_sum(host_stats, "the step's token count and stop vote");
+      comm_->all_reduce_sum(device_stats, "the step's loss sums and expert load");
     }
-    auto stats = torch::cat(parts);
-    comm_->all_reduce_sum(stats, "the step's token count and loss sums");
-    const double* v = stats.data_ptr<double>();
-    W = v[0];
-    out.stop_requested = v[1] > 0;
-    auto on_device = [&](int i) { return torch::tensor(v[i], f64); };
-    ce_acc = on_device(2), z_acc = on_device(3), lb_acc = on_device(4), mtp_acc = on_device(5);
-    router_z_acc = on_device(6), mtp_raw_acc = on_device(7);
-    ce_sum_acc = on_device(8), lb_unweighted_acc = on_device(9), router_z_unweighted_acc = on_device(10);
-    router_probs_std_acc = on_device(11);
+    W = host_stats[0].item<double>();  // a host tensor: no device read
+    out.stop_requested = host_stats[1].item<double>() > 0;
+    const auto at = [&](int64_t i) { return device_stats[i]; };
+    ce_acc = at(0), z_acc = at(1), lb_acc = at(2), mtp_acc = at(3), router_z_acc = at(4), mtp_raw_acc = at(5);
+    ce_sum_acc = at(6), lb_unweighted_acc = at(7), router_z_unweighted_acc = at(8), router_probs_std_acc = at(9);
     const int64_t depths = mtp_depths_acc.numel();
-    mtp_depths_acc = stats.narrow(0, 12, depths).to(f64);
+    mtp_depths_acc = device_stats.narrow(0, 10, depths);
     if (expert_counts.defined())
-      expert_counts = stats.narrow(0, 12 + depths, expert_counts.numel()).view(expert_counts.sizes()).to(expert_counts.options());
+      expert_counts = device_stats.narrow(0, 10 + depths, expert_counts.numel()).view(expert_counts.sizes()).to(expert_counts.scalar_type());
   } else {
     out.stop_requested = stop_vote_;
   }

@@ -153,6 +153,7 @@ void Trainer::build_expert_parallel() {
 
 int64_t Trainer::collectives_so_far() const {
   int64_t n = comm_->collectives();
+  if (&comm_->host_group() != comm_.get()) n += comm_->host_group().collectives();
   for (const auto* group : {&expert_group_, &expert_replicas_, &shard_group_, &shard_replicas_, &expert_shard_group_})
     if (*group) n += (*group)->collectives();
   return n;
@@ -160,6 +161,7 @@ int64_t Trainer::collectives_so_far() const {
 
 double Trainer::bytes_sent_so_far() const {
   double bytes = comm_->bytes_sent();
+  if (&comm_->host_group() != comm_.get()) bytes += comm_->host_group().bytes_sent();
   for (const auto* group : {&expert_group_, &expert_replicas_, &shard_group_, &shard_replicas_, &expert_shard_group_})
     if (*group) bytes += (*group)->bytes_sent();
   return bytes;
