@@ -207,6 +207,11 @@ TEST_CASE("a named backend builds a real process group even for one process, and
                                 " run_name=one-nccl dist_backend=nccl");
   CHECK(nccl.exit_code == 2);
   CHECK(nccl.output.find("dist_backend=nccl needs hardware=gpu") != std::string::npos);
+  // So is the CUDA sync check (scripts/gpu/check.py runs it on a GPU).
+  const auto sync_check = run_command(std::string(TRAINER_BINARY) + " " + source_path("configs/base.yml") + " " + common +
+                                      " run_name=one-sync debug_cuda_sync_check=true");
+  CHECK(sync_check.exit_code == 2);
+  CHECK(sync_check.output.find("debug_cuda_sync_check needs hardware=gpu") != std::string::npos);
 }
 
 // Two ranks launched torchrun-style (mpirun would take the other rank down itself) with `args`;

@@ -8,6 +8,7 @@
 
 #include "test_support.h"
 #include "trainer/model/model.h"
+#include "trainer/util/torch_compat.h"
 
 using namespace trainer;
 using namespace trainer::testing;
@@ -70,6 +71,63 @@ TEST_CASE("plain causal attention (one segment per row) equals the segment mask 
   const auto segmented = model->forward(two.tokens, two.positions, two.segments, false).logits;
   const auto wrongly_causal = model->forward(two.tokens, two.positions, two.segments, true).logits;
   CHECK_FALSE(torch::allclose(segmented, wrongly_causal, 1e-4, 1e-4));
+}
+
+TEST_CASE("grouped attention: repeated and native kv heads equal a per-head float64 softmax", "[model]") {
+  torch::manual_seed(5);
+  const int64_t B = 2, Hq = 6, Hkv = 2, L = 9, hd = 8;
+  const auto q0 = torch::randn({B, Hq, L, hd}), k0 = torch::randn({B, Hkv, L, hd}), v0 = torch::randn({B, Hkv, L, hd});
+  // Packed rows: tokens 0-3 and 4-8 of row 1 are two documents.
+  auto same = torch::ones({B, 1, L, L}, torch::kBool).tril();
+  same[1].narrow(1, 4, 5).narrow(2, 0, 4).fill_(false);
+  // The reference: each query head h against kv head h / 3, softmax written out, float64.
+  const auto reference = [&](const torch::Tensor& allowed) {
+    std::vector<torch::Tensor> heads;
+    for (int64_t h = 0; h < Hq; ++h) {
+      const auto q = q0.select(1, h).to(torch::kFloat64), k = k0.select(1, h / 3).to(torch::kFloat64);
+      auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));  // (B, L, L)
+      scores = scores.masked_fill(allowed.select(1, 0).logical_not(), -INFINITY);
+      heads.push_back(torch::matmul(torch::softmax(scores, -1), v0.select(1, h / 3).to(torch::kFloat64)));
+    }
+    return torch::stack(heads, 1);  // (B, Hq, L, hd)
+  };
+  std::vector<bool> natives = {false};
+  if (TRAINER_TORCH_AT_LEAST(2, 5)) natives.push_back(true);  // enable_gqa exists from 2.5
+  for (const bool native : natives) {
+    INFO("native " << native);
+    const auto causal = torch::ones({B, 1, L, L}, torch::kBool).tril();
+    // Plain causal rows take causal_mask (undefined on 2.x: the fused causal call).
+    const auto plain = compat::grouped_attention(q0, k0, v0, compat::causal_mask(L, q0.options()), native);
+    CHECK(torch::allclose(plain.to(torch::kFloat64), reference(causal), 1e-5, 1e-6));
+    const auto packed = compat::grouped_attention(q0, k0, v0, same, native);
+    CHECK(torch::allclose(packed.to(torch::kFloat64), reference(same), 1e-5, 1e-6));
+    CHECK_FALSE(compat::attention_kernel_name(q0, k0, v0, {}, native).empty());
+  }
+  CHECK_FALSE(compat::native_gqa_attention(torch::kCPU));  // the CPU repeats k and v (torch_compat.h says why)
+}
+
+TEST_CASE("RMSNorm: the model's and LibTorch's at::rms_norm agree in value and gradients", "[model]") {
+  torch::manual_seed(6);
+  RMSNorm norm(16, 1e-5);
+  { torch::NoGradGuard no_grad; norm->weight.uniform_(0.5, 1.5); }
+  const auto x0 = torch::randn({3, 5, 16}) * 3;
+  // Independent: float64, written out.
+  const auto x64 = x0.to(torch::kFloat64);
+  const auto expected = x64 * torch::rsqrt(x64.square().mean(-1, true) + 1e-5) * norm->weight.detach().to(torch::kFloat64);
+  const auto x = x0.clone().requires_grad_();
+  const auto ours = norm(x);
+  CHECK(torch::allclose(ours.to(torch::kFloat64), expected, 1e-6, 1e-6));
+  if (TRAINER_TORCH_AT_LEAST(2, 4)) {  // the fused path's call (CUDA >= 2.9), checked on the CPU
+    const auto x2 = x0.clone().requires_grad_();
+    const auto theirs = compat::rms_norm(x2, norm->weight, 1e-5);
+    CHECK(torch::allclose(theirs, ours, 1e-6, 1e-6));
+    const auto upstream = torch::randn_like(x0);
+    const auto g_ours = torch::autograd::grad({ours}, {x, norm->weight}, {upstream});
+    const auto g_theirs = torch::autograd::grad({theirs}, {x2, norm->weight}, {upstream});
+    CHECK(torch::allclose(g_theirs[0], g_ours[0], 1e-5, 1e-6));
+    CHECK(torch::allclose(g_theirs[1], g_ours[1], 1e-5, 1e-5));
+  }
+  CHECK_FALSE(compat::fused_rms_norm(torch::kCPU));
 }
 
 TEST_CASE("parameters carry Hugging Face names and match the config-only count", "[model]") {

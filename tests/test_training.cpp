@@ -12,7 +12,9 @@
 
 #include "test_numerics.h"
 #include "test_support.h"
+#include "trainer/train/cross_entropy.h"
 #include "trainer/train/memory_plan.h"
+#include "trainer/util/torch_compat.h"
 #include "trainer/train/train.h"
 
 using namespace trainer;
@@ -143,13 +145,14 @@ TEST_CASE("K=1: both modes give the same loss and gradient", "[training]") {
 }
 
 TEST_CASE("the logged loss is the objective, recomputed independently", "[training]") {
+  for (const std::string tiling : {"1", "3"})
   for (const std::string mode : {"true", "false"}) {
-    Trainer t(tiny_config(uneven({"gradient_accumulation_steps=3", "per_device_batch_size=2",
+    Trainer t(tiny_config(uneven({"gradient_accumulation_steps=3", "per_device_batch_size=2", "num_vocab_tiling=" + tiling,
                                   "z_loss_multiplier=1e-2", "calculate_per_token_loss=" + mode})));
     auto out = t.forward_backward(0);
     const auto terms = reference_terms(t, 0, float64_copy(t));
     const double expected = mode == "true" ? per_token_objective(terms) : megatron_objective(terms);
-    INFO("calculate_per_token_loss=" << mode);
+    INFO("calculate_per_token_loss=" << mode << " num_vocab_tiling=" << tiling);
     CHECK(metric(t, out, "learning/loss") == Approx(expected).epsilon(1e-5));
     CHECK(metric(t, out, "learning/loss") == metric(t, out, "learning/lm_loss"));  // no aux losses
     double z = 0, w = 0;
@@ -160,8 +163,9 @@ TEST_CASE("the logged loss is the objective, recomputed independently", "[traini
 }
 
 TEST_CASE("gradient check: trainer gradients match finite differences of the objective", "[training]") {
+  for (const std::string tiling : {"1", "3"})
   for (const std::string mode : {"true", "false"}) {
-    Trainer t(tiny_config(uneven({"gradient_accumulation_steps=2", "per_device_batch_size=2",
+    Trainer t(tiny_config(uneven({"gradient_accumulation_steps=2", "per_device_batch_size=2", "num_vocab_tiling=" + tiling,
                                   "z_loss_multiplier=1e-2", "calculate_per_token_loss=" + mode})));
     t.forward_backward(0);
     auto model64 = float64_copy(t);
@@ -176,11 +180,98 @@ TEST_CASE("gradient check: trainer gradients match finite differences of the obj
       for (int64_t index : {0, 7}) {
         const double numeric = central_difference(params64[name], index, objective);
         const double analytic = params32[name].grad().view(-1)[index].item<double>();
-        INFO(name << "[" << index << "] mode per_token=" << mode << " numeric " << numeric << " analytic " << analytic);
+        INFO(name << "[" << index << "] mode per_token=" << mode << " num_vocab_tiling=" << tiling << " numeric " << numeric
+                  << " analytic " << analytic);
         CHECK(analytic == Approx(numeric).epsilon(2e-3).margin(1e-7));
       }
     }
   }
+}
+
+TEST_CASE("tiled cross-entropy: sums and gradients equal autograd on the whole logits for any tiling", "[training][numerics]") {
+  torch::manual_seed(3);
+  const int64_t B = 2, L = 7, D = 8, V = 11;
+  const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
+  const auto hidden0 = torch::randn({B, L, D}, f64), weight0 = torch::randn({V, D}, f64) * 0.5;
+  const auto targets = torch::randint(V, {B, L}, torch::kInt64);
+  auto token_weights = (torch::rand({B, L}, f64) > 0.3).to(torch::kFloat64);
+  token_weights[1][3] = 0;  // at least one masked token
+  for (const double z : {0.0, 1e-2}) {
+    // The reference: the (B, L, V) logits whole, log_softmax, autograd, an objective 2.5 ce.
+    const auto h_ref = hidden0.clone().requires_grad_(), w_ref = weight0.clone().requires_grad_();
+    const auto logits = torch::matmul(h_ref, w_ref.t());
+    const auto lse = torch::logsumexp(logits, -1);
+    const auto nll = -torch::log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1);
+    const auto ce_ref = ((nll + z * lse.square()) * token_weights).sum();
+    (2.5 * ce_ref).backward();
+    const double z_ref = (z * lse.square() * token_weights).sum().item<double>();
+    for (const int64_t tiles : {1, 3, 5, 14, 40}) {  // 14 = one row per tile; 40 > rows
+      INFO("z " << z << " tiles " << tiles);
+      const auto h = hidden0.clone().requires_grad_(), w = weight0.clone().requires_grad_();
+      const auto sums = cross_entropy_sums_tiled(h, w, targets, token_weights, z, tiles, /*bf16_compute=*/false);
+      CHECK(sums.ce.item<double>() == Approx(ce_ref.item<double>()).epsilon(1e-12));
+      CHECK(sums.z.item<double>() == Approx(z_ref).epsilon(1e-12).margin(1e-15));
+      CHECK_FALSE(sums.z.requires_grad());
+      (2.5 * sums.ce).backward();
+      CHECK(torch::allclose(h.grad(), h_ref.grad(), 1e-10, 1e-12));
+      CHECK(torch::allclose(w.grad(), w_ref.grad(), 1e-10, 1e-12));
+      torch::NoGradGuard no_grad;  // evaluation: the sums alone
+      CHECK(cross_entropy_sums_tiled(h, w, targets, token_weights, z, tiles, false).ce.item<double>() ==
+            Approx(ce_ref.item<double>()).epsilon(1e-12));
+    }
+  }
+  // bf16 compute: the GEMMs as autocast runs them (logits rounded to bf16). Against the fp32
+  // reference: within bf16 rounding, and far from it if the tiles ran in fp32 (checked above).
+  const auto h32 = hidden0.to(torch::kFloat32), w32 = weight0.to(torch::kFloat32);
+  torch::Tensor logits_autocast;
+  {
+    compat::AutocastGuard autocast(true, false);
+    logits_autocast = torch::nn::functional::linear(h32, w32).to(torch::kFloat32);
+  }
+  const auto ce_autocast = cross_entropy_sums(logits_autocast, targets, token_weights.to(torch::kFloat32), 0.0).ce;
+  const auto bf16 = cross_entropy_sums_tiled(h32, w32, targets, token_weights.to(torch::kFloat32), 0.0, 3, true).ce;
+  CHECK(bf16.scalar_type() == torch::kFloat32);
+  CHECK(bf16.item<double>() == Approx(ce_autocast.item<double>()).epsilon(1e-5));
+}
+
+TEST_CASE("num_vocab_tiling: training equals the whole head's with MTP and a tied head and memory falls", "[training][cli]") {
+  // Step 1 of each pair: same weights, same data, so every metric agrees but for summation order.
+  const auto first_step = [](const std::string& args) {
+    const auto r = run_trainer(args);
+    INFO(r.output);
+    REQUIRE(r.exit_code == 0);
+    const std::string run = args.substr(args.find("run_name=") + 9, args.find(' ', args.find("run_name=")) - args.find("run_name=") - 9);
+    return read_lines(test_root() + "/" + run + "/metrics.jsonl").at(0);
+  };
+  int pair = 0;
+  for (const std::string model : {"test-tiny logits_via_embedding=true", "ling2-tiny"})
+    for (const std::string mode : {"true", "false"}) {
+      const std::string id = std::to_string(++pair);
+      const std::string common = "model_name=" + model + " max_target_length=32 steps=1 gradient_accumulation_steps=2 "
+                                 "synthetic_min_valid_fraction=0.3 eod_id=1 z_loss_multiplier=1e-3 "
+                                 "calculate_per_token_loss=" + mode + " base_output_directory=" + test_root() + " ";
+      const auto whole = first_step(common + "run_name=vt-whole" + id),
+                 tiled = first_step(common + "run_name=vt-tiled" + id + " num_vocab_tiling=5");
+      INFO(model << " per_token=" << mode);
+      for (const char* name : {"learning/loss", "learning/lm_loss", "learning/z_loss", "learning/raw_grad_norm",
+                               "learning/param_norm", "learning/mtp_loss"})
+        CHECK(json_metric(tiled, name) == Approx(json_metric(whole, name)).epsilon(1e-6));
+    }
+  // A 32K vocabulary over 1024 tokens: the whole head holds (T, V) fp32 tensors of 128 MiB (the
+  // logits, their log-probabilities and gradients); 16 tiles hold 8 MiB ones.
+  const std::string big = "model_name=test-tiny override_model_config=true vocab_size=32768 max_target_length=256 per_device_batch_size=4 steps=1 "
+                          "host_huge_pages=false base_output_directory=" + test_root() + " ";
+  const double whole = json_metric(first_step(big + "run_name=vt-big-whole"), "memory/peak_rss_bytes");
+  const double tiled = json_metric(first_step(big + "run_name=vt-big-tiled num_vocab_tiling=16"), "memory/peak_rss_bytes");
+  INFO("peak RSS whole " << whole / (1 << 20) << " MiB, tiled " << tiled / (1 << 20) << " MiB");
+  CHECK(whole - tiled > 192.0 * (1 << 20));  // measured: 310 MiB less (604 -> 294 MiB)
+  // The memory plan counts it too.
+  const auto planned = [](const std::string& tiling) {
+    const auto plan = memory_plan(tiny_config({"override_model_config=true", "vocab_size=32768", "max_target_length=256", "per_device_batch_size=4",
+                                               "num_vocab_tiling=" + tiling}), {});
+    return plan.activation_bytes;
+  };
+  CHECK(planned("1") - planned("16") > 100.0 * (1 << 20));
 }
 
 TEST_CASE("gradients accumulate in place in the flat buffer", "[training]") {

@@ -19,6 +19,10 @@ the exit status is the number of failed checks (0 = all passed).
      optim_grads_params (remat full) gives the losses of the unsharded run (1e-5) with its gradients
      reduce-scattered (NCCL's reduce_scatter, which no CPU run can call); prints each level's CUDA
      peak memory (issue 13: "run one rank of each level under NCCL and report memory").
+  8. sync_free_step: a dense model's steps after the first under CUDA's sync debug mode "error"
+     (debug_cuda_sync_check=true: any device->host synchronization inside the step stops the run
+     naming it), on one process and under NCCL (one rank), fp32 and bf16, with
+     perf/host_reads_in_step = 0 in every step (issue 16 part 2).
 """
 import json
 import math
@@ -40,6 +44,18 @@ def run(name, args):
     if proc.returncode != 0:
         print(f"trainer failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
         raise SystemExit(99)
+    with open(os.path.join(OUT, name, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return [r for r in rows if "learning/loss" in r], proc.stderr + proc.stdout
+
+
+def run_status(name, args):
+    """run() that returns (rows or None, log) instead of stopping the checks when the trainer fails."""
+    cmd = [TRAINER, os.path.join(ROOT, "configs", "base.yml"), f"base_output_directory={OUT}", f"run_name={name}",
+           "log_period=1000", "enable_checkpointing=false"] + args
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return None, f"exit {proc.returncode}: " + (proc.stderr + proc.stdout)[-1500:]
     with open(os.path.join(OUT, name, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     return [r for r in rows if "learning/loss" in r], proc.stderr + proc.stdout
@@ -130,5 +146,18 @@ check("moe_grouped_mm", worst <= 2e-2 and all(g == l - 4 for g, l in zip(*reads)
       f"worst relative loss difference grouped vs loop {worst:.2e}; host reads per step grouped {reads[0]} "
       f"loop {reads[1]}")
 
-print(f"{len(failures)} of 7 GPU checks failed: {failures}" if failures else "all 7 GPU checks passed")
+sync_runs = {}
+for label, extra in [("fp32", []), ("bf16", ["dtype=bfloat16"]), ("nccl-fp32", ["dist_backend=nccl"]),
+                     ("nccl-bf16", ["dist_backend=nccl", "dtype=bfloat16"])]:
+    sync_runs[label] = run_status("sync-" + label, SYNTHETIC + ["hardware=gpu", "steps=4", "per_device_batch_size=2",
+                                                                "gradient_accumulation_steps=2", "skip_step_on_spikes=false",
+                                                                "debug_cuda_sync_check=true"] + extra)
+sync_ok = all(rows is not None and len(rows) == 4 and all(r["perf/host_reads_in_step"] == 0 for r in rows)
+              for rows, _ in sync_runs.values())
+check("sync_free_step", sync_ok,
+      "; ".join(f"{label}: " + (f"host reads per step {[r['perf/host_reads_in_step'] for r in rows]}" if rows is not None
+                                else log.strip().splitlines()[-1] if log.strip() else "failed")
+                for label, (rows, log) in sync_runs.items()))
+
+print(f"{len(failures)} of 8 GPU checks failed: {failures}" if failures else "all 8 GPU checks passed")
 sys.exit(len(failures))

@@ -225,6 +225,8 @@ std::vector<std::string> validation_errors(const Config& c) {
   require(c.peak_tflops_per_device >= 0, "peak_tflops_per_device must be >= 0 (0 = known GPU peaks, else unknown)");
   require(c.collective_timeout_seconds > 0, "collective_timeout_seconds must be > 0");
   require(c.dist_backend != "nccl" || c.hardware == "gpu", "dist_backend=nccl needs hardware=gpu (NCCL reduces CUDA tensors)");
+  require(!c.debug_cuda_sync_check || c.hardware == "gpu",
+          "debug_cuda_sync_check needs hardware=gpu (it uses CUDA's synchronization debug mode)");
   require(c.gradient_bucket_size_mb > 0, "gradient_bucket_size_mb must be > 0");
   require(!c.shard_optimizer_over_data || c.data_parallel_sharding == "none" || c.data_parallel_sharding == "optim",
           "shard_optimizer_over_data=true (the old name of data_parallel_sharding=optim) contradicts "
@@ -248,6 +250,7 @@ std::vector<std::string> validation_errors(const Config& c) {
             ep + " must divide num_experts (" + std::to_string(c.num_experts) + ") of a MoE model");
   }
   require(c.z_loss_multiplier >= 0, "z_loss_multiplier must be >= 0");
+  require(c.num_vocab_tiling >= 1, "num_vocab_tiling must be >= 1 (1 = the whole (B, L, V) logits at once)");
   require(c.learning_rate >= 0, "learning_rate must be >= 0");
   require(c.warmup_steps_fraction >= 0 && c.warmup_steps_fraction <= 1,
           "warmup_steps_fraction must be in [0, 1]");

@@ -130,6 +130,7 @@ using StringList = std::vector<std::string>;
   /* loss and normalization */                    \
   X(bool, calculate_per_token_loss)               \
   X(double, z_loss_multiplier)                    \
+  X(int64_t, num_vocab_tiling)                    \
   /* optimizer and schedule */                    \
   X(double, learning_rate)                        \
   X(std::string, lr_schedule_type)                \
@@ -154,6 +155,7 @@ using StringList = std::vector<std::string>;
   X(bool, debug_drop_aux_token_weighting)         \
   X(int64_t, debug_kill_rank_before_parameter_gather) \
   X(int64_t, debug_kill_rank_in_expert_dispatch)  \
+  X(bool, debug_cuda_sync_check)                  \
   X(bool, debug_emulate_reduce_scatter)
 
 struct Config {

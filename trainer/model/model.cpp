@@ -23,6 +23,8 @@ RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
 }
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
+  if (x.scalar_type() == weight.scalar_type() && compat::fused_rms_norm(x.device()))
+    return compat::rms_norm(x, weight, eps_);
   // At least fp32 (bf16 inputs are upcast; float64, used by gradient checks, is kept).
   const auto wide = x.to(at::promote_types(x.scalar_type(), torch::kFloat32));
   const auto normed = wide * torch::rsqrt(wide.pow(2).mean(-1, /*keepdim=*/true) + eps_);
@@ -206,12 +208,8 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const RopeTables& r
   q = apply_rope(q.transpose(1, 2), cos, sin_signed);  // (B, Hq, L, hd)
   k = apply_rope(k.transpose(1, 2), cos, sin_signed);  // (B, Hkv, L, hd)
   v = v.transpose(1, 2);                               // (B, Hkv, L, hd)
-  const auto group = num_heads_ / num_kv_heads_;
-  if (group > 1) {  // query head h reads kv head h / group (HF repeat_kv)
-    k = k.unsqueeze(2).expand({B, num_kv_heads_, group, L, head_dim_}).reshape({B, num_heads_, L, head_dim_});
-    v = v.unsqueeze(2).expand({B, num_kv_heads_, group, L, head_dim_}).reshape({B, num_heads_, L, head_dim_});
-  }
-  const auto out = compat::masked_attention(q, k, v, allowed);  // (B, Hq, L, hd)
+  // Query head h reads kv head h / (Hq / Hkv) (HF repeat_kv); repeated only where the kernel needs it.
+  const auto out = compat::grouped_attention(q, k, v, allowed, compat::native_gqa_attention(x.device()));  // (B, Hq, L, hd)
   return o_proj(out.transpose(1, 2).reshape({B, L, num_heads_ * head_dim_}));
 }
 
@@ -404,14 +402,19 @@ torch::Tensor mtp_shift_tokens(const torch::Tensor& tokens, const torch::Tensor&
   return torch::where(same, tokens.roll(-k, 1), torch::full_like(tokens, pad_id));
 }
 
+torch::Tensor TransformerImpl::head_weight() const {
+  return lm_head ? lm_head->weight : model->embed_tokens->weight;
+}
+
 ModelOutput TransformerImpl::forward(const torch::Tensor& tokens, const torch::Tensor& positions,
-                                     const torch::Tensor& segment_ids, bool one_segment_per_row) {
+                                     const torch::Tensor& segment_ids, bool one_segment_per_row, bool logits) {
   ModelOutput out;
   BlockContext ctx = model->context(positions, segment_ids, one_segment_per_row);
   ctx.moe_stats = &out.moe_stats;
   auto hidden = model->forward(model->embed_tokens(tokens), ctx);  // (B, L, D) before the final norm
   auto normed = model->norm(hidden);                                 // (B, L, D)
-  out.logits = head(normed);
+  out.head_input = normed;
+  if (logits) out.logits = head(normed);
   // Depth k reads depth k-1's hidden state before its final norm (DeepSeek-V3 style), or after it
   // (mtp_input_after_final_norm: Ling 2.0's HF code and Megatron; it is then also the head's input).
   for (int64_t k = 1; k <= mtp_num_layers_; ++k) {
@@ -419,7 +422,8 @@ ModelOutput TransformerImpl::forward(const torch::Tensor& tokens, const torch::T
     const auto shifted = model->embed_tokens(mtp_shift_tokens(tokens, segment_ids, k, pad_id_));
     hidden = mtp->forward_depth(mtp_input_after_final_norm_ ? normed : hidden, shifted, ctx);
     normed = mtp->shared_head->norm(hidden);
-    out.mtp_logits.push_back(head(normed));
+    out.mtp_head_inputs.push_back(normed);
+    if (logits) out.mtp_logits.push_back(head(normed));
   }
   return out;
 }

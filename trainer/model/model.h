@@ -356,6 +356,8 @@ TORCH_MODULE(DecoderStack);
 struct ModelOutput {
   torch::Tensor logits;                   // (B, L, V) fp32: position i predicts token i+1
   std::vector<torch::Tensor> mtp_logits;  // mtp_num_layers x (B, L, V) fp32: depth k predicts token i+k+1
+  torch::Tensor head_input;                    // (B, L, D): the final norm's output, what the head reads
+  std::vector<torch::Tensor> mtp_head_inputs;  // mtp_num_layers x (B, L, D): each depth's head input
   std::vector<MoeLayerStats> moe_stats;   // one entry per MoE layer, in layer order
 };
 
@@ -366,9 +368,12 @@ class TransformerImpl : public torch::nn::Module {
   // was converted to float64, as gradient checks do). one_segment_per_row: the caller knows
   // every segment id is 1 (no padding, no packed-document boundary), so the segment mask equals
   // the causal mask and attention runs as plain causal (LibTorch 2.x: the fused flash kernel,
-  // which takes no arbitrary mask). The result is the same either way.
+  // which takes no arbitrary mask). The result is the same either way. logits=false leaves
+  // logits and mtp_logits empty (the tiled loss applies the head itself, to head_weight()).
   ModelOutput forward(const torch::Tensor& tokens, const torch::Tensor& positions,
-                      const torch::Tensor& segment_ids, bool one_segment_per_row = false);
+                      const torch::Tensor& segment_ids, bool one_segment_per_row = false, bool logits = true);
+  // The output head's (V, D) weight: lm_head's, or the embedding's when tied.
+  torch::Tensor head_weight() const;
   // The MoE layers in order, decoder layers then MTP blocks with mtp_moe_mlp (empty for dense
   // models): the order of ModelOutput::moe_stats. Their gate buffers hold the expert bias.
   std::vector<Moe> moe_layers();

@@ -126,6 +126,15 @@ double device_known_peak_tflops(const std::string& name, const std::string& dtyp
   return 0.0;
 }
 
+void device_sync_errors_set(const torch::Device& device, bool on) {
+#if TRAINER_WITH_CUDA
+  if (device.is_cuda())
+    c10::cuda::warning_state().set_sync_debug_mode(on ? c10::cuda::SyncDebugMode::L_ERROR : c10::cuda::SyncDebugMode::L_DISABLED);
+#else
+  (void)device, (void)on;
+#endif
+}
+
 double device_free_memory_bytes(const torch::Device& device) {
 #if TRAINER_WITH_CUDA
   size_t free_bytes = 0, total_bytes = 0;

@@ -28,6 +28,10 @@ struct DeviceMemoryPeaks {
 };
 // CUDA devices only (a host-side query, no device sync); zeros on the CPU.
 DeviceMemoryPeaks device_memory_peaks(const torch::Device& device);
+// CUDA's synchronization debug mode (c10::cuda::warning_state) at "error" (on) or off: while on,
+// any operation that makes the host wait for the device (a device->host copy, .item(), a stream
+// synchronize) throws. A no-op on the CPU. For debug_cuda_sync_check.
+void device_sync_errors_set(const torch::Device& device, bool on);
 // Free memory of the current CUDA device (cudaMemGetInfo: what other processes and the CUDA
 // context left); -1 on the CPU.
 double device_free_memory_bytes(const torch::Device& device);

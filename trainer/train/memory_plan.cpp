@@ -18,7 +18,7 @@
 //   input RMSNorm: normed and scaled outputs     2 r T D
 //   q/k/v GEMM output (RoPE and attention keep views of it)   m T (q + 2kv)
 //   RoPE: the swapped halves and the rotated q and k          m T (q + kv) (2 f + [f < 1])
-//   GQA: k and v repeated to the query heads (Hq > Hkv)       2 m T q
+//   GQA: k and v repeated to the query heads (Hq > Hkv)       2 m T q  (none with native GQA: CUDA, >= 2.5)
 //   attention: masked/explicit path: softmax probabilities (fp32, B Hq L L), plus their bf16 copy;
 //              the fused causal kernel (LibTorch >= 2.0, unpacked rows): output + logsumexp
 //   attention output, transposed for o_proj                  m T q
@@ -35,9 +35,12 @@
 // adds the shifted embedding, two norms, their concatenation, one dense layer, a norm and its
 // fp32 logits (T V, kept by logsumexp).
 //
+// With num_vocab_tiling > 1 each head keeps the gradients of its input and weight (fp32 T D +
+// V D) instead of its (T, V) tensors.
+//
 // Transient, on top of everything saved: the backward of the head holds the gradient of the
-// log-probabilities and of the logits (2 x fp32 T V) and the output head's weight gradient (V D)
-// before it is added into the flat buffer; the explicit attention holds about two more B Hq L L
+// log-probabilities and of the logits (2 x fp32 T V; tiled: one tile's) and the output head's
+// weight gradient (V D) before it is added into the flat buffer; the explicit attention holds about two more B Hq L L
 // buffers in its backward. The plan takes the larger.
 #include "trainer/train/memory_plan.h"
 
@@ -80,7 +83,7 @@ struct Shapes {
 // minimal (remat_policy=minimal): norms keep only their output (the GEMM input; their input is
 // the residual stream, kept anyway) and SwiGLU keeps gate, up and the product, not silu(gate).
 double layer_saved_bytes(const Shapes& s, bool moe, double r, double m, bool bf16, bool fused_attention,
-                         bool qk_norm, bool minimal, bool grouped_experts) {
+                         bool native_gqa, bool qk_norm, bool minimal, bool grouped_experts) {
   const double cast = bf16 ? 2.0 : 0.0;  // bf16 copy of a fp32 GEMM input
   const double norm = minimal ? 1.0 : 2.0;  // fp32 (B, L, D) tensors an RMSNorm keeps
   const double swiglu = minimal ? 3.0 : 4.0;  // (B, L, F) tensors SwiGLU keeps
@@ -88,7 +91,7 @@ double layer_saved_bytes(const Shapes& s, bool moe, double r, double m, bool bf1
   bytes += m * s.T * (s.q + 2 * s.kv);                     // q/k/v GEMM output
   if (qk_norm) bytes += (minimal ? 4.0 : 8.0) * s.T * (s.q + s.kv) + (bf16 ? 6.0 : 0.0) * s.T * (s.q + s.kv);
   bytes += m * s.T * (s.q + s.kv) * (2 * s.f + (s.f < 1 ? 1 : 0));  // RoPE
-  if (s.q > s.kv) bytes += 2 * m * s.T * s.q;                         // repeated k and v
+  if (s.q > s.kv && !native_gqa) bytes += 2 * m * s.T * s.q;          // repeated k and v
   if (fused_attention)
     bytes += m * s.T * s.q + 4 * s.B * s.H * s.L;  // output + logsumexp
   else
@@ -252,14 +255,19 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   // whose own saved activations then exist once (the largest layer kind counts).
   const bool minimal = c.remat_policy == "minimal";
   const bool grouped = c.moe_dispatch == "grouped";
-  const double dense = layer_saved_bytes(s, false, r, m, bf16, fused_attention, c.use_qk_norm, minimal, grouped);
+  const double dense = layer_saved_bytes(s, false, r, m, bf16, fused_attention, ctx.native_gqa, c.use_qk_norm, minimal, grouped);
   const double moe =
-      moe_layers > 0 ? layer_saved_bytes(s, true, r, m, bf16, fused_attention, c.use_qk_norm, minimal, grouped) : 0.0;
+      moe_layers > 0 ? layer_saved_bytes(s, true, r, m, bf16, fused_attention, ctx.native_gqa, c.use_qk_norm, minimal, grouped) : 0.0;
   const double embedding = r * s.T * s.D;
   const double mask = fused_attention ? 0.0 : 2 * s.B * s.L * s.L + s.L * s.L;  // bool masks
-  const double head = 2 * r * s.T * s.D + (bf16 ? 2 : 0) * s.T * s.D + 4 * s.T * s.V;
+  // num_vocab_tiling > 1: each head (the main one and every MTP depth's) keeps, from its tiled
+  // forward, the gradients of its input (fp32 T D) and of the head weight (fp32 V D) instead of
+  // the fp32 (T, V) log-probabilities.
+  const bool tiled = c.num_vocab_tiling > 1;
+  const double head_loss = tiled ? 4 * s.T * s.D + 4 * s.V * s.D : 4 * s.T * s.V;
+  const double head = 2 * r * s.T * s.D + (bf16 ? 2 : 0) * s.T * s.D + head_loss;
   const double mtp_depth = r * s.T * s.D + 4 * r * s.T * s.D + 2 * r * s.T * s.D + (bf16 ? 4 : 0) * s.T * s.D + (c.mtp_moe_mlp ? moe : dense) +
-                           2 * r * s.T * s.D + 4 * s.T * s.V;
+                           2 * r * s.T * s.D + head_loss;
   // A GLA layer (docs/model.md) is counted as the GQA layer above plus its chunked core's own
   // tensors: fp32 copies of q, k, v and the scaled, decay-weighted q and k (6 T H hd), the
   // within-chunk scores before and after the decay mask (2 B H L C), the state entering each chunk
@@ -287,14 +295,20 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   detail += fused_attention ? " (fused causal attention)"
                             : " (incl. attention probabilities B x H x L x L: " +
                                   memory_bytes_text((4 + (bf16 ? 2 : 0)) * s.B * s.H * s.L * s.L) + ")";
-  detail += ", head log-probabilities B x L x V: " + memory_bytes_text(4 * s.T * s.V);
+  detail += tiled ? ", head input and weight gradients kept by the tiled loss: " + memory_bytes_text(head_loss)
+                  : ", head log-probabilities B x L x V: " + memory_bytes_text(4 * s.T * s.V);
   add(plan, "activations saved for backward (one micro-batch)", activations, detail);
 
-  const double head_transient = 2 * 4 * s.T * s.V + (bf16 ? 2 : 0) * s.T * s.V + 4 * s.V * s.D;
+  // Tiled: one tile's fp32 logits (turned into their gradient in place) and its bf16 copy, the
+  // head weight's bf16 copy, and in the backward the scaled weight gradient.
+  const double tile_rows = std::ceil(s.T / static_cast<double>(std::max<int64_t>(c.num_vocab_tiling, 1)));
+  const double head_transient = tiled ? (4 + (bf16 ? 2 : 0)) * tile_rows * s.V + (bf16 ? 2 : 0) * s.V * s.D + 4 * s.V * s.D
+                                      : 2 * 4 * s.T * s.V + (bf16 ? 2 : 0) * s.T * s.V + 4 * s.V * s.D;
   const double attention_transient = fused_attention ? 0.0 : 2 * 4 * s.B * s.H * s.L * s.L;
   const double transient = std::max(head_transient, attention_transient);
   add(plan, "backward transients", transient,
-      head_transient >= attention_transient ? "gradients of the logits and log-probabilities, output head weight gradient"
+      head_transient >= attention_transient ? (tiled ? "one tile of logits (num_vocab_tiling), output head weight gradient"
+                                                     : "gradients of the logits and log-probabilities, output head weight gradient")
                                             : "attention probability gradients");
 
   const double data = 2.0 * static_cast<double>(c.gradient_accumulation_steps + 2) * s.T * (5 * 8 + 4);

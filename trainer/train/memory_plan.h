@@ -17,6 +17,7 @@ struct MemoryPlanContext {
   int64_t local_world_size = 1;  // ranks sharing this machine's host memory
   bool cuda = false;             // the plan is of device memory (no runtime line, no OpenBLAS)
   bool fused_attention = false;  // LibTorch >= 2.0: SDPA's fused kernel for plain causal rows
+  bool native_gqa = false;       // attention reads k and v unrepeated (compat::native_gqa_attention)
 };
 
 struct MemoryPlanItem {

@@ -40,6 +40,7 @@
 #include <limits>
 
 #include "trainer/metrics/perf_counters.h"
+#include "trainer/train/cross_entropy.h"
 #include "trainer/train/train.h"
 #include "trainer/util/torch_compat.h"
 
@@ -83,51 +84,25 @@ MicroBatchTensors to_device(const MicroBatch& b, const torch::Device& device) {
           slot_as(2, torch::kInt64), slot_as(3, torch::kInt64), one_segment};
 }
 
-struct CrossEntropySums {
-  torch::Tensor ce;  // sum over unmasked targets of CE + z-loss term, fp32, differentiable
-  torch::Tensor z;   // the z-loss part of ce, detached
-};
-
-// logits (B, L, V) fp32. Per token: lse - logit[target] + z * lse^2.
-// Without z-loss, LibTorch's cross_entropy (log_softmax + nll) computes the same lse - logit:
-// its backward keeps only the log-probabilities and makes one (B, L, V) gradient, where
-// logsumexp + gather keep the logits and make two; at a 128K vocabulary that is gigabytes.
-CrossEntropySums cross_entropy_sums(const torch::Tensor& logits, const torch::Tensor& targets,
-                                    const torch::Tensor& mask, double z_loss_multiplier) {
-  if (z_loss_multiplier == 0) {
-    const auto V = logits.size(-1);
-    const auto per_token = torch::nn::functional::cross_entropy(
-        logits.reshape({-1, V}), targets.reshape({-1}),
-        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));  // (B*L)
-    return {(per_token.view_as(mask) * mask).sum(), torch::zeros({}, logits.options())};
-  }
-  const auto lse = torch::logsumexp(logits, -1);                                  // (B, L)
-  const auto target_logit = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1);  // (B, L)
-  const auto z = z_loss_multiplier * lse.square();
-  return {((lse - target_logit + z) * mask).sum(), (z.detach() * mask).sum()};
-}
-
 // Multi-token prediction: depth k at position i predicts input token i+k+1 (= targets[i+k]).
 // It counts only when that token lies inside the sequence (i+k+1 < L), in the same segment as
 // position i, and targets[i+k] is unmasked: no prediction crosses a document boundary or the end
 // of the sequence, even where the main loss (Megatron-style) predicts across an EOD. Each depth
 // is a per-token mean on its own (unscaled: the caller multiplies by mtp_loss_scaling_factor).
+// `ce_sum(depth, targets, valid)` gives a depth's CE summed over its valid (0/1) targets.
 // Returns the (depths) losses and, in `pooled`, the depths' CE sum over their target count
 // (mtp_per_layer_loss_norm=false; equal to the mean of the depths when they count alike).
-torch::Tensor mtp_depth_losses(const std::vector<torch::Tensor>& mtp_logits, const MicroBatchTensors& t,
-                               torch::Tensor& pooled) {
+template <class CeSum>
+torch::Tensor mtp_depth_losses(size_t depths_count, const MicroBatchTensors& t, const CeSum& ce_sum, torch::Tensor& pooled) {
   const auto L = t.targets.size(1);
   std::vector<torch::Tensor> depths, sums, counts;
-  for (size_t depth = 0; depth < mtp_logits.size(); ++depth) {
+  for (size_t depth = 0; depth < depths_count; ++depth) {
     const int64_t k = static_cast<int64_t>(depth) + 1;
     const auto in_range = torch::arange(L, t.segment_ids.options()) < L - k - 1;
     const auto same_segment = t.segment_ids.roll(-(k + 1), 1) == t.segment_ids;
-    const auto valid = (in_range & same_segment & (t.loss_mask.roll(-k, 1) > 0)).to(mtp_logits[depth].scalar_type());
-    const auto& logits = mtp_logits[depth];  // (B, L, V)
-    const auto targets = t.targets.roll(-k, 1);
-    const auto ce = torch::logsumexp(logits, -1) - logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1);
-    sums.push_back((ce * valid).sum());
-    counts.push_back(valid.sum());
+    const auto valid = in_range & same_segment & (t.loss_mask.roll(-k, 1) > 0);  // (B, L) bool
+    sums.push_back(ce_sum(depth, t.targets.roll(-k, 1), valid));
+    counts.push_back(valid.to(sums.back().scalar_type()).sum());
     depths.push_back(sums.back() / counts.back().clamp_min(1.0));
   }
   pooled = torch::stack(sums).sum() / torch::stack(counts).sum().clamp_min(1.0);
@@ -141,12 +116,18 @@ MicroBatchLosses micro_batch_losses(Transformer& model, const MicroBatch& batch,
   MicroBatchLosses losses;
   for (float m : batch.loss_mask) losses.weights += m;  // host-known: no device sync needed
   const auto t = to_device(batch, device);
+  // num_vocab_tiling > 1: the model stops before its head, and the head's GEMMs run inside the
+  // tiled loss (with autocast's bf16 rounding when dtype is bfloat16).
+  const bool tiled = c.num_vocab_tiling > 1, bf16 = c.dtype == "bfloat16";
   ModelOutput output;
   {
-    compat::AutocastGuard autocast(c.dtype == "bfloat16", device.is_cuda());
-    output = model->forward(t.inputs, t.positions, t.segment_ids, t.one_segment_per_row);
+    compat::AutocastGuard autocast(bf16, device.is_cuda());
+    output = model->forward(t.inputs, t.positions, t.segment_ids, t.one_segment_per_row, /*logits=*/!tiled);
   }
-  auto sums = cross_entropy_sums(output.logits, t.targets, t.loss_mask, c.z_loss_multiplier);
+  const auto head_weight = tiled ? model->head_weight() : torch::Tensor();
+  auto sums = tiled ? cross_entropy_sums_tiled(output.head_input, head_weight, t.targets, t.loss_mask,
+                                               c.z_loss_multiplier, c.num_vocab_tiling, bf16)
+                    : cross_entropy_sums(output.logits, t.targets, t.loss_mask, c.z_loss_multiplier);
   losses.ce = sums.ce;
   losses.z = sums.z;
   losses.lb = torch::zeros({}, sums.ce.options());
@@ -174,11 +155,19 @@ MicroBatchLosses micro_batch_losses(Transformer& model, const MicroBatch& batch,
     losses.lb_unweighted = losses.lb_unweighted.detach();
     losses.expert_counts = torch::stack(counts);
   }
-  if (output.mtp_logits.empty()) {
+  if (output.mtp_head_inputs.empty()) {
     losses.mtp_raw = torch::zeros({}, sums.ce.options());
   } else {
+    const auto depth_ce_sum = [&](size_t depth, const torch::Tensor& targets, const torch::Tensor& valid) {
+      if (tiled)
+        return cross_entropy_sums_tiled(output.mtp_head_inputs[depth], head_weight, targets, valid, 0.0,
+                                        c.num_vocab_tiling, bf16).ce;
+      const auto& logits = output.mtp_logits[depth];  // (B, L, V)
+      const auto ce = torch::logsumexp(logits, -1) - logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1);
+      return (ce * valid.to(logits.scalar_type())).sum();
+    };
     torch::Tensor pooled;
-    const auto depths = mtp_depth_losses(output.mtp_logits, t, pooled);
+    const auto depths = mtp_depth_losses(output.mtp_head_inputs.size(), t, depth_ce_sum, pooled);
     losses.mtp_raw = c.mtp_per_layer_loss_norm ? depths.mean() : pooled;
     losses.mtp_depths = depths.detach();
   }

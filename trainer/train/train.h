@@ -128,6 +128,8 @@ class Trainer {
 
   // One optimizer step = forward_backward + optimizer_update. Returns device-side metrics.
   StepOutput train_step(int64_t step);
+  // train_step where any device->host synchronization throws (debug_cuda_sync_check; CUDA only).
+  StepOutput train_step_without_syncs(int64_t step);
 
   // Phases, public for tests:
   // K micro-batches of `step`, gradients accumulated in the flat buffer and normalized,
@@ -150,7 +152,8 @@ class Trainer {
   int64_t updates_applied() const { return updates_applied_; }
 
  private:
-  void check_memory_plan();  // exit 2 before allocating when the plan exceeds this rank's memory
+  void check_memory_plan();
+  void log_attention_kernel() const;  // exit 2 before allocating when the plan exceeds this rank's memory
   void build_flat_buffers(ModelInitializer* deferred_init);  // non-null: draw the weights unit by unit (optim_grads_params)
   bool spike_guard_rejects(double loss, double grad_norm);
   void restore(const CheckpointContents& contents, bool full_state, const std::string& source);

@@ -121,6 +121,23 @@ Trainer::Trainer(Config config)
                  config_.peak_tflops_per_device > 0 ? "from peak_tflops_per_device" : "datasheet dense peak");
   else
     spdlog::info("device {}: perf/mfu is not reported: its peak TFLOP/s is unknown (set peak_tflops_per_device)", name);
+  log_attention_kernel();
+}
+
+// Which kernel scaled_dot_product_attention picks for this model's plain causal rows (no packed
+// documents), asked of LibTorch with empty tensors of one sequence: a run on a GPU shows whether
+// flash or cuDNN attention serve it, and whether grouped kv heads are read unrepeated.
+void Trainer::log_attention_kernel() const {
+  const Config& c = config_;
+  if (c.attention_type != "global" || c.inhomogeneous_layer_cycle_interval > 0) return;  // GQA layers only
+  const int64_t Hq = c.base_num_query_heads, Hkv = c.base_num_kv_heads, L = c.max_target_length, hd = c.head_dim;
+  const auto options = torch::TensorOptions().device(device_).dtype(c.dtype == "bfloat16" ? torch::kBFloat16 : torch::kFloat32);
+  const bool native = compat::native_gqa_attention(device_);
+  const auto q = torch::empty({1, Hq, L, hd}, options), kv = torch::empty({1, Hkv, L, hd}, options);
+  spdlog::info("attention: {} kernel for plain causal rows{}", compat::attention_kernel_name(q, kv, kv, {}, native),
+               Hq == Hkv  ? ""
+               : native   ? fmt::format(" ({} kv heads read unrepeated by {} query heads)", Hkv, Hq)
+                          : fmt::format(" ({} kv heads repeated to {} query heads)", Hkv, Hq));
 }
 
 Trainer::~Trainer() = default;
@@ -174,7 +191,7 @@ double Trainer::bytes_sent_so_far() const {
 void Trainer::check_memory_plan() {
   const Config& c = config_;
   const MemoryPlanContext context{comm_->world_size(), dist_.local_world_size, device_.is_cuda(),
-                                  compat::kFusedCausalAttention};
+                                  compat::kFusedCausalAttention, compat::native_gqa_attention(device_)};
   const MemoryPlan plan = memory_plan(c, context);
   double available = 0, resident = 0;
   std::string source;
@@ -211,6 +228,23 @@ void Trainer::check_memory_plan() {
   for (size_t i = 0; i < suggestions.size(); ++i) message += (i == 0 ? "would fit: " : "       or: ") + suggestions[i] + "\n";
   message += "allow_memory_overcommit=true skips this check.";
   throw config_error(message);
+}
+
+// debug_cuda_sync_check: the step under CUDA's sync debug mode "error", off again however it
+// ends. LibTorch's error names the operation; the message adds the step and what to look for.
+StepOutput Trainer::train_step_without_syncs(int64_t step) {
+  struct SyncErrors {
+    explicit SyncErrors(const torch::Device& device) : device(device) { device_sync_errors_set(device, true); }
+    ~SyncErrors() { device_sync_errors_set(device, false); }
+    torch::Device device;
+  } sync_errors(device_);
+  try {
+    return train_step(step);
+  } catch (const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    throw Error(kExitFailure, "step " + std::to_string(step) + ": debug_cuda_sync_check: the step made the host wait " +
+                                  "for the device: " + what.substr(0, what.find('\n')));
+  }
 }
 
 StepOutput Trainer::train_step(int64_t step) {
@@ -446,7 +480,7 @@ void Trainer::train() {
   for (int64_t step = start_step; step < c.steps; ++step) {
     const auto start = Clock::now();
     stop_vote_ = g_stop_signal.load() != 0;
-    StepOutput out = train_step(step);
+    StepOutput out = c.debug_cuda_sync_check && step > start_step ? train_step_without_syncs(step) : train_step(step);
     if (step == start_step) {  // once: wait for the first step to finish, to time the startup
       (void)out.loss.item<double>();
       perf_startup_mark("first step");

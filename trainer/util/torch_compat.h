@@ -121,6 +121,77 @@ inline torch::Tensor masked_attention(const torch::Tensor& q, const torch::Tenso
 #endif
 }
 
+// Whether attention reads k and v with fewer heads than q as they are (scaled_dot_product_attention's
+// enable_gqa, LibTorch >= 2.5), instead of repeating them to the query heads first: on CUDA, where
+// flash and cuDNN attention take grouped heads. Not on the CPU: 2.6's CPU flash kernel does not,
+// and with enable_gqa its dispatcher falls back to the math path (an explicit (B, H, L, L)
+// softmax; measured with _fused_sdp_choice: math with enable_gqa, flash with repeated k and v).
+inline bool native_gqa_attention(const torch::Device& device) {
+  return TRAINER_TORCH_AT_LEAST(2, 5) && device.is_cuda();
+}
+
+// masked_attention for grouped queries: q (B, Hq, L, hd), k and v (B, Hkv, L, hd) with Hkv
+// dividing Hq; query head h reads kv head h / (Hq / Hkv) (HF repeat_kv). `native` (where
+// native_gqa_attention says so, or in tests) passes enable_gqa; otherwise k and v are repeated.
+inline torch::Tensor grouped_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                       const torch::Tensor& allowed, bool native) {
+  const int64_t B = k.size(0), Hkv = k.size(1), L = k.size(2), hd = k.size(3), group = q.size(1) / Hkv;
+  if (group == 1) return masked_attention(q, k, v, allowed);
+#if TRAINER_TORCH_AT_LEAST(2, 5)
+  if (native) {
+    if (!allowed.defined())
+      return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, /*scale=*/c10::nullopt, /*enable_gqa=*/true);
+    return at::scaled_dot_product_attention(q, k, v, allowed, 0.0, false, c10::nullopt, /*enable_gqa=*/true);
+  }
+#else
+  TORCH_CHECK(!native, "grouped_attention: native GQA needs LibTorch >= 2.5");
+#endif
+  const auto repeat = [&](const torch::Tensor& t) {  // (B, Hkv, L, hd) -> (B, Hq, L, hd)
+    return t.unsqueeze(2).expand({B, Hkv, group, L, hd}).reshape({B, Hkv * group, L, hd});
+  };
+  return masked_attention(q, repeat(k), repeat(v), allowed);
+}
+
+// The kernel scaled_dot_product_attention picks for these inputs (what the trainer logs at
+// start-up): "flash", "efficient", "cudnn", "math", or on 1.13 "explicit softmax".
+inline std::string attention_kernel_name(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                         const torch::Tensor& allowed, bool native) {
+#if TRAINER_TORCH_AT_LEAST(2, 5)
+  const auto group = q.size(1) / k.size(1);
+  const auto kk = native || group == 1 ? k : k.repeat_interleave(group, 1), vv = native || group == 1 ? v : v.repeat_interleave(group, 1);
+  const int64_t choice = allowed.defined() ? at::_fused_sdp_choice(q, kk, vv, allowed, 0.0, false, c10::nullopt, native)
+                                           : at::_fused_sdp_choice(q, kk, vv, {}, 0.0, true, c10::nullopt, native);
+  switch (choice) {  // sdp::SDPBackend
+    case 0: return "math";
+    case 1: return "flash";
+    case 2: return "efficient";
+    case 3: return "cudnn";
+    default: return "backend " + std::to_string(choice);
+  }
+#else
+  (void)q, (void)k, (void)v, (void)allowed, (void)native;
+  return "explicit softmax";
+#endif
+}
+
+// Whether RMSNorm runs as LibTorch's own at::rms_norm: on CUDA with LibTorch >= 2.9, where its
+// forward and backward are fused kernels (one pass each instead of five elementwise ops). It
+// exists from 2.4, but as the same composite of ops the model writes out, so elsewhere the model
+// keeps its own. Only for inputs of the weight's dtype (at::rms_norm falls back otherwise).
+inline bool fused_rms_norm(const torch::Device& device) {
+  return TRAINER_TORCH_AT_LEAST(2, 9) && device.is_cuda();
+}
+
+// x * rsqrt(mean(x^2, -1) + eps) * weight over the last dimension, by at::rms_norm (>= 2.4).
+inline torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+#if TRAINER_TORCH_AT_LEAST(2, 4)
+  return at::rms_norm(x, {weight.size(0)}, weight, eps);
+#else
+  (void)x, (void)weight, (void)eps;
+  TORCH_CHECK(false, "compat::rms_norm needs LibTorch >= 2.4");
+#endif
+}
+
 // The mask for plain causal attention over L positions: undefined on 2.x (masked_attention then
 // runs the fused causal kernel), the (L, L) lower triangle on 1.13. Built once per forward.
 inline torch::Tensor causal_mask(int64_t L, const torch::TensorOptions& options) {
