@@ -74,7 +74,10 @@ class TiledCrossEntropy : public torch::autograd::Function<TiledCrossEntropy> {
       grad.scatter_add_(1, t_tile, -w_tile.unsqueeze(1));
       const auto grad_c = grad.to(compute);                                           // (n, V)
       grad_hidden.narrow(0, first, n).copy_(grad_c.mm(weight_c));
-      grad_weight.add_(grad_c.t().mm(h_tile));
+      if (compute == grad_weight.scalar_type())
+        grad_weight.addmm_(grad_c.t(), h_tile);  // accumulated by the GEMM itself: no (V, D) temporary
+      else
+        grad_weight.add_(grad_c.t().mm(h_tile));  // bf16 product, summed over tiles in fp32
     }
     if (need_grads) {
       ctx->saved_data["grad_hidden"] = grad_hidden.view(hidden.sizes());
