@@ -195,19 +195,25 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const RopeTables& r
   const auto B = x.size(0), L = x.size(1);
   const auto q_dim = num_heads_ * head_dim_, kv_dim = num_kv_heads_ * head_dim_;
   const auto qkv = linear_fused(x, {q_proj->weight, k_proj->weight, v_proj->weight})  // (B, L, q_dim + 2 kv_dim)
-                       .split_with_sizes({q_dim, kv_dim, kv_dim}, -1);
-  auto q = qkv[0].view({B, L, num_heads_, head_dim_});     // (B, L, Hq, hd)
-  auto k = qkv[1].view({B, L, num_kv_heads_, head_dim_});  // (B, L, Hkv, hd)
-  auto v = qkv[2].view({B, L, num_kv_heads_, head_dim_});  // (B, L, Hkv, hd)
-  if (q_norm) {
-    q = norm_forward(q_norm, q, recompute_norms);
-    k = norm_forward(k_norm, k, recompute_norms);
-  }
+                       .split_with_sizes({q_dim + kv_dim, kv_dim}, -1);
+  auto v = qkv[1].view({B, L, num_kv_heads_, head_dim_}).transpose(1, 2);  // (B, Hkv, L, hd)
   // Under bf16 autocast q and k are bf16: the fp32 tables are cast once per layer.
-  const auto cos = rope.cos.to(q.scalar_type()), sin_signed = rope.sin_signed.to(q.scalar_type());
-  q = apply_rope(q.transpose(1, 2), cos, sin_signed);  // (B, Hq, L, hd)
-  k = apply_rope(k.transpose(1, 2), cos, sin_signed);  // (B, Hkv, L, hd)
-  v = v.transpose(1, 2);                               // (B, Hkv, L, hd)
+  const auto cos = rope.cos.to(qkv[0].scalar_type()), sin_signed = rope.sin_signed.to(qkv[0].scalar_type());
+  torch::Tensor q, k;
+  if (!q_norm) {
+    // q and k are adjacent heads of the GEMM's output: RoPE rotates all Hq + Hkv heads in one pass
+    // (one set of elementwise kernels per layer instead of two), then they are split by head.
+    const auto qk = apply_rope(qkv[0].view({B, L, num_heads_ + num_kv_heads_, head_dim_}).transpose(1, 2), cos,
+                               sin_signed)  // (B, Hq + Hkv, L, hd)
+                        .split_with_sizes({num_heads_, num_kv_heads_}, 1);
+    q = qk[0], k = qk[1];  // (B, Hq, L, hd), (B, Hkv, L, hd)
+  } else {
+    const auto parts = qkv[0].split_with_sizes({q_dim, kv_dim}, -1);
+    q = norm_forward(q_norm, parts[0].view({B, L, num_heads_, head_dim_}), recompute_norms);     // (B, L, Hq, hd)
+    k = norm_forward(k_norm, parts[1].view({B, L, num_kv_heads_, head_dim_}), recompute_norms);  // (B, L, Hkv, hd)
+    q = apply_rope(q.transpose(1, 2), cos, sin_signed);  // (B, Hq, L, hd)
+    k = apply_rope(k.transpose(1, 2), cos, sin_signed);  // (B, Hkv, L, hd)
+  }
   // Query head h reads kv head h / (Hq / Hkv) (HF repeat_kv); repeated only where the kernel needs it.
   const auto out = compat::grouped_attention(q, k, v, allowed, compat::native_gqa_attention(x.device()));  // (B, Hq, L, hd)
   return o_proj(out.transpose(1, 2).reshape({B, L, num_heads_ * head_dim_}));
