@@ -529,10 +529,13 @@ TEST_CASE("sharded levels at one rank: the shard is the arena in unit order, tra
 
   for (const auto& level : std::vector<std::vector<std::string>>{{"data_parallel_sharding=optim_grads"},
                                                                   {"data_parallel_sharding=optim_grads", "remat_policy=minimal"},
-                                                                  {"data_parallel_sharding=optim_grads_params", "remat_policy=full"}}) {
+                                                                  {"data_parallel_sharding=optim_grads_params", "remat_policy=full"},
+                                                                  {"data_parallel_sharding=optim_grads_params", "remat_policy=full",
+                                                                   "num_vocab_tiling=3"}}) {
     auto overrides = base;
     overrides.insert(overrides.end(), level.begin(), level.end());
-    INFO(level[0] << " " << (level.size() > 1 ? level[1] : ""));
+    const bool tiled = level.size() > 2;  // the head's weight gathered with the outer units, its gradient from the tiled loss
+    INFO(level[0] << " " << (level.size() > 1 ? level[1] : "") << (tiled ? " num_vocab_tiling=3" : ""));
     Trainer t(tiny_config(overrides));
     const ShardedModelState* state = t.sharded_state();
     REQUIRE(state != nullptr);
@@ -558,7 +561,7 @@ TEST_CASE("sharded levels at one rank: the shard is the arena in unit order, tra
     CHECK(torch::equal(params_of(), initial));
 
     auto out = t.forward_backward(0);
-    CHECK(metric(t, out, "learning/loss") == Approx(metric(plain, plain_out, "learning/loss")).epsilon(1e-12));
+    CHECK(metric(t, out, "learning/loss") == Approx(metric(plain, plain_out, "learning/loss")).epsilon(tiled ? 1e-6 : 1e-12));
     INFO("largest gradient difference " << (state->grad_shard - plain_grads).abs().max().item<double>());
     CHECK(torch::allclose(state->grad_shard, plain_grads, 1e-5, 1e-7));  // minimal remat reorders a few sums
     // Every decoder layer's gradient was reduced into the shard right after its backward.
