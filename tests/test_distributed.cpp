@@ -56,6 +56,17 @@ std::vector<nlohmann::json> metrics_of(const std::string& run) {
   return out;
 }
 
+// Runs a and b logged the same steps, and each named metric agrees at every step to `epsilon`.
+void check_metrics_agree(const std::vector<nlohmann::json>& a, const std::vector<nlohmann::json>& b,
+                         std::initializer_list<const char*> names, double epsilon) {
+  REQUIRE(a.size() == b.size());
+  for (size_t i = 0; i < a.size(); ++i)
+    for (const char* name : names) {
+      INFO("step " << i << " " << name);
+      CHECK(a[i][name].get<double>() == Approx(b[i][name].get<double>()).epsilon(epsilon));
+    }
+}
+
 using TensorMap = std::map<std::string, torch::Tensor>;
 
 // Largest absolute difference between the same-named tensors of two sets; the names must be the
@@ -1006,12 +1017,7 @@ TEST_CASE("expert parallelism at R=4 (two groups of 2) equals one process with t
   REQUIRE(run_trainer(common + "gradient_accumulation_steps=4 run_name=ep2-r4-one").exit_code == 0);
   const auto a = metrics_of("ep2-r4"), b = metrics_of("ep2-r4-one");
   REQUIRE(a.size() == 3);
-  REQUIRE(b.size() == 3);
-  for (size_t i = 0; i < 3; ++i)
-    for (const char* name : {"learning/loss", "learning/moe_lb_loss", "learning/raw_grad_norm", "learning/param_norm"}) {
-      INFO("step " << i << " " << name);
-      CHECK(a[i][name].get<double>() == Approx(b[i][name].get<double>()).epsilon(1e-5));
-    }
+  check_metrics_agree(a, b, {"learning/loss", "learning/moe_lb_loss", "learning/raw_grad_norm", "learning/param_norm"}, 1e-5);
   CHECK(largest_weight_difference(checkpoint_model("ep2-r4", 3), checkpoint_model("ep2-r4-one", 3)) < 1e-6);
   // Per step and rank (K = 1, moe-tiny: MoE layers 1 and 2, one gradient bucket): 2 layers x 3
   // exchanges forward (counts, rows out, rows back) + 2 x 2 backward = 10; the gradient in 5 runs
@@ -1168,12 +1174,7 @@ TEST_CASE("expert parallelism with ZeRO-1 shards AdamW over the ranks holding th
   REQUIRE(run_trainer(common + "gradient_accumulation_steps=4 run_name=ep-zero1-one").exit_code == 0);
   const auto a = metrics_of("ep-zero1"), b = metrics_of("ep-zero1-one");
   REQUIRE(a.size() == 3);
-  REQUIRE(b.size() == 3);
-  for (size_t i = 0; i < 3; ++i)
-    for (const char* name : {"learning/loss", "learning/moe_lb_loss", "learning/raw_grad_norm", "learning/param_norm"}) {
-      INFO("step " << i << " " << name);
-      CHECK(a[i][name].get<double>() == Approx(b[i][name].get<double>()).epsilon(1e-5));
-    }
+  check_metrics_agree(a, b, {"learning/loss", "learning/moe_lb_loss", "learning/raw_grad_norm", "learning/param_norm"}, 1e-5);
   // One writer (rank 0) with every expert and both full moments, gathered over the chunks and the group.
   for (const std::string file : {"model.safetensors", "optimizer.safetensors"}) {
     INFO(file);

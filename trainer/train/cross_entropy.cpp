@@ -56,7 +56,7 @@ class TiledCrossEntropy : public torch::autograd::Function<TiledCrossEntropy> {
     auto grad_hidden = need_grads ? torch::empty({N, D}, hidden.options()) : torch::Tensor();       // (N, D)
     auto grad_weight = need_grads ? torch::zeros({V, D}, head_weight.options()) : torch::Tensor();  // (V, D)
     auto ce = torch::zeros({}, w.options()), z = torch::zeros({}, w.options());
-    const int64_t rows = std::max<int64_t>(1, (N + std::max<int64_t>(tiles, 1) - 1) / std::max<int64_t>(tiles, 1));
+    const int64_t n_tiles = std::max<int64_t>(tiles, 1), rows = std::max<int64_t>(1, (N + n_tiles - 1) / n_tiles);
     for (int64_t first = 0; first < N; first += rows) {
       const int64_t n = std::min(rows, N - first);
       const auto h_tile = h.narrow(0, first, n).to(compute);                          // (n, D)
