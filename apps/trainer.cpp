@@ -62,7 +62,9 @@ void print_dry_run(const trainer::Config& c) {
   const trainer::DistEnv env = trainer::dist_env_resolve();
   const bool cuda = c.hardware == "gpu";
   const trainer::MemoryPlan plan =
-      trainer::memory_plan(c, {env.world_size, env.local_world_size, cuda, trainer::compat::kFusedCausalAttention});
+      trainer::memory_plan(c, {env.world_size, env.local_world_size, cuda,
+                               trainer::compat::kFusedCausalAttention ? trainer::AttentionCore::sdpa
+                                                                      : trainer::AttentionCore::block_causal});
   std::printf("memory plan per rank (%s, %s, %lld rank%s):\n%s", cuda ? "GPU" : "CPU", c.dtype.c_str(),
               static_cast<long long>(env.world_size), env.world_size > 1 ? "s" : "",
               trainer::memory_plan_format(plan).c_str());

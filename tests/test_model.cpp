@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "test_support.h"
+#include "trainer/model/layers.h"
 #include "trainer/model/model.h"
 #include "trainer/util/torch_compat.h"
 
@@ -96,14 +97,67 @@ TEST_CASE("grouped attention: repeated and native kv heads equal a per-head floa
   for (const bool native : natives) {
     INFO("native " << native);
     const auto causal = torch::ones({B, 1, L, L}, torch::kBool).tril();
-    // Plain causal rows take causal_mask (undefined on 2.x: the fused causal call).
-    const auto plain = compat::grouped_attention(q0, k0, v0, compat::causal_mask(L, q0.options()), native);
+    // Plain causal rows take no mask (on 2.x: the fused causal call).
+    const auto plain = compat::grouped_attention(q0, k0, v0, {}, native);
     CHECK(torch::allclose(plain.to(torch::kFloat64), reference(causal), 1e-5, 1e-6));
     const auto packed = compat::grouped_attention(q0, k0, v0, same, native);
     CHECK(torch::allclose(packed.to(torch::kFloat64), reference(same), 1e-5, 1e-6));
     CHECK_FALSE(compat::attention_kernel_name(q0, k0, v0, {}, native).empty());
   }
   CHECK_FALSE(compat::native_gqa_attention(torch::kCPU));  // the CPU repeats k and v (torch_compat.h says why)
+}
+
+TEST_CASE("block-causal attention: values and gradients equal a per-head float64 softmax", "[model]") {
+  torch::manual_seed(7);
+  const int64_t B = 2, Hq = 6, L = 23, hd = 8, hv = 5;  // L not a multiple of any block below; hv != hd as in MLA
+  // Packed rows: row 1 holds documents [0, 9), [9, 20), [20, 23).
+  auto same = torch::ones({B, 1, L, L}, torch::kBool).tril();
+  same[1].narrow(1, 9, L - 9).narrow(2, 0, 9).fill_(false);
+  same[1].narrow(1, 20, L - 20).narrow(2, 9, 11).fill_(false);
+  const auto causal = torch::ones({B, 1, L, L}, torch::kBool).tril();
+  // Independent: each query head h against kv head h / (Hq / Hkv), the softmax written out.
+  const auto reference = [&](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                             const torch::Tensor& allowed) {
+    const int64_t group = Hq / k.size(1);
+    std::vector<torch::Tensor> heads;
+    for (int64_t h = 0; h < Hq; ++h) {
+      auto scores = torch::matmul(q.select(1, h), k.select(1, h / group).transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
+      scores = scores.masked_fill(allowed.select(1, 0).logical_not(), -INFINITY);  // (B, L, L)
+      const auto p = torch::exp(scores - std::get<0>(scores.max(-1, true)));
+      heads.push_back(torch::matmul(p / p.sum(-1, true), v.select(1, h / group)));
+    }
+    return torch::stack(heads, 1);  // (B, Hq, L, hv)
+  };
+  for (const int64_t Hkv : {int64_t{6}, int64_t{2}, int64_t{3}}) {
+    for (const int64_t block : {int64_t{1}, int64_t{5}, int64_t{8}, int64_t{64}}) {
+      for (const bool packed : {false, true}) {
+        INFO("Hkv " << Hkv << " block " << block << " packed " << packed);
+        const auto q = torch::randn({B, Hq, L, hd}, torch::kFloat64).requires_grad_();
+        const auto k = torch::randn({B, Hkv, L, hd}, torch::kFloat64).requires_grad_();
+        const auto v = torch::randn({B, Hkv, L, hv}, torch::kFloat64).requires_grad_();
+        const auto upstream = torch::randn({B, Hq, L, hv}, torch::kFloat64);
+        const auto expected = reference(q, k, v, packed ? same : causal);
+        const auto ours = model_detail::block_causal_attention(q, k, v, packed ? same : torch::Tensor(), block);
+        REQUIRE(ours.sizes() == expected.sizes());
+        CHECK(torch::allclose(ours, expected, 1e-10, 1e-12));
+        const auto g_expected = torch::autograd::grad({expected}, {q, k, v}, {upstream});
+        const auto g_ours = torch::autograd::grad({ours}, {q, k, v}, {upstream});
+        for (int i = 0; i < 3; ++i) CHECK(torch::allclose(g_ours[i], g_expected[i], 1e-10, 1e-12));
+      }
+    }
+  }
+  // fp32 and bf16 (fp32 softmax inside) against the same float64 reference.
+  const auto q = torch::randn({B, Hq, L, hd}), k = torch::randn({B, 2, L, hd}), v = torch::randn({B, 2, L, hv});
+  const auto expected = reference(q.to(torch::kFloat64), k.to(torch::kFloat64), v.to(torch::kFloat64), same);
+  for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    const double tol = dtype == torch::kFloat32 ? 1e-5 : 3e-2;
+    const auto ours = model_detail::block_causal_attention(q.to(dtype), k.to(dtype), v.to(dtype), same, 8);
+    CHECK(ours.scalar_type() == dtype);
+    CHECK(torch::allclose(ours.to(torch::kFloat64), expected, tol, tol));
+  }
+  // The model's dispatch: on 1.13 this kernel, on 2.x scaled_dot_product_attention; both agree.
+  const auto dispatched = model_detail::causal_attention(q, k, v, same);
+  CHECK(torch::allclose(dispatched.to(torch::kFloat64), expected, 1e-5, 1e-5));
 }
 
 TEST_CASE("RMSNorm: the model's and LibTorch's at::rms_norm agree in value and gradients", "[model]") {

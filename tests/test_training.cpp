@@ -502,12 +502,12 @@ TEST_CASE("memory plan: model state is exactly what the trainer allocates, shard
   // to 4 equal chunks and gathered in place, so there is no parameter-sized gather buffer.
   Config zero = c;
   zero.data_parallel_sharding = "optim";
-  const MemoryPlan sharded = memory_plan(zero, {4, 1, false, false});
+  const MemoryPlan sharded = memory_plan(zero, {4, 1, false});
   CHECK(plan_item(sharded, "optimizer") == 12 * std::ceil(P / 4));
   CHECK(plan_item(sharded, "weights") == 4 * 4 * std::ceil(P / 4));
   CHECK(sharded.model_state_bytes == 4 * 4 * std::ceil(P / 4) + 4 * P + 12 * std::ceil(P / 4));
   // On a GPU the fused AdamW needs no workspace and there is no host runtime line.
-  const MemoryPlan gpu = memory_plan(c, {1, 1, true, false});
+  const MemoryPlan gpu = memory_plan(c, {1, 1, true});
   CHECK(plan_item(gpu, "optimizer") == 8 * P);
   CHECK_THROWS(plan_item(gpu, "runtime"));
 }
@@ -594,7 +594,7 @@ TEST_CASE("memory plan: sharded levels count the shard and one unit's buffers, a
       }
       const double outer = R * (std::ceil(static_cast<double>(units.front().numel) / R) +
                                 std::ceil(static_cast<double>(units.back().numel) / R));
-      const MemoryPlan plan = memory_plan(c, {static_cast<int64_t>(R), 1, false, false});
+      const MemoryPlan plan = memory_plan(c, {static_cast<int64_t>(R), 1, false});
       CHECK(plan_item(plan, "weights") == (level == "optim_grads" ? 4 * (P + widest) : 4 * (S + outer + 2 * layer)));
       CHECK(plan_item(plan, "gradients") == 4 * (S + outer + layer));
       CHECK(plan_item(plan, "optimizer") == 12 * S);
@@ -620,7 +620,7 @@ TEST_CASE("memory plan: sharded levels count the shard and one unit's buffers, a
     CHECK(expert_units == 2);  // moe-tiny's two MoE layers
     double layer = 0;
     for (const auto& [index, elements] : layers) layer = std::max(layer, elements);
-    const MemoryPlan plan = memory_plan(ep, {4, 1, false, false});
+    const MemoryPlan plan = memory_plan(ep, {4, 1, false});
     CHECK(plan_item(plan, "weights") == (level == "optim_grads" ? 4 * (P_rank + widest) : 4 * (S + outer + 2 * layer)));
     CHECK(plan_item(plan, "gradients") == 4 * (S + outer + layer));
     CHECK(plan_item(plan, "optimizer") == 12 * S);
@@ -634,10 +634,18 @@ TEST_CASE("memory plan: activations scale with the micro-batch, not with K", "[t
   };
   const double base = activations({"per_device_batch_size=2", "max_target_length=128"});
   CHECK(activations({"per_device_batch_size=2", "max_target_length=128", "gradient_accumulation_steps=8"}) == base);
-  // Linear in B but for the (L, L) causal mask, shared by the batch (16 KiB here).
-  CHECK(activations({"per_device_batch_size=4", "max_target_length=128"}) - 2 * base == Approx(-128.0 * 128).margin(0.5));
-  // The explicit attention keeps (B, H, L, L) probabilities: doubling L more than doubles them.
-  CHECK(activations({"per_device_batch_size=2", "max_target_length=256"}) > 2.2 * base);
+  // Linear in B: plain causal rows need no mask.
+  CHECK(activations({"per_device_batch_size=4", "max_target_length=128"}) == Approx(2 * base).epsilon(1e-12));
+  // The only term quadratic in L: the block-causal attention keeps, per layer, fp32 probabilities
+  // of query block i (64 positions) against keys [0, 64 (i + 1)): B H L (L + 64) / 2 in all.
+  const Config c = tiny_config({"model_name=default"});
+  const double kept_128 = 128.0 * (128 + 64) / 2, kept_256 = 256.0 * (256 + 64) / 2;
+  CHECK(activations({"per_device_batch_size=2", "max_target_length=256"}) - 2 * base ==
+        Approx(4.0 * 2 * c.base_num_query_heads * c.base_num_decoder_layers * (kept_256 - 2 * kept_128)).epsilon(1e-12));
+  // Packed documents add (B, L, L) masks and an (L, L) one, shared by the batch (16 KiB here).
+  const double packed = activations({"per_device_batch_size=2", "max_target_length=128", "reset_attention_mask=true"});
+  CHECK(activations({"per_device_batch_size=4", "max_target_length=128", "reset_attention_mask=true"}) - 2 * packed ==
+        Approx(-128.0 * 128).margin(0.5));
   // bf16 autocast halves the matmul activations, not the fp32 residual stream.
   const double bf16 = activations({"per_device_batch_size=2", "max_target_length=128", "dtype=bfloat16"});
   CHECK(bf16 < base);

@@ -87,13 +87,13 @@ torch::Tensor MlaAttentionImpl::forward(const torch::Tensor& x, const RopeTables
   const auto cos = rope.cos.to(q.scalar_type()), sin_signed = rope.sin_signed.to(q.scalar_type());
   q_pe = apply_rope(q_pe, cos, sin_signed);
   k_pe = apply_rope(k_pe, cos, sin_signed);
-  // masked_attention scales by qk_dim^-1/2; the rest of softmax_scale (mscale) goes into q.
+  // causal_attention scales by qk_dim^-1/2; the rest of softmax_scale (mscale) goes into q.
   const double extra = softmax_scale * std::sqrt(static_cast<double>(qk_dim));
   auto query = torch::cat({q.narrow(-1, 0, nope_dim_), q_pe}, -1);  // (B, H, L, nope + rope)
   if (std::abs(extra - 1.0) > 1e-12) query = query * extra;
   const auto key = torch::cat({kv.narrow(-1, 0, nope_dim_), k_pe.expand({B, H, L, rope_dim_})}, -1);  // (B, H, L, nope + rope)
   const auto value = kv.narrow(-1, nope_dim_, v_dim_);                                                 // (B, H, L, v)
-  const auto out = compat::masked_attention(query, key, value.contiguous(), allowed);                  // (B, H, L, v)
+  const auto out = model_detail::causal_attention(query, key, value.contiguous(), allowed);            // (B, H, L, v)
   return o_proj(out.transpose(1, 2).reshape({B, L, H * v_dim_}));
 }
 

@@ -21,6 +21,20 @@ torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const
 // norm(x), recomputed in backward when recompute_elementwise (remat_policy=minimal).
 torch::Tensor norm_forward(RMSNorm& norm, const torch::Tensor& x, bool recompute_elementwise);
 
+// softmax(q k^T / sqrt(hd), causal and, when segment_mask is defined, same-segment) v for grouped
+// heads: q (B, Hq, L, hd), k (B, Hkv, L, hd), v (B, Hkv, L, hv), query head h reading kv head
+// h / (Hq / Hkv); segment_mask (B, 1, L, L) bool or undefined for plain causal. Returns
+// (B, Hq, L, hv). LibTorch >= 2.0: scaled_dot_product_attention (compat::grouped_attention);
+// 1.13: block_causal_attention. Defined in attention_core.cpp.
+torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const torch::Tensor& segment_mask);
+
+// The same in query blocks of `block` positions (kAttentionBlock in the model) that skip the
+// all-masked key blocks and read k and v unrepeated, as one autograd node (attention_core.cpp
+// derives its backward).
+torch::Tensor block_causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                     const torch::Tensor& segment_mask, int64_t block);
+
 // RoPE tables for positions (B, L) and inverse frequencies (rot/2): cos (B, 1, L, rot) and sin_signed.
 RopeTables rope_tables(const torch::Tensor& positions, const torch::Tensor& inv_freq);
 

@@ -215,7 +215,7 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const RopeTables& r
     k = apply_rope(k.transpose(1, 2), cos, sin_signed);  // (B, Hkv, L, hd)
   }
   // Query head h reads kv head h / (Hq / Hkv) (HF repeat_kv); repeated only where the kernel needs it.
-  const auto out = compat::grouped_attention(q, k, v, allowed, compat::native_gqa_attention(x.device()));  // (B, Hq, L, hd)
+  const auto out = model_detail::causal_attention(q, k, v, allowed);  // (B, Hq, L, hd)
   return o_proj(out.transpose(1, 2).reshape({B, L, num_heads_ * head_dim_}));
 }
 
@@ -344,10 +344,7 @@ BlockContext DecoderStackImpl::context(const torch::Tensor& positions, const tor
   ctx.recompute_elementwise = remat_policy == "minimal" && torch::GradMode::is_enabled();
   ctx.valid = segment_ids != 0;
   if (!one_segment_per_row) ctx.segment_ids = segment_ids;
-  if (one_segment_per_row) {  // plain causal: no (B, L, L) segment mask
-    ctx.allowed = compat::causal_mask(L, opts);
-    return ctx;
-  }
+  if (one_segment_per_row) return ctx;  // plain causal: no mask (ctx.allowed undefined)
   // Query i may attend key j when j <= i and both are in the same segment (packed documents).
   const auto causal = torch::ones({L, L}, opts.dtype(torch::kBool)).tril();
   const auto same_segment = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1);  // (B, L, L)

@@ -184,8 +184,8 @@ struct BlockContext {
   RopeTables rope;
   RopeTables rope_mla;    // MLA layers' tables (qk_rope_head_dim wide, rope_type); undefined without MLA
   torch::Tensor segment_ids;  // (B, L) int64 for GLA's document resets; undefined with one segment per row
-  torch::Tensor allowed;  // (B, 1, L, L) bool: causal and same segment; for plain causal
-                          // (one segment per row) (L, L) on LibTorch 1.13, undefined on 2.x
+  torch::Tensor allowed;  // (B, 1, L, L) bool: causal and same segment; undefined for plain
+                          // causal (one segment per row)
   torch::Tensor valid;    // (B, L) bool: real tokens (segment id != 0)
   std::vector<MoeLayerStats>* moe_stats = nullptr;  // MoE layers append here
   bool recompute_elementwise = false;  // remat_policy=minimal while recording: see recompute()

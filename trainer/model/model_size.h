@@ -25,6 +25,11 @@ struct ModelSize {
 
 ModelSize model_size(const Config& config);
 
+// The query block of the LibTorch 1.13 attention core (model_detail::block_causal_attention), in
+// positions; the memory plan counts its kept probabilities by it. 64 measured best of 32/64/128
+// at L = 256 and 512 (docs/benchmarks.md).
+constexpr int64_t kAttentionBlock = 64;
+
 // The attention of layer `layer` (0-based; MTP depth k is layer base_num_decoder_layers + k - 1):
 // "global", "mla" or "gla". With inhomogeneous_layer_cycle_interval = N > 0 (the Ling2 fork's
 // pattern), layers with (layer + 1) % N == 0 and every MTP layer use attention_type, the rest

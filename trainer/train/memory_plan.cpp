@@ -18,9 +18,13 @@
 //   input RMSNorm: normed and scaled outputs     2 r T D
 //   q/k/v GEMM output (RoPE and attention keep views of it)   m T (q + 2kv)
 //   RoPE: the swapped halves and the rotated q and k          m T (q + kv) (2 f + [f < 1])
-//   GQA: k and v repeated to the query heads (Hq > Hkv)       2 m T q  (none with native GQA: CUDA, >= 2.5)
-//   attention: masked/explicit path: softmax probabilities (fp32, B Hq L L), plus their bf16 copy;
-//              the fused causal kernel (LibTorch >= 2.0, unpacked rows): output + logsumexp
+//   attention, LibTorch 1.13 (block-causal core): contiguous q, k, v    m T (q + 2kv)
+//              and the probabilities of the computed blocks (b = kAttentionBlock positions):
+//              m B Hq sum_i b min(L, (i+1) b), about m B Hq L (L + b) / 2
+//   attention, LibTorch >= 2.0 (SDPA): k and v repeated to the query heads (Hq > Hkv) 2 m T q
+//              (none with native GQA: CUDA, >= 2.5), then with segment masks the explicit
+//              softmax probabilities (fp32, B Hq L L) plus their bf16 copy, else the fused
+//              causal kernel's output + logsumexp
 //   attention output, transposed for o_proj                  m T q
 //   residual after attention                                 r T D
 //   post-attention RMSNorm                                   2 r T D
@@ -82,8 +86,25 @@ struct Shapes {
 // Activations saved for backward by one dense (`moe` false) or MoE decoder layer, in bytes.
 // minimal (remat_policy=minimal): norms keep only their output (the GEMM input; their input is
 // the residual stream, kept anyway) and SwiGLU keeps gate, up and the product, not silu(gate).
-double layer_saved_bytes(const Shapes& s, bool moe, double r, double m, bool bf16, bool fused_attention,
-                         bool native_gqa, bool qk_norm, bool minimal, bool grouped_experts) {
+// The attention core's own saved tensors (after RoPE, before o_proj's input), in bytes.
+// block_causal: contiguous q, k and v in its layout, and the probabilities of the computed blocks:
+// query block i (b positions, H heads) against keys [0, min(L, (i+1) b)), in the matmul dtype.
+// sdpa: repeated k and v unless read natively, then the fused kernel's output and logsumexp for
+// plain causal rows, or (with segment masks) the explicit probabilities (+ their bf16 copy).
+double attention_saved_bytes(const Shapes& s, double m, double cast, AttentionCore core, bool segment_masks,
+                             bool native_gqa) {
+  if (core == AttentionCore::block_causal) {
+    const double b = std::min(static_cast<double>(kAttentionBlock), s.L);
+    double kept_columns = 0;  // sum over query positions of the keys their block computes
+    for (double start = 0; start < s.L; start += b) kept_columns += (std::min(s.L, start + b) - start) * std::min(s.L, start + b);
+    return m * s.T * (s.q + 2 * s.kv) + m * s.B * s.H * kept_columns;
+  }
+  double bytes = (s.q > s.kv && !native_gqa) ? 2 * m * s.T * s.q : 0.0;  // repeated k and v
+  return bytes + (segment_masks ? (4 + cast) * s.B * s.H * s.L * s.L : m * s.T * s.q + 4 * s.B * s.H * s.L);
+}
+
+double layer_saved_bytes(const Shapes& s, bool moe, double r, double m, bool bf16, const MemoryPlanContext& ctx,
+                         bool segment_masks, bool qk_norm, bool minimal, bool grouped_experts) {
   const double cast = bf16 ? 2.0 : 0.0;  // bf16 copy of a fp32 GEMM input
   const double norm = minimal ? 1.0 : 2.0;  // fp32 (B, L, D) tensors an RMSNorm keeps
   const double swiglu = minimal ? 3.0 : 4.0;  // (B, L, F) tensors SwiGLU keeps
@@ -91,11 +112,7 @@ double layer_saved_bytes(const Shapes& s, bool moe, double r, double m, bool bf1
   bytes += m * s.T * (s.q + 2 * s.kv);                     // q/k/v GEMM output
   if (qk_norm) bytes += (minimal ? 4.0 : 8.0) * s.T * (s.q + s.kv) + (bf16 ? 6.0 : 0.0) * s.T * (s.q + s.kv);
   bytes += m * s.T * (s.q + s.kv) * (2 * s.f + (s.f < 1 ? 1 : 0));  // RoPE
-  if (s.q > s.kv && !native_gqa) bytes += 2 * m * s.T * s.q;          // repeated k and v
-  if (fused_attention)
-    bytes += m * s.T * s.q + 4 * s.B * s.H * s.L;  // output + logsumexp
-  else
-    bytes += (4 + cast) * s.B * s.H * s.L * s.L;  // probabilities (+ bf16 copy)
+  bytes += attention_saved_bytes(s, m, cast, ctx.attention, segment_masks, ctx.native_gqa);
   bytes += m * s.T * s.q;                          // attention output for o_proj
   bytes += r * s.T * s.D;                          // residual
   bytes += norm * r * s.T * s.D + cast * s.T * s.D;  // post-attention norm
@@ -154,7 +171,9 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   const int64_t layers = c.base_num_decoder_layers;
   const int64_t moe_layers = moe_model ? layers - c.first_num_dense_layers : 0;
   const int64_t dense_layers = layers - moe_layers;
-  const bool fused_attention = ctx.fused_attention && !c.reset_attention_mask;
+  // Packed documents (reset_attention_mask) need (B, 1, L, L) segment masks; plain causal rows none.
+  const bool segment_masks = c.reset_attention_mask;
+  const bool explicit_probabilities = ctx.attention == AttentionCore::sdpa && segment_masks;
 
   MemoryPlan plan;
   const std::string params = "P = " + count_text(P) + (c.expert_parallelism > 1 ? " (this rank's share of the experts)" : "");
@@ -255,11 +274,11 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   // whose own saved activations then exist once (the largest layer kind counts).
   const bool minimal = c.remat_policy == "minimal";
   const bool grouped = c.moe_dispatch == "grouped";
-  const double dense = layer_saved_bytes(s, false, r, m, bf16, fused_attention, ctx.native_gqa, c.use_qk_norm, minimal, grouped);
+  const double dense = layer_saved_bytes(s, false, r, m, bf16, ctx, segment_masks, c.use_qk_norm, minimal, grouped);
   const double moe =
-      moe_layers > 0 ? layer_saved_bytes(s, true, r, m, bf16, fused_attention, ctx.native_gqa, c.use_qk_norm, minimal, grouped) : 0.0;
+      moe_layers > 0 ? layer_saved_bytes(s, true, r, m, bf16, ctx, segment_masks, c.use_qk_norm, minimal, grouped) : 0.0;
   const double embedding = r * s.T * s.D;
-  const double mask = fused_attention ? 0.0 : 2 * s.B * s.L * s.L + s.L * s.L;  // bool masks
+  const double mask = segment_masks ? 2 * s.B * s.L * s.L + s.L * s.L : 0.0;  // bool masks: same segment, causal, both
   // num_vocab_tiling > 1: each head (the main one and every MTP depth's) keeps, from its tiled
   // forward, the gradients of its input (fp32 T D) and of the head weight (fp32 V D) instead of
   // the fp32 (T, V) log-probabilities.
@@ -292,9 +311,12 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   if (full) detail += " (remat_policy=full: each layer keeps its input, " + memory_bytes_text(r * s.T * s.D) +
                       ", and one layer at a time is rerun in backward)";
   if (minimal) detail += " (remat_policy=minimal: norms and SwiGLU recomputed)";
-  detail += fused_attention ? " (fused causal attention)"
-                            : " (incl. attention probabilities B x H x L x L: " +
-                                  memory_bytes_text((4 + (bf16 ? 2 : 0)) * s.B * s.H * s.L * s.L) + ")";
+  if (ctx.attention == AttentionCore::block_causal)
+    detail += " (block-causal attention, blocks of " + std::to_string(kAttentionBlock) + " positions)";
+  else
+    detail += explicit_probabilities ? " (incl. attention probabilities B x H x L x L: " +
+                                           memory_bytes_text((4 + (bf16 ? 2 : 0)) * s.B * s.H * s.L * s.L) + ")"
+                                     : " (fused causal attention)";
   detail += tiled ? ", head input and weight gradients kept by the tiled loss: " + memory_bytes_text(head_loss)
                   : ", head log-probabilities B x L x V: " + memory_bytes_text(4 * s.T * s.V);
   add(plan, "activations saved for backward (one micro-batch)", activations, detail);
@@ -304,7 +326,12 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   const double tile_rows = std::ceil(s.T / static_cast<double>(std::max<int64_t>(c.num_vocab_tiling, 1)));
   const double head_transient = tiled ? (4 + (bf16 ? 2 : 0)) * tile_rows * s.V + (bf16 ? 2 : 0) * s.V * s.D + 4 * s.V * s.D
                                       : 2 * 4 * s.T * s.V + (bf16 ? 2 : 0) * s.T * s.V + 4 * s.V * s.D;
-  const double attention_transient = fused_attention ? 0.0 : 2 * 4 * s.B * s.H * s.L * s.L;
+  // The explicit attention's backward holds about two more (B, H, L, L) buffers; the block-causal
+  // one two fp32 (B, H, b, L) ones for the block at hand.
+  const double attention_transient = explicit_probabilities ? 2 * 4 * s.B * s.H * s.L * s.L
+                                     : ctx.attention == AttentionCore::block_causal
+                                         ? 2 * 4 * s.B * s.H * std::min(static_cast<double>(kAttentionBlock), s.L) * s.L
+                                         : 0.0;
   const double transient = std::max(head_transient, attention_transient);
   add(plan, "backward transients", transient,
       head_transient >= attention_transient ? (tiled ? "one tile of logits (num_vocab_tiling), output head weight gradient"

@@ -11,13 +11,19 @@
 
 namespace trainer {
 
+// Which attention core the build runs (model_detail::causal_attention): what it keeps for backward.
+enum class AttentionCore {
+  block_causal,  // LibTorch 1.13: the model's block-causal kernel (probabilities of the computed blocks)
+  sdpa,          // LibTorch >= 2.0: scaled_dot_product_attention, fused for plain causal rows
+};
+
 // What the plan needs to know besides the config.
 struct MemoryPlanContext {
   int64_t world_size = 1;        // data-parallel ranks (for the optimizer-state shard)
   int64_t local_world_size = 1;  // ranks sharing this machine's host memory
   bool cuda = false;             // the plan is of device memory (no runtime line, no OpenBLAS)
-  bool fused_attention = false;  // LibTorch >= 2.0: SDPA's fused kernel for plain causal rows
-  bool native_gqa = false;       // attention reads k and v unrepeated (compat::native_gqa_attention)
+  AttentionCore attention = AttentionCore::block_causal;
+  bool native_gqa = false;       // SDPA reads k and v unrepeated (compat::native_gqa_attention)
 };
 
 struct MemoryPlanItem {

@@ -191,7 +191,8 @@ double Trainer::bytes_sent_so_far() const {
 void Trainer::check_memory_plan() {
   const Config& c = config_;
   const MemoryPlanContext context{comm_->world_size(), dist_.local_world_size, device_.is_cuda(),
-                                  compat::kFusedCausalAttention, compat::native_gqa_attention(device_)};
+                                  compat::kFusedCausalAttention ? AttentionCore::sdpa : AttentionCore::block_causal,
+                                  compat::native_gqa_attention(device_)};
   const MemoryPlan plan = memory_plan(c, context);
   double available = 0, resident = 0;
   std::string source;

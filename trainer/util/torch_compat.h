@@ -102,8 +102,9 @@ struct AutocastOffGuard {
 namespace trainer::compat {
 
 // softmax(q k^T / sqrt(hd), masked to `allowed`) v. q, k, v: (B, H, L, hd); allowed:
-// (B, 1, L, L) bool with at least one true per row, or undefined for plain causal attention
-// (2.x only: see causal_mask). 2.x has fused kernels (flash attention when causal); 1.13 does not.
+// (B, 1, L, L) bool with at least one true per row, or undefined for plain causal attention.
+// 2.x has fused kernels (flash attention when causal); 1.13 does not (the model runs its own
+// block_causal_attention there; this composite is the reference).
 // Whether masked_attention runs a fused kernel for plain causal rows (no (B, H, L, L) scores kept
 // for backward): the memory plan counts attention activations by it.
 constexpr bool kFusedCausalAttention = TRAINER_TORCH_AT_LEAST(2, 0);
@@ -115,8 +116,11 @@ inline torch::Tensor masked_attention(const torch::Tensor& q, const torch::Tenso
   return at::scaled_dot_product_attention(q, k, v, allowed);
 #else
   const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  const auto L = q.size(-2);
   auto scores = torch::matmul(q, k.transpose(-2, -1)) * scale;  // (B, H, L, L)
-  scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity());
+  const auto hidden = allowed.defined() ? allowed.logical_not()
+                                        : torch::ones({L, L}, q.options().dtype(torch::kBool)).triu(1);
+  scores = scores.masked_fill(hidden, -std::numeric_limits<float>::infinity());
   return torch::matmul(torch::softmax(scores, -1).to(v.scalar_type()), v);
 #endif
 }
@@ -189,17 +193,6 @@ inline torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weigh
 #else
   (void)x, (void)weight, (void)eps;
   TORCH_CHECK(false, "compat::rms_norm needs LibTorch >= 2.4");
-#endif
-}
-
-// The mask for plain causal attention over L positions: undefined on 2.x (masked_attention then
-// runs the fused causal kernel), the (L, L) lower triangle on 1.13. Built once per forward.
-inline torch::Tensor causal_mask(int64_t L, const torch::TensorOptions& options) {
-#if TRAINER_TORCH_AT_LEAST(2, 0)
-  (void)L, (void)options;
-  return {};
-#else
-  return torch::ones({L, L}, options.dtype(torch::kBool)).tril();
 #endif
 }
 
