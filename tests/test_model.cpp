@@ -146,7 +146,7 @@ TEST_CASE("block-causal attention: values and gradients equal a per-head float64
       }
     }
   }
-  // fp32 and bf16 (fp32 softmax inside) against the same float64 reference.
+  // fp32 and bf16 against the same float64 reference.
   const auto q = torch::randn({B, Hq, L, hd}), k = torch::randn({B, 2, L, hd}), v = torch::randn({B, 2, L, hv});
   const auto expected = reference(q.to(torch::kFloat64), k.to(torch::kFloat64), v.to(torch::kFloat64), same);
   for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {

@@ -44,7 +44,6 @@ class BlockCausalAttention : public torch::autograd::Function<BlockCausalAttenti
                                int64_t group, int64_t block) {
     const int64_t N = k3.size(0), L = k3.size(1), hv = v3.size(2);
     const auto qs = q3 * (1.0 / std::sqrt(static_cast<double>(q3.size(2))));  // (N, L*g, hd)
-    const auto low_precision = q3.scalar_type() != torch::kFloat32 && q3.scalar_type() != torch::kFloat64;
     auto out = torch::empty({N, L * group, hv}, q3.options());  // (N, L*g, hv)
     // Plain causal: within the diagonal block, row r (position s + r/g) may not see key s + c, c > r/g.
     torch::Tensor diagonal_hidden;  // (block*g, block) bool
@@ -67,9 +66,9 @@ class BlockCausalAttention : public torch::autograd::Function<BlockCausalAttenti
         scores.narrow(2, s, e - s).masked_fill_(diagonal_hidden.narrow(0, 0, rows).narrow(1, 0, e - s),
                                                 -std::numeric_limits<double>::infinity());
       }
-      // bf16: the softmax runs in fp32 and its output goes back to bf16 for the PV GEMM.
-      const auto probs = low_precision ? torch::softmax(scores, -1, torch::kFloat32).to(q3.scalar_type())
-                                       : torch::softmax(scores, -1);  // (N, rows, e)
+      // bf16: LibTorch's CPU softmax accumulates reduced-precision rows in fp32 and rounds once,
+      // as an fp32 softmax cast back would, without the fp32 (N, rows, e) copy.
+      const auto probs = torch::softmax(scores, -1);  // (N, rows, e)
       auto out_block = out.narrow(1, s * group, rows);
       at::bmm_out(out_block, probs, v3.narrow(1, 0, e));
       saved.push_back(probs);

@@ -16,6 +16,7 @@
 #include <spdlog/spdlog.h>
 
 #include "trainer/metrics/perf_counters.h"
+#include "trainer/model/model_size.h"
 #include "trainer/train/memory_plan.h"
 #include "trainer/train/train.h"
 #include "trainer/util/error.h"
@@ -131,6 +132,11 @@ void Trainer::log_attention_kernel() const {
   const Config& c = config_;
   if (c.attention_type != "global" || c.inhomogeneous_layer_cycle_interval > 0) return;  // GQA layers only
   const int64_t Hq = c.base_num_query_heads, Hkv = c.base_num_kv_heads, L = c.max_target_length, hd = c.head_dim;
+  if (!compat::kFusedCausalAttention) {  // 1.13: the model's own kernel (model_detail::block_causal_attention)
+    spdlog::info("attention: block-causal kernel, query blocks of {} positions{}", kAttentionBlock,
+                 Hq == Hkv ? "" : fmt::format(" ({} kv heads read unrepeated by {} query heads)", Hkv, Hq));
+    return;
+  }
   const auto options = torch::TensorOptions().device(device_).dtype(c.dtype == "bfloat16" ? torch::kBFloat16 : torch::kFloat32);
   const bool native = compat::native_gqa_attention(device_);
   const auto q = torch::empty({1, Hq, L, hd}, options), kv = torch::empty({1, Hkv, L, hd}, options);
