@@ -12,6 +12,13 @@
 namespace trainer::model_detail {
 namespace {
 
+// Where packed documents hide keys: (B, 1, L, L) bool, true where query i may NOT read key j;
+// undefined for plain causal rows. A struct, not a tensor argument: autograd's apply() takes every
+// tensor argument for an input, and this one is neither differentiable nor always defined.
+struct HiddenKeys {
+  torch::Tensor mask;  // (B, 1, L, L) bool or undefined
+};
+
 // Block-causal attention as one autograd node. Inputs are laid out so that a block of query
 // positions is a contiguous row range for every kv head:
 //   q3 (N, L*g, hd): N = B*Hkv, row l*g + j = position l of query head kv*g + j (the g query
@@ -30,13 +37,6 @@ namespace {
 // small-matrix baddbmm path multiplies the old contents by beta, so 0 * NaN would leak in.)
 // Masked entries have P = 0, hence dS = 0: the mask needs no backward. Every query row attends
 // to at least itself, so no row is all -inf.
-// Where packed documents hide keys: (B, 1, L, L) bool, true where query i may NOT read key j;
-// undefined for plain causal rows. A struct, not a tensor argument: autograd's apply() takes every
-// tensor argument for an input, and this one is neither differentiable nor always defined.
-struct HiddenKeys {
-  torch::Tensor mask;
-};
-
 class BlockCausalAttention : public torch::autograd::Function<BlockCausalAttention> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q3,
