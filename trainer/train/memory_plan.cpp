@@ -8,9 +8,8 @@
 //
 // Static, for the whole run:
 //   weights and gradients    4P each (the flat fp32 arenas)
-//   AdamW                    m and v, 8 bytes per element of this rank's shard (ZeRO-1: P/R), plus
-//                            the 4-byte denominator workspace of the unfused (CPU) update; ZeRO-1
-//                            adds a P-sized gather buffer
+//   AdamW                    m and v, 8 bytes per element of this rank's shard (ZeRO-1: P/R); the
+//                            CPU's one-pass update and CUDA's fused kernel need no workspace
 //   weight copies saved for backward: the per-forward concatenations of q/k/v and gate/up weights
 //                            (fp32), or under bf16 autocast the bf16 cast of every matmul weight
 //
@@ -181,8 +180,8 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   const int64_t zero1_ranks = ctx.world_size / c.expert_parallelism;
   const bool zero1 = c.data_parallel_sharding == "optim" && zero1_ranks > 1;
   const bool zero2 = c.data_parallel_sharding == "optim_grads", zero3 = c.data_parallel_sharding == "optim_grads_params";
-  const double adam_per_element = ctx.cuda ? 8 : 12;  // m, v (+ the unfused update's denominator)
-  const std::string adam_detail = std::string(ctx.cuda ? "m, v" : "m, v, update workspace") + " x 4 B over ";
+  const double adam_per_element = 8;  // m and v (both updates work in place, no workspace)
+  const std::string adam_detail = "m, v x 4 B over ";
   if (zero2 || zero3) {
     // trainer/train/sharding.h: units (the embedding, each decoder layer, the rest), each split in
     // R parts of ceil(n / R); S = this rank's parts. Gradients reduce per layer, so only one layer's

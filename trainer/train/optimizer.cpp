@@ -4,6 +4,9 @@
 #include <csignal>
 #include <deque>
 #include <numeric>
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
 #include <spdlog/spdlog.h>
 
@@ -14,6 +17,77 @@
 
 namespace trainer {
 namespace {
+
+// The trainer's AdamW on the CPU, one pass over this segment's flat fp32 arrays: it reads p, g,
+// m, v once and writes p, m, v once, where the same update as LibTorch kernels took eight
+// elementwise passes (lerp_, mul_, addcmul_, sqrt, div_, add_, mul_, addcdiv_) and a P-sized
+// denominator workspace: ~2.3x less memory traffic for a step that is memory-bound. The
+// operations per element follow those kernels (lerp's two forms, addcmul's and addcdiv's
+// (value * a) * b and (value * a) / b), in fp32:
+//   m <- lerp(m, g, 1 - b1)                  v <- b2 v + ((1 - b2) g) g
+//   d = sqrt(v) / sqrt(1 - b2^t) + eps       p <- p (1 - lr wd) + ((-lr / (1 - b1^t)) m) / d
+// Four lanes at a time with SSE (every x86-64 has it): the compiler does not vectorize a loop
+// with sqrtf, which may set errno. Same IEEE operations in the same order in the vector and the
+// scalar form (no FMA), so both give the same bits.
+struct AdamwConstants {
+  float w1, keep1, b2, w2, root2, eps, decay, step;
+};
+
+template <bool kLerpFromStart>
+void adamw_range(float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v, int64_t n,
+                 const AdamwConstants k) {
+  int64_t i = 0;
+#if defined(__SSE2__)
+  const __m128 w1 = _mm_set1_ps(k.w1), keep1 = _mm_set1_ps(k.keep1), b2 = _mm_set1_ps(k.b2), w2 = _mm_set1_ps(k.w2),
+               root2 = _mm_set1_ps(k.root2), eps = _mm_set1_ps(k.eps), decay = _mm_set1_ps(k.decay),
+               step = _mm_set1_ps(k.step);
+  for (; i + 4 <= n; i += 4) {
+    const __m128 gi = _mm_loadu_ps(g + i), m0 = _mm_loadu_ps(m + i), diff = _mm_sub_ps(gi, m0);
+    const __m128 mi = kLerpFromStart ? _mm_add_ps(m0, _mm_mul_ps(w1, diff)) : _mm_sub_ps(gi, _mm_mul_ps(diff, keep1));
+    const __m128 vi = _mm_add_ps(_mm_mul_ps(_mm_loadu_ps(v + i), b2), _mm_mul_ps(_mm_mul_ps(w2, gi), gi));
+    const __m128 denominator = _mm_add_ps(_mm_div_ps(_mm_sqrt_ps(vi), root2), eps);
+    _mm_storeu_ps(m + i, mi);
+    _mm_storeu_ps(v + i, vi);
+    _mm_storeu_ps(p + i, _mm_add_ps(_mm_mul_ps(_mm_loadu_ps(p + i), decay), _mm_div_ps(_mm_mul_ps(step, mi), denominator)));
+  }
+#endif
+  for (; i < n; ++i) {
+    const float gi = g[i], diff = gi - m[i];
+    const float mi = kLerpFromStart ? m[i] + k.w1 * diff : gi - diff * k.keep1;
+    const float vi = v[i] * k.b2 + k.w2 * gi * gi;
+    const float denominator = __builtin_sqrtf(vi) / k.root2 + k.eps;
+    m[i] = mi;
+    v[i] = vi;
+    p[i] = p[i] * k.decay + k.step * mi / denominator;
+  }
+}
+
+void adamw_update_cpu(torch::Tensor& params, const torch::Tensor& grads, torch::Tensor& m, torch::Tensor& v,
+                      double lr, double b1, double b2, double weight_decay, double eps, double bias1, double bias2) {
+  TORCH_CHECK(params.is_cpu() && params.is_contiguous() && grads.is_contiguous() && m.is_contiguous() &&
+                  v.is_contiguous() && params.scalar_type() == torch::kFloat32,
+              "adamw_update_cpu: contiguous fp32 segments expected");
+  const float w1 = static_cast<float>(1.0 - b1);
+  const AdamwConstants k{w1,
+                         1.0f - w1,
+                         static_cast<float>(b2),
+                         static_cast<float>(1.0 - b2),
+                         static_cast<float>(std::sqrt(bias2)),
+                         static_cast<float>(eps),
+                         static_cast<float>(1.0 - lr * weight_decay),
+                         static_cast<float>(-lr / bias1)};
+  float* p = params.data_ptr<float>();
+  const float* g = grads.data_ptr<float>();
+  float *mp = m.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const bool lerp_from_start = std::abs(w1) < 0.5f;  // at::lerp's choice of form
+  at::parallel_for(0, params.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
+    const int64_t n = end - begin;
+    if (lerp_from_start)
+      adamw_range<true>(p + begin, g + begin, mp + begin, vp + begin, n, k);
+    else
+      adamw_range<false>(p + begin, g + begin, mp + begin, vp + begin, n, k);
+  });
+}
 
 std::pair<double, double> mean_and_std(const std::deque<double>& values) {
   const double n = static_cast<double>(values.size());
@@ -104,11 +178,8 @@ void Trainer::build_flat_buffers(ModelInitializer* deferred_init) {
   // with ZeRO-1, this rank's part of every unit above it.
   adam_m_ = torch::zeros({shard_end_ - shard_begin_}, opts);
   adam_v_ = torch::zeros({shard_end_ - shard_begin_}, opts);
-  // The fused CUDA kernel needs neither the denominator workspace nor host-side bias terms.
-  if (compat::fused_adamw_available(device_))
-    adam_step_ = torch::zeros({1}, opts);
-  else
-    adam_scratch_ = torch::empty({shard_end_ - shard_begin_}, opts);
+  // The fused CUDA kernel takes the step count on the device (no host-side bias terms).
+  if (compat::fused_adamw_available(device_)) adam_step_ = torch::zeros({1}, opts);
   spdlog::info("AdamW state: {:.1f} MiB on this rank{} ({:.1f} MiB without sharding)",
                2.0 * 4 * static_cast<double>(shard_end_ - shard_begin_) / (1 << 20),
                sharded() ? " (ZeRO-1 over " + std::to_string(zero1_group().world_size()) + " ranks" +
@@ -180,13 +251,7 @@ void Trainer::optimizer_update(StepOutput& out) {
       if (adam_step_.defined()) {  // CUDA: the same formula in one kernel
         compat::fused_adamw(params, grads, m, v, adam_step_, lr, c.adam_b1, c.adam_b2, c.adam_weight_decay, c.adam_eps);
       } else {
-        auto denominator = adam_scratch_.narrow(0, offset, n);
-        m.lerp_(grads, 1.0 - c.adam_b1);
-        v.mul_(c.adam_b2).addcmul_(grads, grads, 1.0 - c.adam_b2);
-        torch::sqrt_out(denominator, v);
-        denominator.div_(std::sqrt(bias2)).add_(c.adam_eps);
-        params.mul_(1.0 - lr * c.adam_weight_decay);
-        params.addcdiv_(m, denominator, -lr / bias1);
+        adamw_update_cpu(params, grads, m, v, lr, c.adam_b1, c.adam_b2, c.adam_weight_decay, c.adam_eps, bias1, bias2);
       }
     }
     if (c.debug_kill_rank_before_parameter_gather == comm_->rank() && out.step == 1) {

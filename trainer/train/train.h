@@ -254,7 +254,6 @@ class Trainer {
   int64_t shard_chunk_ = 0;     // ceil(P / R) with ZeRO-1, else P
   torch::Tensor adam_m_;        // (shard) fp32, first moment
   torch::Tensor adam_v_;        // (shard) fp32, second moment
-  torch::Tensor adam_scratch_;  // (shard) fp32, denominator workspace (no per-step allocation); unfused path
   torch::Tensor adam_step_;     // (1) fp32 on the device: t, for the fused CUDA AdamW kernel
   int64_t updates_applied_ = 0;
   bool stop_vote_ = false;  // this rank's SIGTERM/SIGINT, agreed on in the step's stats all-reduce
