@@ -134,12 +134,12 @@ inline bool native_gqa_attention(const torch::Device& device) {
   return TRAINER_TORCH_AT_LEAST(2, 5) && device.is_cuda();
 }
 
-// masked_attention for grouped queries: q (B, Hq, L, hd), k and v (B, Hkv, L, hd) with Hkv
+// masked_attention for grouped queries: q and k (B, Hq or Hkv, L, hd), v (B, Hkv, L, hv) with Hkv
 // dividing Hq; query head h reads kv head h / (Hq / Hkv) (HF repeat_kv). `native` (where
 // native_gqa_attention says so, or in tests) passes enable_gqa; otherwise k and v are repeated.
 inline torch::Tensor grouped_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                        const torch::Tensor& allowed, bool native) {
-  const int64_t B = k.size(0), Hkv = k.size(1), L = k.size(2), hd = k.size(3), group = q.size(1) / Hkv;
+  const int64_t B = k.size(0), Hkv = k.size(1), L = k.size(2), group = q.size(1) / Hkv;
   if (group == 1) return masked_attention(q, k, v, allowed);
 #if TRAINER_TORCH_AT_LEAST(2, 5)
   if (native) {
@@ -150,8 +150,9 @@ inline torch::Tensor grouped_attention(const torch::Tensor& q, const torch::Tens
 #else
   TORCH_CHECK(!native, "grouped_attention: native GQA needs LibTorch >= 2.5");
 #endif
-  const auto repeat = [&](const torch::Tensor& t) {  // (B, Hkv, L, hd) -> (B, Hq, L, hd)
-    return t.unsqueeze(2).expand({B, Hkv, group, L, hd}).reshape({B, Hkv * group, L, hd});
+  const auto repeat = [&](const torch::Tensor& t) {  // (B, Hkv, L, d) -> (B, Hq, L, d)
+    const int64_t d = t.size(3);
+    return t.unsqueeze(2).expand({B, Hkv, group, L, d}).reshape({B, Hkv * group, L, d});
   };
   return masked_attention(q, repeat(k), repeat(v), allowed);
 }
