@@ -26,6 +26,22 @@ Inputs two_documents(int64_t L, int64_t split) {
   positions.narrow(1, split, L - split).sub_(split);  // restart per document
   return {tokens, positions, segments};
 }
+
+// Attention written out per head, the independent reference of the attention kernels: query head
+// h of q (B, Hq, L, hd) against kv head h / (Hq / Hkv) of k (B, Hkv, L, hd) and v (B, Hkv, L, hv),
+// masked to allowed (B, 1, L, L), in the inputs' dtype (differentiable). Returns (B, Hq, L, hv).
+torch::Tensor per_head_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                 const torch::Tensor& allowed) {
+  const int64_t Hq = q.size(1), group = Hq / k.size(1);
+  std::vector<torch::Tensor> heads;
+  for (int64_t h = 0; h < Hq; ++h) {
+    auto scores = torch::matmul(q.select(1, h), k.select(1, h / group).transpose(-2, -1)) /
+                  std::sqrt(static_cast<double>(q.size(3)));  // (B, L, L)
+    scores = scores.masked_fill(allowed.select(1, 0).logical_not(), -INFINITY);
+    heads.push_back(torch::matmul(torch::softmax(scores, -1), v.select(1, h / group)));
+  }
+  return torch::stack(heads, 1);
+}
 }  // namespace
 
 TEST_CASE("causality: a future token never changes earlier logits", "[model]") {
@@ -81,16 +97,9 @@ TEST_CASE("grouped attention: repeated and native kv heads equal a per-head floa
   // Packed rows: tokens 0-3 and 4-8 of row 1 are two documents.
   auto same = torch::ones({B, 1, L, L}, torch::kBool).tril();
   same[1].narrow(1, 4, 5).narrow(2, 0, 4).fill_(false);
-  // The reference: each query head h against kv head h / 3, softmax written out, float64.
+  // The reference: each query head h against kv head h / 3, float64.
   const auto reference = [&](const torch::Tensor& allowed) {
-    std::vector<torch::Tensor> heads;
-    for (int64_t h = 0; h < Hq; ++h) {
-      const auto q = q0.select(1, h).to(torch::kFloat64), k = k0.select(1, h / 3).to(torch::kFloat64);
-      auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));  // (B, L, L)
-      scores = scores.masked_fill(allowed.select(1, 0).logical_not(), -INFINITY);
-      heads.push_back(torch::matmul(torch::softmax(scores, -1), v0.select(1, h / 3).to(torch::kFloat64)));
-    }
-    return torch::stack(heads, 1);  // (B, Hq, L, hd)
+    return per_head_attention(q0.to(torch::kFloat64), k0.to(torch::kFloat64), v0.to(torch::kFloat64), allowed);
   };
   std::vector<bool> natives = {false};
   if (TRAINER_TORCH_AT_LEAST(2, 5)) natives.push_back(true);  // enable_gqa exists from 2.5
@@ -115,19 +124,7 @@ TEST_CASE("block-causal attention: values and gradients equal a per-head float64
   same[1].narrow(1, 9, L - 9).narrow(2, 0, 9).fill_(false);
   same[1].narrow(1, 20, L - 20).narrow(2, 9, 11).fill_(false);
   const auto causal = torch::ones({B, 1, L, L}, torch::kBool).tril();
-  // Independent: each query head h against kv head h / (Hq / Hkv), the softmax written out.
-  const auto reference = [&](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                             const torch::Tensor& allowed) {
-    const int64_t group = Hq / k.size(1);
-    std::vector<torch::Tensor> heads;
-    for (int64_t h = 0; h < Hq; ++h) {
-      auto scores = torch::matmul(q.select(1, h), k.select(1, h / group).transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
-      scores = scores.masked_fill(allowed.select(1, 0).logical_not(), -INFINITY);  // (B, L, L)
-      const auto p = torch::exp(scores - std::get<0>(scores.max(-1, true)));
-      heads.push_back(torch::matmul(p / p.sum(-1, true), v.select(1, h / group)));
-    }
-    return torch::stack(heads, 1);  // (B, Hq, L, hv)
-  };
+  const auto reference = per_head_attention;  // independent: per head, written out
   for (const int64_t Hkv : {int64_t{6}, int64_t{2}, int64_t{3}}) {
     for (const int64_t block : {int64_t{1}, int64_t{5}, int64_t{8}, int64_t{64}}) {
       for (const bool packed : {false, true}) {

@@ -12,11 +12,11 @@
 namespace trainer::model_detail {
 namespace {
 
-// Where packed documents hide keys: (B, 1, L, L) bool, true where query i may NOT read key j;
+// Which keys packed documents let each query read: (B, 1, L, L) bool, causal and same segment;
 // undefined for plain causal rows. A struct, not a tensor argument: autograd's apply() takes every
 // tensor argument for an input, and this one is neither differentiable nor always defined.
-struct HiddenKeys {
-  torch::Tensor mask;  // (B, 1, L, L) bool or undefined
+struct SegmentMask {
+  torch::Tensor allowed;  // (B, 1, L, L) bool or undefined
 };
 
 // Block-causal attention as one autograd node. Inputs are laid out so that a block of query
@@ -40,15 +40,15 @@ struct HiddenKeys {
 class BlockCausalAttention : public torch::autograd::Function<BlockCausalAttention> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q3,
-                               const torch::Tensor& k3, const torch::Tensor& v3, const HiddenKeys& hidden_keys,
+                               const torch::Tensor& k3, const torch::Tensor& v3, const SegmentMask& segments,
                                int64_t group, int64_t block) {
     const int64_t N = k3.size(0), L = k3.size(1), hv = v3.size(2);
     const auto qs = q3 * (1.0 / std::sqrt(static_cast<double>(q3.size(2))));  // (N, L*g, hd)
     auto out = torch::empty({N, L * group, hv}, q3.options());  // (N, L*g, hv)
     // Plain causal: within the diagonal block, row r (position s + r/g) may not see key s + c, c > r/g.
     torch::Tensor diagonal_hidden;  // (block*g, block) bool
-    const auto& segment_hidden = hidden_keys.mask;
-    if (!segment_hidden.defined()) {
+    const auto& allowed = segments.allowed;
+    if (!allowed.defined()) {
       const auto opts = torch::TensorOptions().dtype(torch::kLong).device(q3.device());
       diagonal_hidden = torch::arange(block, opts).unsqueeze(0) >
                         torch::arange(block * group, opts).div(group, "floor").unsqueeze(1);
@@ -57,9 +57,10 @@ class BlockCausalAttention : public torch::autograd::Function<BlockCausalAttenti
     for (int64_t s = 0; s < L; s += block) {
       const int64_t e = std::min(L, s + block), rows = (e - s) * group;
       auto scores = torch::bmm(qs.narrow(1, s * group, rows), k3.narrow(1, 0, e).transpose(1, 2));  // (N, rows, e)
-      if (segment_hidden.defined()) {
-        const int64_t B = segment_hidden.size(0);
-        const auto hidden = segment_hidden.narrow(2, s, e - s).narrow(3, 0, e);  // (B, 1, e-s, e)
+      if (allowed.defined()) {
+        // Inverted per block: no (B, L, L) copy per layer.
+        const int64_t B = allowed.size(0);
+        const auto hidden = allowed.narrow(2, s, e - s).narrow(3, 0, e).logical_not();  // (B, 1, e-s, e)
         scores.view({B, N / B, e - s, group, e})
             .masked_fill_(hidden.reshape({B, 1, e - s, 1, e}), -std::numeric_limits<double>::infinity());
       } else {
@@ -119,8 +120,7 @@ torch::Tensor block_causal_attention(const torch::Tensor& q, const torch::Tensor
               "block_causal_attention: segment_mask must be (B, 1, L, L)");
   const auto q3 = q.view({B, Hkv, group, L, hd}).permute({0, 1, 3, 2, 4}).reshape({B * Hkv, L * group, hd});
   const auto k3 = k.reshape({B * Hkv, L, hd}), v3 = v.reshape({B * Hkv, L, hv});
-  const HiddenKeys hidden{segment_mask.defined() ? segment_mask.logical_not() : torch::Tensor()};
-  const auto out = BlockCausalAttention::apply(q3, k3, v3, hidden, group, std::min(block, L));  // (N, L*g, hv)
+  const auto out = BlockCausalAttention::apply(q3, k3, v3, SegmentMask{segment_mask}, group, std::min(block, L));  // (N, L*g, hv)
   // (B, Hkv, L, g, hv) -> (B, L, Hq*hv) in one copy; returned as the (B, Hq, L, hv) view of it, so
   // the caller's transpose back to (B, L, Hq*hv) for the output projection is free.
   return out.view({B, Hkv, L, group, hv}).permute({0, 2, 1, 3, 4}).reshape({B, L, Hq, hv}).transpose(1, 2);
