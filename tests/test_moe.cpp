@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <limits>
+#include <numeric>
 #include <set>
 
 #include "test_numerics.h"
@@ -860,5 +862,104 @@ TEST_CASE("a model with grouped dispatch trains as with the loop: gradients of a
       CHECK(relative_difference(grouped.flat_grads(), loop.flat_grads()) < 1e-6);
       CHECK(metric(grouped, a, "learning/loss") == Approx(metric(loop, b, "learning/loss")).epsilon(1e-6));
       CHECK(torch::equal(a.expert_load, b.expert_load));
+    }
+}
+
+TEST_CASE("moe_top_k_experts equals a stable sort of each row: ties to the lower index and NaN last", "[moe][dispatch]") {
+  // Scores from a handful of values, so most rows have ties, with -inf (group-limited routing's
+  // mask) and NaN entries. The reference ranks every number above NaN, larger first, and keeps
+  // equal keys in index order (std::stable_sort).
+  torch::manual_seed(8);
+  for (const auto dtype : {torch::kFloat32, torch::kFloat64})
+    for (const int64_t E : {8, 64, 256})
+      for (const int64_t k : {int64_t{1}, int64_t{3}, int64_t{8}, E}) {
+        INFO(dtype << ", E " << E << ", k " << k);
+        const int64_t N = 300;  // more than one parallel_for block
+        auto scores = torch::randint(0, 4, {N, E}, torch::kFloat64).div_(4);  // (N, E)
+        scores.masked_fill_(torch::rand({N, E}) < 0.1, -std::numeric_limits<double>::infinity());
+        scores.masked_fill_(torch::rand({N, E}) < 0.05, std::numeric_limits<double>::quiet_NaN());
+        scores[0].fill_(std::numeric_limits<double>::quiet_NaN());  // a row of NaN still yields k experts
+        scores = scores.to(dtype);
+        const auto chosen = moe_top_k_experts(scores, k);
+        REQUIRE(chosen.sizes() == torch::IntArrayRef({N, k}));
+        const auto wide = scores.to(torch::kFloat64);
+        int mismatches = 0;
+        for (int64_t t = 0; t < N; ++t) {
+          const double* row = wide[t].data_ptr<double>();
+          std::vector<int64_t> order(static_cast<size_t>(E));
+          std::iota(order.begin(), order.end(), 0);
+          std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+            const bool a_nan = std::isnan(row[a]), b_nan = std::isnan(row[b]);
+            if (a_nan || b_nan) return !a_nan && b_nan;
+            return row[a] > row[b];
+          });
+          for (int64_t j = 0; j < k; ++j) mismatches += chosen[t][j].item<int64_t>() != order[static_cast<size_t>(j)];
+        }
+        CHECK(mismatches == 0);
+      }
+}
+
+TEST_CASE("a MoE layer equals a per-token float64 computation: output and every gradient", "[moe][dispatch]") {
+  // The reference routes token by token on the host (std::stable_sort of the biased scores) and
+  // sums its experts' outputs with plain autograd ops: no expert ordering, gather or combine of
+  // moe.cpp takes part. Both dispatch paths, both score functions, a selection bias.
+  const int64_t E = 8, k = 3, D = 16, F = 12;
+  for (const std::string dispatch : {"grouped", "loop"})
+    for (const std::string func : {"sigmoid", "softmax"}) {
+      INFO(dispatch << ", " << func);
+      const Config c = tiny_config({"override_model_config=true", "base_emb_dim=16", "num_experts=8",
+                                    "num_experts_per_tok=3", "base_moe_mlp_dim=12", "shared_experts=0",
+                                    "routed_bias=true", "norm_topk_prob=true", "routed_scaling_factor=2.5",
+                                    "routed_score_func=" + func, "moe_dispatch=" + dispatch});
+      torch::manual_seed(13);
+      Moe moe(c);
+      moe->to(torch::kFloat64);
+      {
+        torch::NoGradGuard no_grad;
+        draw_weights(*moe, 0.2);
+        moe->gate->weight.normal_(0.0, 0.5);
+        moe->gate->e_score_correction_bias.normal_(0.0, 0.1);
+      }
+      const auto x = torch::randn({3, 40, D}, torch::kFloat64);
+      const auto upstream = torch::randn({3, 40, D}, torch::kFloat64);
+      BlockContext ctx;
+      ctx.valid = torch::ones({3, 40}, torch::kBool);
+      const auto input = x.clone().requires_grad_(true);
+      const auto y = moe->forward(input, ctx);
+      (y * upstream).sum().backward();
+
+      const auto gate = moe->gate->weight.detach().clone().requires_grad_(true);         // (E, D)
+      const auto gate_up = moe->experts->gate_up_proj.detach().clone().requires_grad_(true);  // (E, 2F, D)
+      const auto down = moe->experts->down_proj.detach().clone().requires_grad_(true);   // (E, D, F)
+      const auto bias = moe->gate->e_score_correction_bias.detach().to(torch::kFloat64);
+      const auto ref_input = x.clone().requires_grad_(true);
+      const auto tokens = ref_input.reshape({-1, D});
+      std::vector<torch::Tensor> outputs;
+      for (int64_t t = 0; t < tokens.size(0); ++t) {
+        const auto x_t = tokens[t];                       // (D)
+        const auto logits = torch::mv(gate, x_t);         // (E)
+        const auto s = func == "sigmoid" ? torch::sigmoid(logits) : torch::softmax(logits, 0);
+        const auto biased = (s.detach() + bias).contiguous();
+        const double* b = biased.data_ptr<double>();
+        std::vector<int64_t> experts(E);
+        std::iota(experts.begin(), experts.end(), 0);
+        std::stable_sort(experts.begin(), experts.end(), [&](int64_t i, int64_t j) { return b[i] > b[j]; });
+        torch::Tensor chosen_sum = torch::zeros({}, torch::kFloat64);
+        for (int64_t j = 0; j < k; ++j) chosen_sum = chosen_sum + s[experts[j]];
+        torch::Tensor out = torch::zeros({D}, torch::kFloat64);
+        for (int64_t j = 0; j < k; ++j) {
+          const int64_t e = experts[j];
+          const auto g = torch::mv(gate_up[e].narrow(0, 0, F), x_t), u = torch::mv(gate_up[e].narrow(0, F, F), x_t);
+          out = out + s[e] / chosen_sum * 2.5 * torch::mv(down[e], torch::silu(g) * u);
+        }
+        outputs.push_back(out);
+      }
+      const auto reference = torch::stack(outputs).view({3, 40, D});
+      (reference * upstream).sum().backward();
+      CHECK(relative_difference(y.detach(), reference.detach()) < 1e-12);
+      CHECK(relative_difference(input.grad(), ref_input.grad()) < 1e-12);
+      CHECK(relative_difference(moe->gate->weight.grad(), gate.grad()) < 1e-12);
+      CHECK(relative_difference(moe->experts->gate_up_proj.grad(), gate_up.grad()) < 1e-12);
+      CHECK(relative_difference(moe->experts->down_proj.grad(), down.grad()) < 1e-12);
     }
 }

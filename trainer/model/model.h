@@ -259,6 +259,11 @@ class MoeExpertsImpl : public torch::nn::Module {
 };
 TORCH_MODULE(MoeExperts);
 
+// The indices (N, k) of the k largest entries of each row of scores (N, E), largest first, k
+// distinct experts per row. On the CPU ties go to the lower index and a NaN is never preferred to
+// a number; on other devices this is ATen's topk.
+torch::Tensor moe_top_k_experts(const torch::Tensor& scores, int64_t k);
+
 // DeepSeek/Ling-style dropless MoE: router -> softmax|sigmoid scores -> top-k (on scores + bias)
 // -> optional renormalization -> routed_scaling_factor; routed SwiGLU experts plus shared experts.
 class MoeImpl : public torch::nn::Module {
