@@ -14,7 +14,7 @@ cd "$(dirname "$0")/../.."
 out=$(mktemp -d /tmp/trainer-peer-bench-XXXX)
 trap 'rm -rf "$out"' EXIT
 source scripts/bench/shapes.sh
-declare -A STEPS=([tiny]=25 [small]=8 [medium]=6) WARMUP=([tiny]=5 [small]=2 [medium]=2) ROUNDS=([tiny]=2 [small]=1 [medium]=1)
+declare -A STEPS=([tiny]=100 [small]=8 [medium]=6) WARMUP=([tiny]=10 [small]=2 [medium]=2) ROUNDS=([tiny]=2 [small]=1 [medium]=1)
 if [ -n "${ROW_ROUNDS:-}" ]; then ROUNDS=([tiny]=$ROW_ROUNDS [small]=$ROW_ROUNDS [medium]=$ROW_ROUNDS); fi
 ROWS=${ROWS:-"tiny:1:float32 tiny:8:float32 tiny:1:bfloat16 tiny:8:bfloat16 small:1:float32 small:1:bfloat16 medium:1:float32"}
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); $(date -u +%F); both arms 1 LibTorch thread"
