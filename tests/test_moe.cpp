@@ -57,12 +57,17 @@ double reference_mtp_raw(const std::vector<torch::Tensor>& depth_logits, const M
   return pooled ? pooled_sum / std::max(pooled_count, 1.0) : total / static_cast<double>(depth_logits.size());
 }
 
-// Expert e of a MoE layer on rows x (n, D), computed here from its stacked weights.
+// The SwiGLU expert with gate_up (2F, D) (gate rows, then up rows) and down (D, F) on rows x (n, D)
+// or one row x (D), computed here with plain autograd ops.
+torch::Tensor expert_forward(const torch::Tensor& gate_up, const torch::Tensor& down, const torch::Tensor& x) {
+  const auto F = gate_up.size(0) / 2;
+  const auto gate = torch::matmul(x, gate_up.narrow(0, 0, F).t()), up = torch::matmul(x, gate_up.narrow(0, F, F).t());
+  return torch::matmul(torch::silu(gate) * up, down.t());
+}
+
+// Expert e of a MoE layer, from its stacked weights.
 torch::Tensor expert_forward(const Moe& moe, int64_t e, const torch::Tensor& x) {
-  const auto& w = moe->experts->gate_up_proj[e];  // (2F, D): gate rows, then up rows
-  const auto F = w.size(0) / 2;
-  const auto gate = torch::matmul(x, w.narrow(0, 0, F).t()), up = torch::matmul(x, w.narrow(0, F, F).t());
-  return torch::matmul(torch::silu(gate) * up, moe->experts->down_proj[e].t());
+  return expert_forward(moe->experts->gate_up_proj[e], moe->experts->down_proj[e], x);
 }
 
 // {nodes, Recompute nodes} of the autograd graph that produced `root`.
@@ -903,7 +908,7 @@ TEST_CASE("a MoE layer equals a per-token float64 computation: output and every 
   // The reference routes token by token on the host (std::stable_sort of the biased scores) and
   // sums its experts' outputs with plain autograd ops: no expert ordering, gather or combine of
   // moe.cpp takes part. Both dispatch paths, both score functions, a selection bias.
-  const int64_t E = 8, k = 3, D = 16, F = 12;
+  const int64_t E = 8, k = 3, D = 16;
   for (const std::string dispatch : {"grouped", "loop"})
     for (const std::string func : {"sigmoid", "softmax"}) {
       INFO(dispatch << ", " << func);
@@ -949,8 +954,7 @@ TEST_CASE("a MoE layer equals a per-token float64 computation: output and every 
         torch::Tensor out = torch::zeros({D}, torch::kFloat64);
         for (int64_t j = 0; j < k; ++j) {
           const int64_t e = experts[j];
-          const auto g = torch::mv(gate_up[e].narrow(0, 0, F), x_t), u = torch::mv(gate_up[e].narrow(0, F, F), x_t);
-          out = out + s[e] / chosen_sum * 2.5 * torch::mv(down[e], torch::silu(g) * u);
+          out = out + s[e] / chosen_sum * 2.5 * expert_forward(gate_up[e], down[e], x_t);
         }
         outputs.push_back(out);
       }

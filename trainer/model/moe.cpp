@@ -128,8 +128,8 @@ struct ExpertRows {
   torch::Tensor order;              // (N*k) the pair of each row
   torch::Tensor row_of;             // (N*k) the row of each pair
   torch::Tensor token_of;           // (N*k) the token of each row: order / k
-  torch::Tensor group_sizes;        // (E) rows per expert, on chosen's device
-  std::vector<int64_t> host_sizes;  // the same on the host; empty where they were not read
+  torch::Tensor group_sizes;        // (E) rows per expert on the device; undefined on the CPU
+  std::vector<int64_t> host_sizes;  // rows per expert on the host: the CPU path's; empty on a device
 };
 
 ExpertRows expert_rows(const torch::Tensor& chosen, int64_t E) {
@@ -162,7 +162,6 @@ ExpertRows expert_rows(const torch::Tensor& chosen, int64_t E) {
     row_of[i] = row;
     token_of[row] = i / k;
   }
-  r.group_sizes = torch::tensor(r.host_sizes, expert.options());
   return r;
 }
 
