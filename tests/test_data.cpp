@@ -659,3 +659,64 @@ TEST_CASE("evaluation on the validation split: token-mean lm_loss and perplexity
   CHECK(metric_get(values, "eval/lm_loss") == Approx(ce / count).epsilon(1e-5));
   CHECK(metric_get(values, "eval/total_weights") == count);
 }
+
+namespace {
+// Synthetic samples, except that sample `bad` throws, as a corrupt file would.
+class FailingSource : public SampleSource {
+ public:
+  FailingSource(const Config& c, int64_t bad) : synthetic_(c), bad_(bad) {}
+  void fill_row(int64_t index, MicroBatch& batch, int64_t row) const override {
+    if (index == bad_) throw Error(kExitData, "sample " + std::to_string(index) + " is unreadable");
+    synthetic_.fill_row(index, batch, row);
+  }
+
+ private:
+  SyntheticDataset synthetic_;
+  int64_t bad_;
+};
+}  // namespace
+
+TEST_CASE("the prefetcher serves the loader's micro-batches in order for any queue depth and passes errors on", "[data]") {
+  // K = 3 micro-batches of 2 rows per step; steps 1..4 (a resume at step 1). Depths below, at and
+  // above K, odd and even: the refill-at-half rule must neither reorder, skip nor stall.
+  const Config c = tiny_config({"gradient_accumulation_steps=3", "per_device_batch_size=2", "steps=5"});
+  const DataLoader loader(c, 0);
+  for (size_t depth : {1, 2, 3, 5, 6, 7}) {
+    INFO("depth " << depth);
+    DataPrefetcher prefetcher(loader, 1, 5, 3, depth);
+    double waited = 0;
+    for (int64_t step = 1; step < 5; ++step)
+      for (int64_t micro = 0; micro < 3; ++micro) {
+        const MicroBatch got = prefetcher.data_prefetcher_next(step, micro, &waited);
+        const MicroBatch want = loader.data_loader_next(step, micro);
+        CHECK(got.sample_indices == want.sample_indices);
+        CHECK(got.inputs == want.inputs);
+        CHECK(got.targets == want.targets);
+        CHECK(got.loss_mask == want.loss_mask);
+        CHECK(got.positions == want.positions);
+      }
+    CHECK(waited >= 0);
+  }
+  {  // Out of order is a bug in the caller, not a silent wrong batch.
+    DataPrefetcher prefetcher(loader, 0, 5, 3, 6);
+    CHECK_THROWS_AS(prefetcher.data_prefetcher_next(0, 1, nullptr), std::logic_error);
+  }
+  {  // Destroyed with a full queue and a producer asleep, or before reading anything: returns.
+    DataPrefetcher full(loader, 0, 5, 3, 2);
+    CHECK(full.data_prefetcher_next(0, 0, nullptr).sample_indices == loader.data_loader_next(0, 0).sample_indices);
+    DataPrefetcher unread(loader, 0, 5, 3, 4);
+  }
+  // A loader error reaches the consumer at the micro-batch that needs it, after the good ones.
+  // Global sample 7 is row 1 of micro-batch 0 of step 1 (K * B = 6 samples per step).
+  const DataLoader failing(c, 0, std::make_shared<FailingSource>(c, 7));
+  DataPrefetcher prefetcher(failing, 0, 5, 3, 6);
+  for (int64_t micro = 0; micro < 3; ++micro)
+    CHECK(prefetcher.data_prefetcher_next(0, micro, nullptr).sample_indices == loader.data_loader_next(0, micro).sample_indices);
+  try {
+    prefetcher.data_prefetcher_next(1, 0, nullptr);
+    FAIL("no error");
+  } catch (const Error& e) {
+    CHECK(e.exit_code() == kExitData);
+    CHECK(std::string(e.what()).find("sample 7 is unreadable") != std::string::npos);
+  }
+}

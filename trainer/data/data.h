@@ -81,8 +81,10 @@ class DataLoader {
   std::shared_ptr<SampleSource> source_;
 };
 
-// Produces micro-batches in order on a background thread, `depth` ahead of the consumer, so a
-// step does not wait for data in steady state.
+// Produces micro-batches in order on a background thread, up to `depth` ahead of the consumer, so
+// a step does not wait for data in steady state. The thread refills in bursts: it sleeps until the
+// queue is down to half, then fills it, so the trainer (depth 2K) wakes it once per step, not once
+// per micro-batch (each wake is a syscall and a context switch on a core the BLAS threads use).
 class DataPrefetcher {
  public:
   DataPrefetcher(const DataLoader& loader, int64_t first_step, int64_t last_step, int64_t micro_batches,

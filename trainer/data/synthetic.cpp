@@ -132,7 +132,8 @@ void DataPrefetcher::run() {
   while (step < last_step_) {
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      changed_.wait(lock, [this] { return stop_ || queue_.size() < depth_; });
+      // Sleeps only once the queue is full, until it is down to half (data_prefetcher_next).
+      if (queue_.size() >= depth_) changed_.wait(lock, [this] { return stop_ || queue_.size() <= depth_ / 2; });
       if (stop_) return;
     }
     MicroBatch batch;
@@ -161,8 +162,9 @@ MicroBatch DataPrefetcher::data_prefetcher_next(int64_t step, int64_t micro, dou
   if (queue_.empty()) std::rethrow_exception(error_);
   auto item = std::move(queue_.front());
   queue_.pop_front();
+  const bool refill = queue_.size() <= depth_ / 2;
   lock.unlock();
-  changed_.notify_all();
+  if (refill) changed_.notify_all();
   if (item.first != std::make_pair(step, micro))
     throw std::logic_error("DataPrefetcher: micro-batches must be requested in order");
   return std::move(item.second);
