@@ -21,7 +21,6 @@
 #include "trainer/train/memory_plan.h"
 #include "trainer/train/train.h"
 #include "trainer/util/error.h"
-#include "trainer/util/torch_compat.h"
 
 namespace {
 
@@ -62,9 +61,7 @@ void print_dry_run(const trainer::Config& c) {
   const trainer::DistEnv env = trainer::dist_env_resolve();
   const bool cuda = c.hardware == "gpu";
   const trainer::MemoryPlan plan =
-      trainer::memory_plan(c, {env.world_size, env.local_world_size, cuda,
-                               trainer::compat::kFusedCausalAttention ? trainer::AttentionCore::sdpa
-                                                                      : trainer::AttentionCore::block_causal});
+      trainer::memory_plan(c, trainer::memory_plan_context(env.world_size, env.local_world_size, cuda));
   std::printf("memory plan per rank (%s, %s, %lld rank%s):\n%s", cuda ? "GPU" : "CPU", c.dtype.c_str(),
               static_cast<long long>(env.world_size), env.world_size > 1 ? "s" : "",
               trainer::memory_plan_format(plan).c_str());

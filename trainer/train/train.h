@@ -18,6 +18,7 @@
 #include "trainer/metrics/metrics.h"
 #include "trainer/model/model.h"
 #include "trainer/train/device.h"
+#include "trainer/train/memory_plan.h"
 #include "trainer/train/schedule.h"
 #include "trainer/train/sharding.h"
 
@@ -85,6 +86,11 @@ torch::Tensor flat_buffer_count_zeros(const torch::Tensor& flat);  // int64 coun
 // Runs the model on one micro-batch and computes its loss terms.
 MicroBatchLosses micro_batch_losses(Transformer& model, const MicroBatch& batch, const Config& config,
                                     const torch::Device& device);
+
+// The memory plan's context for `world_size` ranks (`local_world_size` of them on this machine)
+// running this build: the attention core it runs (SDPA on LibTorch >= 2.0, else the block-causal
+// kernel) and whether SDPA reads k and v unrepeated. The dry run and the Trainer's check share it.
+MemoryPlanContext memory_plan_context(int64_t world_size, int64_t local_world_size, bool cuda);
 
 class Trainer {
  public:

@@ -190,15 +190,19 @@ double Trainer::bytes_sent_so_far() const {
   return bytes;
 }
 
+MemoryPlanContext memory_plan_context(int64_t world_size, int64_t local_world_size, bool cuda) {
+  return {world_size, local_world_size, cuda,
+          compat::kFusedCausalAttention ? AttentionCore::sdpa : AttentionCore::block_causal,
+          compat::native_gqa_attention(torch::Device(cuda ? torch::kCUDA : torch::kCPU))};
+}
+
 // Before the first parameter is allocated: the plan (memory_plan.h) against what this rank can
 // have: free device memory on a GPU; on the CPU the host's available memory (MemAvailable, cgroup,
 // rlimits) shared by the ranks on this machine. Every rank learns whether all fit, so all exit 2
 // together instead of some dying in an allocation and the others timing out.
 void Trainer::check_memory_plan() {
   const Config& c = config_;
-  const MemoryPlanContext context{comm_->world_size(), dist_.local_world_size, device_.is_cuda(),
-                                  compat::kFusedCausalAttention ? AttentionCore::sdpa : AttentionCore::block_causal,
-                                  compat::native_gqa_attention(device_)};
+  const MemoryPlanContext context = memory_plan_context(comm_->world_size(), dist_.local_world_size, device_.is_cuda());
   const MemoryPlan plan = memory_plan(c, context);
   double available = 0, resident = 0;
   std::string source;
