@@ -119,13 +119,18 @@ void install_fatal_signal_handlers() {
   sigemptyset(&action.sa_mask);
   action.sa_flags = SA_RESETHAND;
   for (int signo : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) sigaction(signo, &action, nullptr);
+  // A write to a socket whose peer has died raises SIGPIPE, whose default action ends the process
+  // without a word. Ignored, the write fails with EPIPE instead: Gloo turns that into an error and
+  // the rank exits 5 naming the collective, as when its read fails first (which of the two a rank
+  // sees depends on timing). A closed stdout (`trainer ... | head`) then fails writes, not the run.
+  std::signal(SIGPIPE, SIG_IGN);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   trainer::perf_startup_mark("libraries");  // exec -> main: the dynamic loader (LibTorch)
-  install_fatal_signal_handlers();
+  install_fatal_signal_handlers();  // and SIGPIPE ignored
   CLI::App app{"trainer: pretrain decoder-only language models (MaxText-style config)"};
   app.set_version_flag("--version", std::string("trainer ") + TRAINER_VERSION);
   std::string config_path;
