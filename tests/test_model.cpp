@@ -168,6 +168,36 @@ TEST_CASE("RMSNorm: the model's and LibTorch's at::rms_norm agree in value and g
   const auto x = x0.clone().requires_grad_();
   const auto ours = norm(x);
   CHECK(torch::allclose(ours.to(torch::kFloat64), expected, 1e-6, 1e-6));
+  {
+    // The hand-written backward against autograd through the float64 formula above, and against
+    // central differences of the float64 module itself (one input and one weight entry).
+    const auto upstream = torch::randn_like(x0).to(torch::kFloat64);
+    const auto x64g = x64.clone().requires_grad_();
+    const auto w64 = norm->weight.detach().to(torch::kFloat64).requires_grad_();
+    const auto reference = x64g * torch::rsqrt(x64g.square().mean(-1, true) + 1e-5) * w64;
+    const auto want = torch::autograd::grad({reference}, {x64g, w64}, {upstream});
+    const auto x32 = x0.clone().requires_grad_();
+    const auto got = torch::autograd::grad({norm(x32)}, {x32, norm->weight}, {upstream.to(torch::kFloat32)});
+    CHECK(torch::allclose(got[0].to(torch::kFloat64), want[0], 1e-5, 1e-6));
+    CHECK(torch::allclose(got[1].to(torch::kFloat64), want[1], 1e-5, 1e-6));
+    RMSNorm norm64(16, 1e-5);
+    norm64->to(torch::kFloat64);
+    { torch::NoGradGuard no_grad; norm64->weight.copy_(w64.detach()); }
+    const auto xg = x64.clone().requires_grad_();
+    const auto analytic = torch::autograd::grad({(norm64(xg) * upstream).sum()}, {xg, norm64->weight});
+    const auto objective = [&](const torch::Tensor& input) { return (norm64(input) * upstream).sum().item<double>(); };
+    const double h = 1e-6;
+    auto plus = x64.clone(), minus = x64.clone();
+    plus[1][2][3] += h, minus[1][2][3] -= h;
+    CHECK(analytic[0][1][2][3].item<double>() == Approx((objective(plus) - objective(minus)) / (2 * h)).epsilon(1e-6));
+    torch::NoGradGuard no_grad;
+    const double w5 = norm64->weight[5].item<double>();
+    norm64->weight[5].fill_(w5 + h);
+    const double up = objective(x64);
+    norm64->weight[5].fill_(w5 - h);
+    const double down = objective(x64);
+    CHECK(analytic[1][5].item<double>() == Approx((up - down) / (2 * h)).epsilon(1e-6));
+  }
   if (TRAINER_TORCH_AT_LEAST(2, 4)) {  // the fused path's call (CUDA >= 2.9), checked on the CPU
     const auto x2 = x0.clone().requires_grad_();
     const auto theirs = compat::rms_norm(x2, norm->weight, 1e-5);

@@ -18,6 +18,45 @@ using model_detail::linear;
 using model_detail::linear_fused;
 using model_detail::norm_forward;
 
+namespace {
+
+// RMSNorm as one autograd node, where LibTorch has no fused kernel (the CPU; CUDA < 2.9). Per row
+// of D values, in at least fp32: r = rsqrt(mean(x^2) + eps), xhat = x r, y = xhat w. Backward,
+// from dy, with g = dy w:
+//   dw = sum over rows of dy xhat
+//   dx_i = r g_i + sum_j g_j x_j (d r / d x_i),   d r / d x_i = -r^3 x_i / D,
+//        = r g_i - r xhat_i mean_j(g_j xhat_j) = r (g - xhat mean(g xhat))_i
+// It keeps x and r (one value per row) and runs 9 kernels in backward, where the composite
+// (pow, mean, add, rsqrt, mul, mul) kept x, r and xhat and ran ~14 over six autograd nodes: on a
+// host-bound step that bookkeeping is a measurable part of the norm. The forward computes the same
+// numbers as the composite, operation for operation.
+class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& weight, double eps) {
+    const auto wide = x.to(at::promote_types(x.scalar_type(), torch::kFloat32));  // (..., D)
+    const auto rstd = (wide * wide).mean(-1, /*keepdim=*/true).add_(eps).rsqrt_();  // (..., 1)
+    ctx->save_for_backward({x, weight, rstd});
+    return (wide * rstd * weight).to(x.scalar_type());
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &x = saved[0], &weight = saved[1], &rstd = saved[2];
+    const auto wide = x.to(rstd.scalar_type());
+    const auto dy = grad_outputs[0].to(rstd.scalar_type());  // (..., D)
+    const auto xhat = wide * rstd;                            // (..., D)
+    const auto g = dy * weight;                               // (..., D)
+    const auto dx = (g - xhat * (g * xhat).mean(-1, /*keepdim=*/true)) * rstd;
+    torch::Tensor dw;
+    if (ctx->needs_input_grad(1)) dw = (dy * xhat).reshape({-1, x.size(-1)}).sum(0).to(weight.scalar_type());
+    return {ctx->needs_input_grad(0) ? dx.to(x.scalar_type()) : torch::Tensor(), dw, torch::Tensor()};
+  }
+};
+
+}  // namespace
+
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
   weight = register_parameter("weight", torch::ones({dim}));
 }
@@ -26,9 +65,7 @@ torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
   if (x.scalar_type() == weight.scalar_type() && compat::fused_rms_norm(x.device()))
     return compat::rms_norm(x, weight, eps_);
   // At least fp32 (bf16 inputs are upcast; float64, used by gradient checks, is kept).
-  const auto wide = x.to(at::promote_types(x.scalar_type(), torch::kFloat32));
-  const auto normed = wide * torch::rsqrt(wide.pow(2).mean(-1, /*keepdim=*/true) + eps_);
-  return (normed * weight).to(x.scalar_type());
+  return RmsNormFunction::apply(x, weight, eps_);
 }
 
 // torch::empty: allocated, never touched until drawn (model.h).

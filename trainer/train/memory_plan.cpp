@@ -14,7 +14,8 @@
 //                            (fp32), or under bf16 autocast the bf16 cast of every matmul weight
 //
 // Saved for backward, per dense decoder layer (each line one tensor autograd keeps):
-//   input RMSNorm: normed and scaled outputs     2 r T D
+//   input RMSNorm: its output (it keeps its input, the residual stream, counted below, and one
+//                  fp32 value per row; model.cpp's one-node norm or LibTorch's fused one)   r T D
 //   q/k/v GEMM output (RoPE and attention keep views of it)   m T (q + 2kv)
 //   RoPE: the swapped halves and the rotated q and k          m T (q + kv) (2 f + [f < 1])
 //   attention, LibTorch 1.13 (block-causal core): contiguous q, k, v    m T (q + 2kv)
@@ -26,7 +27,7 @@
 //              causal kernel's output + logsumexp
 //   attention output, transposed for o_proj                  m T q
 //   residual after attention                                 r T D
-//   post-attention RMSNorm                                   2 r T D
+//   post-attention RMSNorm                                   r T D
 //   SwiGLU: gate/up output, silu(gate), the product          4 m T F
 //   residual after the MLP (the next layer's input)          r T D
 //   bf16 autocast: the bf16 copies of the two normed GEMM inputs   2 * 2 T D
@@ -83,8 +84,8 @@ struct Shapes {
 };
 
 // Activations saved for backward by one dense (`moe` false) or MoE decoder layer, in bytes.
-// minimal (remat_policy=minimal): norms keep only their output (the GEMM input; their input is
-// the residual stream, kept anyway) and SwiGLU keeps gate, up and the product, not silu(gate).
+// minimal (remat_policy=minimal): SwiGLU keeps gate, up and the product, not silu(gate). Norms keep
+// their output under every policy (the GEMM input; their input is the residual stream, kept anyway).
 // The attention core's own saved tensors (after RoPE, before o_proj's input), in bytes.
 // block_causal: contiguous q, k and v in its layout, and the probabilities of the computed blocks:
 // query block i (b positions, H heads) against keys [0, min(L, (i+1) b)), in the matmul dtype.
@@ -105,11 +106,11 @@ double attention_saved_bytes(const Shapes& s, double m, double cast, AttentionCo
 double layer_saved_bytes(const Shapes& s, bool moe, double r, double m, bool bf16, const MemoryPlanContext& ctx,
                          bool segment_masks, bool qk_norm, bool minimal, bool grouped_experts) {
   const double cast = bf16 ? 2.0 : 0.0;  // bf16 copy of a fp32 GEMM input
-  const double norm = minimal ? 1.0 : 2.0;  // fp32 (B, L, D) tensors an RMSNorm keeps
+  const double norm = 1.0;  // fp32 (B, L, D) tensors an RMSNorm keeps: its output
   const double swiglu = minimal ? 3.0 : 4.0;  // (B, L, F) tensors SwiGLU keeps
   double bytes = norm * r * s.T * s.D + cast * s.T * s.D;  // input norm (+ its bf16 copy)
   bytes += m * s.T * (s.q + 2 * s.kv);                     // q/k/v GEMM output
-  if (qk_norm) bytes += (minimal ? 4.0 : 8.0) * s.T * (s.q + s.kv) + (bf16 ? 6.0 : 0.0) * s.T * (s.q + s.kv);
+  if (qk_norm) bytes += m * s.T * (s.q + s.kv);  // q/k norm outputs (RoPE's inputs; their inputs are q/k/v views)
   bytes += m * s.T * (s.q + s.kv) * (2 * s.f + (s.f < 1 ? 1 : 0));  // RoPE
   bytes += attention_saved_bytes(s, m, cast, ctx.attention, segment_masks, ctx.native_gqa);
   bytes += m * s.T * s.q;                          // attention output for o_proj
