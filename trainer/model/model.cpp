@@ -87,12 +87,15 @@ Linear linear(int64_t in, int64_t out) { return Linear(in, out); }
 //   rope(x) = x * cos + rotate_half(x) * sin,  rotate_half(x) = (-x2, x1)  for x = (x1, x2).
 // With the sign folded into the table, sin_signed = (-sin1, sin2), this is
 //   rope(x) = x * cos + (x2, x1) * sin_signed,
-// the same numbers (a negation is exact) with one kernel fewer forward and backward.
+// the same numbers (a negation is exact) with one kernel fewer forward and backward. The swap
+// (x2, x1) is a roll by half: one autograd node whose backward is the opposite roll (one
+// kernel), where a cat of two slices backpropagated through two zero-filled slice gradients
+// and their sum.
 // Rotates the first rotary_dim dimensions and passes the rest through.
 torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin_signed) {
   const auto rotary_dim = cos.size(-1), half = rotary_dim / 2;
   const auto rot = rotary_dim == x.size(-1) ? x : x.narrow(-1, 0, rotary_dim);
-  const auto swapped = torch::cat({rot.narrow(-1, half, half), rot.narrow(-1, 0, half)}, -1);
+  const auto swapped = rot.roll(half, -1);  // (x2, x1)
   const auto rotated = rot * cos + swapped * sin_signed;
   if (rotary_dim == x.size(-1)) return rotated;
   return torch::cat({rotated, x.narrow(-1, rotary_dim, x.size(-1) - rotary_dim)}, -1);
