@@ -675,8 +675,8 @@ TEST_CASE("memory plan: remat_policy full keeps one (B, L, D) input per layer, m
 TEST_CASE("a run whose memory plan exceeds the machine exits 2 with the plan and what would fit", "[training][memory][cli]") {
   // ulimit -v caps this process's address space (RLIMIT_AS): the check sees ~2 GB available.
   const std::string limit = "ulimit -v 3000000;";
-  // Well over the limit with either attention core: ~4.6 GiB planned on 1.13 (block-causal keeps
-  // probabilities), ~3.2 GiB on 2.x (SDPA); batch 64 put 2.x's plan within 4% of the limit.
+  // Well over the limit with either attention core: 4.6 GiB planned on 1.13 (block-causal keeps
+  // probabilities); on 2.6 (SDPA) batch 64 planned 2.20 GiB, within 4% of the limit, so 96.
   const std::string big = "model_name=default per_device_batch_size=96 max_target_length=1024 steps=1 "
                           "base_output_directory=" + test_root() + " run_name=memory-plan ";
   auto r = run_trainer(big, limit);

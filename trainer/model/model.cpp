@@ -20,7 +20,8 @@ using model_detail::norm_forward;
 
 namespace {
 
-// RMSNorm as one autograd node, where LibTorch has no fused kernel (the CPU; CUDA < 2.9). Per row
+// RMSNorm as one autograd node, wherever compat's fused norm is not used (the CPU; CUDA with
+// LibTorch < 2.9; an input whose dtype differs from the weight's, as q/k norms under bf16). Per row
 // of D values, in at least fp32: r = rsqrt(mean(x^2) + eps), xhat = x r, y = xhat w. Backward,
 // from dy, with g = dy w:
 //   dw = sum over rows of dy xhat
