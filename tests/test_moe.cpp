@@ -741,63 +741,70 @@ TEST_CASE("grouped expert dispatch equals the per-expert loop: outputs and gradi
       {"one expert takes every token", {"num_experts_per_tok=1", "shared_experts=0", "routed_bias=true"}, {3}},
       {"two experts take every token", {"num_experts_per_tok=2", "shared_experts=1", "routed_bias=true"}, {3, 5}},
   };
+  // parts: the grouped experts cut into runs computed on that many threads (moe_expert_parts_set;
+  // 3 makes uneven runs of these 8 experts); 1 is one thread.
+  struct DefaultPartsAfter {
+    ~DefaultPartsAfter() { moe_expert_parts_set(0); }
+  } default_parts_after;
   for (const auto& test : cases)
-    for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
-      INFO(test.name << ", " << dtype);
-      auto options = std::vector<std::string>{"override_model_config=true", "base_emb_dim=16", "num_experts=8",
-                                              "base_moe_mlp_dim=12", "routed_score_func=sigmoid"};
-      options.insert(options.end(), test.options.begin(), test.options.end());
-      auto with_dispatch = [&](const std::string& dispatch) {
-        auto o = options;
-        o.push_back("moe_dispatch=" + dispatch);
-        return tiny_config(o);
-      };
-      torch::manual_seed(21);
-      Moe grouped(with_dispatch("grouped")), loop(with_dispatch("loop"));
-      grouped->to(dtype);
-      loop->to(dtype);
-      {
-        torch::NoGradGuard no_grad;
-        // Modules are built undrawn (model_build draws); these scales keep the routing decisive.
-        for (auto& item : grouped->named_parameters()) item.value().normal_(0.0, 0.15);
-        grouped->gate->weight.normal_(0.0, 0.5);
-        auto source = grouped->named_parameters();
-        for (auto& item : loop->named_parameters()) item.value().copy_(source[item.key()]);
-        for (const int64_t e : test.favoured)
-          for (Moe* moe : {&grouped, &loop}) (*moe)->gate->e_score_correction_bias[e].fill_(100.0);
-      }
-      const auto x = torch::randn({2, 9, 16}, dtype);
-      const auto upstream = torch::randn({2, 9, 16}, dtype);
-      BlockContext ctx;
-      ctx.valid = torch::ones({2, 9}, torch::kBool);
-      ctx.valid[1].narrow(0, 7, 2).fill_(false);  // two padding tokens: routed like any other
-      auto run = [&](Moe& moe) {
-        const auto input = x.clone().requires_grad_(true);
-        const auto y = moe->forward(input, ctx);
-        (y * upstream).sum().backward();
-        return std::pair{y.detach(), input.grad()};
-      };
-      const auto [y_grouped, dx_grouped] = run(grouped);
-      const auto [y_loop, dx_loop] = run(loop);
-      const double tolerance = dtype == torch::kFloat32 ? 1e-6 : 1e-12;
-      CHECK(relative_difference(y_grouped, y_loop) < tolerance);
-      CHECK(relative_difference(dx_grouped, dx_loop) < tolerance);
-      auto loop_params = loop->named_parameters();
-      for (const auto& item : grouped->named_parameters()) {
-        INFO(item.key());
-        const auto& expected = loop_params[item.key()].grad();
-        REQUIRE(expected.defined());
-        CHECK(relative_difference(item.value().grad(), expected) < tolerance);
-      }
-      // Where every token went to the favoured experts, the others have zero gradient.
-      if (!test.favoured.empty()) {
-        const auto per_expert = grouped->experts->gate_up_proj.grad().abs().sum({1, 2});  // (E)
-        for (int64_t e = 0; e < 8; ++e) {
-          const bool favoured = std::count(test.favoured.begin(), test.favoured.end(), e) > 0;
-          CHECK((per_expert[e].item<double>() > 0) == favoured);
+    for (const auto dtype : {torch::kFloat32, torch::kFloat64})
+      for (const int parts : {1, 3}) {
+        INFO(test.name << ", " << dtype << ", parts " << parts);
+        moe_expert_parts_set(parts);
+        auto options = std::vector<std::string>{"override_model_config=true", "base_emb_dim=16", "num_experts=8",
+                                                "base_moe_mlp_dim=12", "routed_score_func=sigmoid"};
+        options.insert(options.end(), test.options.begin(), test.options.end());
+        auto with_dispatch = [&](const std::string& dispatch) {
+          auto o = options;
+          o.push_back("moe_dispatch=" + dispatch);
+          return tiny_config(o);
+        };
+        torch::manual_seed(21);
+        Moe grouped(with_dispatch("grouped")), loop(with_dispatch("loop"));
+        grouped->to(dtype);
+        loop->to(dtype);
+        {
+          torch::NoGradGuard no_grad;
+          // Modules are built undrawn (model_build draws); these scales keep the routing decisive.
+          for (auto& item : grouped->named_parameters()) item.value().normal_(0.0, 0.15);
+          grouped->gate->weight.normal_(0.0, 0.5);
+          auto source = grouped->named_parameters();
+          for (auto& item : loop->named_parameters()) item.value().copy_(source[item.key()]);
+          for (const int64_t e : test.favoured)
+            for (Moe* moe : {&grouped, &loop}) (*moe)->gate->e_score_correction_bias[e].fill_(100.0);
+        }
+        const auto x = torch::randn({2, 9, 16}, dtype);
+        const auto upstream = torch::randn({2, 9, 16}, dtype);
+        BlockContext ctx;
+        ctx.valid = torch::ones({2, 9}, torch::kBool);
+        ctx.valid[1].narrow(0, 7, 2).fill_(false);  // two padding tokens: routed like any other
+        auto run = [&](Moe& moe) {
+          const auto input = x.clone().requires_grad_(true);
+          const auto y = moe->forward(input, ctx);
+          (y * upstream).sum().backward();
+          return std::pair{y.detach(), input.grad()};
+        };
+        const auto [y_grouped, dx_grouped] = run(grouped);
+        const auto [y_loop, dx_loop] = run(loop);
+        const double tolerance = dtype == torch::kFloat32 ? 1e-6 : 1e-12;
+        CHECK(relative_difference(y_grouped, y_loop) < tolerance);
+        CHECK(relative_difference(dx_grouped, dx_loop) < tolerance);
+        auto loop_params = loop->named_parameters();
+        for (const auto& item : grouped->named_parameters()) {
+          INFO(item.key());
+          const auto& expected = loop_params[item.key()].grad();
+          REQUIRE(expected.defined());
+          CHECK(relative_difference(item.value().grad(), expected) < tolerance);
+        }
+        // Where every token went to the favoured experts, the others have zero gradient.
+        if (!test.favoured.empty()) {
+          const auto per_expert = grouped->experts->gate_up_proj.grad().abs().sum({1, 2});  // (E)
+          for (int64_t e = 0; e < 8; ++e) {
+            const bool favoured = std::count(test.favoured.begin(), test.favoured.end(), e) > 0;
+            CHECK((per_expert[e].item<double>() > 0) == favoured);
+          }
         }
       }
-    }
 }
 
 TEST_CASE("grouped experts with no rows, and under bf16 autocast", "[moe][dispatch]") {

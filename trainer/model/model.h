@@ -264,6 +264,11 @@ TORCH_MODULE(MoeExperts);
 // a number; on other devices this is ATen's topk.
 torch::Tensor moe_top_k_experts(const torch::Tensor& scores, int64_t k);
 
+// How many contiguous runs of experts the grouped CPU experts (fp32/fp64 on OpenBLAS) compute in
+// parallel, each on its own thread with BLAS single-threaded; 0 (the default) = OpenBLAS's thread
+// count. For tests: results do not depend on it.
+void moe_expert_parts_set(int parts);
+
 // DeepSeek/Ling-style dropless MoE: router -> softmax|sigmoid scores -> top-k (on scores + bias)
 // -> optional renormalization -> routed_scaling_factor; routed SwiGLU experts plus shared experts.
 class MoeImpl : public torch::nn::Module {
