@@ -231,6 +231,40 @@ TEST_CASE("parameters carry Hugging Face names and match the config-only count",
   }
 }
 
+TEST_CASE("RoPE's one-node backward equals autograd through HF's rotate_half form", "[model]") {
+  // apply_rope's node (model.cpp, RopeFunction) has a hand-derived backward. Independent: HF's
+  // formula x * cos + rotate_half(x) * sin in float64 with autograd, on a transposed (strided)
+  // input as the attention passes it, with full and partial rotary dimensions.
+  torch::manual_seed(8);
+  for (const int64_t rotary_dim : {16, 8}) {
+    INFO("rotary_dim " << rotary_dim);
+    const int64_t B = 2, H = 3, L = 5, hd = 16, half = rotary_dim / 2;
+    const auto angles = torch::randn({B, 1, L, half}, torch::kFloat64) * 3;
+    const auto cos = torch::cat({angles.cos(), angles.cos()}, -1), sin = torch::cat({angles.sin(), angles.sin()}, -1);
+    const auto sin_signed = torch::cat({-angles.sin(), angles.sin()}, -1);
+    const auto x0 = torch::randn({B, L, H, hd}, torch::kFloat64);
+    const auto upstream = torch::randn({B, H, L, hd}, torch::kFloat64);
+    const auto rotate_half = [&](const torch::Tensor& r) {
+      return torch::cat({-r.narrow(-1, half, half), r.narrow(-1, 0, half)}, -1);
+    };
+    const auto x_ref = x0.clone().requires_grad_();
+    const auto xt = x_ref.transpose(1, 2);  // (B, H, L, hd)
+    const auto rot = xt.narrow(-1, 0, rotary_dim);
+    const auto reference =
+        torch::cat({rot * cos + rotate_half(rot) * sin, xt.narrow(-1, rotary_dim, hd - rotary_dim)}, -1);
+    const auto want = torch::autograd::grad({reference}, {x_ref}, {upstream})[0];
+    for (const auto dtype : {torch::kFloat64, torch::kFloat32}) {
+      INFO(dtype);
+      const auto x = x0.to(dtype).requires_grad_();
+      const auto out = model_detail::apply_rope(x.transpose(1, 2), cos.to(dtype), sin_signed.to(dtype));
+      const auto got = torch::autograd::grad({out}, {x}, {upstream.to(dtype)})[0];
+      const double tolerance = dtype == torch::kFloat64 ? 1e-12 : 1e-6;
+      CHECK(torch::allclose(out.to(torch::kFloat64), reference.detach(), tolerance, tolerance));
+      CHECK(torch::allclose(got.to(torch::kFloat64), want, tolerance, tolerance));
+    }
+  }
+}
+
 // The pairing itself (rotate_half's (i, i + rot/2), not interleaved) is checked against the
 // independent forward at the end of this file; this one checks relative-position invariance.
 TEST_CASE("RoPE scores depend only on relative positions, and the position input is used", "[model]") {

@@ -4,6 +4,10 @@
 // matmul-softmax-matmul composite.
 #include <cmath>
 #include <limits>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
 
 #include "trainer/model/layers.h"
 #include "trainer/model/model_size.h"
@@ -18,6 +22,21 @@ namespace {
 struct SegmentMask {
   torch::Tensor allowed;  // (B, 1, L, L) bool or undefined
 };
+
+// Plain causal, within a diagonal block: row r (position s + r/g) may not see key s + c, c > r/g.
+// (block*g, block) bool, the same for every layer and step: built once per (block, g, device) and
+// kept for the process (the map is never destroyed, so no device tensor outlives its runtime).
+torch::Tensor diagonal_block_mask(int64_t block, int64_t group, const torch::Device& device) {
+  static std::mutex mutex;
+  static auto* masks = new std::map<std::tuple<int64_t, int64_t, std::string>, torch::Tensor>;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto& mask = (*masks)[{block, group, device.str()}];
+  if (!mask.defined()) {
+    const auto opts = torch::TensorOptions().dtype(torch::kLong).device(device);
+    mask = torch::arange(block, opts).unsqueeze(0) > torch::arange(block * group, opts).div(group, "floor").unsqueeze(1);
+  }
+  return mask;
+}
 
 // Block-causal attention as one autograd node. Inputs are laid out so that a block of query
 // positions is a contiguous row range for every kv head:
@@ -45,14 +64,8 @@ class BlockCausalAttention : public torch::autograd::Function<BlockCausalAttenti
     const int64_t N = k3.size(0), L = k3.size(1), hv = v3.size(2);
     const auto qs = q3 * (1.0 / std::sqrt(static_cast<double>(q3.size(2))));  // (N, L*g, hd)
     auto out = torch::empty({N, L * group, hv}, q3.options());  // (N, L*g, hv)
-    // Plain causal: within the diagonal block, row r (position s + r/g) may not see key s + c, c > r/g.
-    torch::Tensor diagonal_hidden;  // (block*g, block) bool
     const auto& allowed = segments.allowed;
-    if (!allowed.defined()) {
-      const auto opts = torch::TensorOptions().dtype(torch::kLong).device(q3.device());
-      diagonal_hidden = torch::arange(block, opts).unsqueeze(0) >
-                        torch::arange(block * group, opts).div(group, "floor").unsqueeze(1);
-    }
+    const auto diagonal_hidden = allowed.defined() ? torch::Tensor() : diagonal_block_mask(block, group, q3.device());
     std::vector<torch::Tensor> saved = {qs, k3, v3};
     for (int64_t s = 0; s < L; s += block) {
       const int64_t e = std::min(L, s + block), rows = (e - s) * group;

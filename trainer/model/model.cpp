@@ -87,19 +87,36 @@ Linear linear(int64_t in, int64_t out) { return Linear(in, out); }
 // x: (B, H, L, hd). HF's rotate_half pairs dimension i with i + rotary_dim/2:
 //   rope(x) = x * cos + rotate_half(x) * sin,  rotate_half(x) = (-x2, x1)  for x = (x1, x2).
 // With the sign folded into the table, sin_signed = (-sin1, sin2), this is
-//   rope(x) = x * cos + (x2, x1) * sin_signed,
-// the same numbers (a negation is exact) with one kernel fewer forward and backward. The swap
-// (x2, x1) is a roll by half: one autograd node whose backward is the opposite roll (one
-// kernel), where a cat of two slices backpropagated through two zero-filled slice gradients
-// and their sum.
+//   rope(x) = x * cos + P(x) * sin_signed,   P(x) = (x2, x1), a roll by half, its own inverse,
+// the same numbers (a negation is exact). RopeFunction computes it as one autograd node. The map
+// is linear in x: out_i = x_i c_i + x_P(i) s_i, so the gradient of x_j collects g_j c_j from the
+// first term and g_P(j) s_P(j) from the second (P(i) = j exactly when i = P(j)):
+//   dx = g * cos + P(g * sin_signed).
+// Three kernels each way (roll, mul, addcmul), where the composite recorded four nodes, ran four
+// kernels each way and summed the two gradients reaching x. Nothing is kept but the tables.
+class RopeFunction : public torch::autograd::Function<RopeFunction> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& cos,
+                               const torch::Tensor& sin_signed) {
+    ctx->save_for_backward({cos, sin_signed});
+    return x.roll(cos.size(-1) / 2, -1).mul_(sin_signed).addcmul_(x, cos);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &cos = saved[0], &sin_signed = saved[1];
+    const auto& g = grad_outputs[0];
+    return {(g * sin_signed).roll(cos.size(-1) / 2, -1).addcmul_(g, cos), torch::Tensor(), torch::Tensor()};
+  }
+};
+
 // Rotates the first rotary_dim dimensions and passes the rest through.
 torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin_signed) {
-  const auto rotary_dim = cos.size(-1), half = rotary_dim / 2;
-  const auto rot = rotary_dim == x.size(-1) ? x : x.narrow(-1, 0, rotary_dim);
-  const auto swapped = rot.roll(half, -1);  // (x2, x1)
-  const auto rotated = rot * cos + swapped * sin_signed;
-  if (rotary_dim == x.size(-1)) return rotated;
-  return torch::cat({rotated, x.narrow(-1, rotary_dim, x.size(-1) - rotary_dim)}, -1);
+  const auto rotary_dim = cos.size(-1);
+  if (rotary_dim == x.size(-1)) return RopeFunction::apply(x, cos, sin_signed);
+  return torch::cat({RopeFunction::apply(x.narrow(-1, 0, rotary_dim), cos, sin_signed),
+                     x.narrow(-1, rotary_dim, x.size(-1) - rotary_dim)},
+                    -1);
 }
 
 // One GEMM for several projections of the same input: their weights (each (out_i, D)) are
