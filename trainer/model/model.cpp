@@ -283,6 +283,37 @@ MlpImpl::MlpImpl(int64_t dim, int64_t hidden, bool one_gemm_for_gate_up) : one_g
   down_proj = register_module("down_proj", linear(hidden, dim));
 }
 
+namespace {
+
+// SwiGLU on the fused gate/up GEMM output as one autograd node: h = silu(g) * u for
+// gate_up = [g | u] (.., 2F). Backward, with s = silu(g) recomputed (silu'(g) = s (1 + g (1 - s))):
+//   du = dh * s,   dg = dh * u * silu'(g)   (silu_backward: one kernel)
+// written into the two halves of one (.., 2F) gradient. Keeps gate_up only: the composite
+// (split, silu, mul) also kept silu(g), (.., F) per layer, and ran the same four backward kernels
+// plus a cat of the halves' gradients, over three autograd nodes.
+class SwiGLUFunction : public torch::autograd::Function<SwiGLUFunction> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& gate_up) {
+    const int64_t F = gate_up.size(-1) / 2;
+    ctx->save_for_backward({gate_up});
+    return torch::silu(gate_up.narrow(-1, 0, F)).mul_(gate_up.narrow(-1, F, F));
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    const auto gate_up = ctx->get_saved_variables()[0];
+    const int64_t F = gate_up.size(-1) / 2;
+    const auto g = gate_up.narrow(-1, 0, F), u = gate_up.narrow(-1, F, F);
+    const auto dh = grad_outputs[0].to(gate_up.scalar_type());
+    auto grad = torch::empty(gate_up.sizes(), gate_up.options());  // (.., 2F): [dg | du]
+    auto dg = grad.narrow(-1, 0, F), du = grad.narrow(-1, F, F);
+    at::mul_out(du, dh, torch::silu(g));
+    at::silu_backward_out(dg, dh * u, g);
+    return {grad};
+  }
+};
+
+}  // namespace
+
 torch::Tensor MlpImpl::forward(const torch::Tensor& x, bool recompute_activation) {
   const auto swiglu = [](const std::vector<torch::Tensor>& in) {  // {gate (.., F), up (.., F)}
     return std::vector<torch::Tensor>{F::silu(in[0]) * in[1]};
@@ -292,8 +323,10 @@ torch::Tensor MlpImpl::forward(const torch::Tensor& x, bool recompute_activation
   };
   if (!one_gemm_for_gate_up_) return down_proj(activation(gate_proj(x), up_proj(x)));
   const auto hidden = gate_proj->weight.size(0);
-  const auto gate_up = linear_fused(x, {gate_proj->weight, up_proj->weight}).split_with_sizes({hidden, hidden}, -1);  // (B, L, F) x 2
-  return down_proj(activation(gate_up[0], gate_up[1]));
+  const auto gate_up = linear_fused(x, {gate_proj->weight, up_proj->weight});  // (B, L, 2F)
+  if (!recompute_activation) return down_proj(SwiGLUFunction::apply(gate_up));
+  const auto halves = gate_up.split_with_sizes({hidden, hidden}, -1);  // (B, L, F) x 2
+  return down_proj(activation(halves[0], halves[1]));
 }
 
 DecoderLayerImpl::DecoderLayerImpl(const Config& c, bool use_moe, int64_t layer_index) {

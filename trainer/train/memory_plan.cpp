@@ -28,7 +28,7 @@
 //   attention output, transposed for o_proj                  m T q
 //   residual after attention                                 r T D
 //   post-attention RMSNorm                                   r T D
-//   SwiGLU: gate/up output, silu(gate), the product          4 m T F
+//   SwiGLU (one node): gate/up output, the product            3 m T F
 //   residual after the MLP (the next layer's input)          r T D
 //   bf16 autocast: the bf16 copies of the two normed GEMM inputs   2 * 2 T D
 // MoE layers replace the SwiGLU by: router logits and scores (fp32, T E each), and per routed row
@@ -84,8 +84,9 @@ struct Shapes {
 };
 
 // Activations saved for backward by one dense (`moe` false) or MoE decoder layer, in bytes.
-// minimal (remat_policy=minimal): SwiGLU keeps gate, up and the product, not silu(gate). Norms keep
-// their output under every policy (the GEMM input; their input is the residual stream, kept anyway).
+// remat_policy=minimal keeps what none keeps: its recomputed SwiGLU keeps gate, up and the product,
+// as the one-node SwiGLU does, and norms keep their output under every policy (the GEMM input;
+// their input is the residual stream, kept anyway).
 // The attention core's own saved tensors (after RoPE, before o_proj's input), in bytes.
 // block_causal: contiguous q, k and v in its layout, and the probabilities of the computed blocks:
 // query block i (b positions, H heads) against keys [0, min(L, (i+1) b)), in the matmul dtype.
@@ -104,10 +105,13 @@ double attention_saved_bytes(const Shapes& s, double m, double cast, AttentionCo
 }
 
 double layer_saved_bytes(const Shapes& s, bool moe, double r, double m, bool bf16, const MemoryPlanContext& ctx,
-                         bool segment_masks, bool qk_norm, bool minimal, bool grouped_experts) {
+                         bool segment_masks, bool qk_norm, bool grouped_experts) {
   const double cast = bf16 ? 2.0 : 0.0;  // bf16 copy of a fp32 GEMM input
   const double norm = 1.0;  // fp32 (B, L, D) tensors an RMSNorm keeps: its output
-  const double swiglu = minimal ? 3.0 : 4.0;  // (B, L, F) tensors SwiGLU keeps
+  // (B, L, F) tensors a SwiGLU keeps: the dense and shared-expert MLPs' one-node SwiGLU keeps
+  // gate/up and (down_proj's input) the product, as minimal's recomputed one does; the loop
+  // experts' composite, recomputed under no policy, keeps silu(gate) too.
+  const double mlp_swiglu = 3.0, loop_swiglu = 4.0;
   double bytes = norm * r * s.T * s.D + cast * s.T * s.D;  // input norm (+ its bf16 copy)
   bytes += m * s.T * (s.q + 2 * s.kv);                     // q/k/v GEMM output
   if (qk_norm) bytes += m * s.T * (s.q + s.kv);  // q/k norm outputs (RoPE's inputs; their inputs are q/k/v views)
@@ -117,12 +121,12 @@ double layer_saved_bytes(const Shapes& s, bool moe, double r, double m, bool bf1
   bytes += r * s.T * s.D;                          // residual
   bytes += norm * r * s.T * s.D + cast * s.T * s.D;  // post-attention norm
   if (!moe) {
-    bytes += swiglu * m * s.T * s.F;  // SwiGLU
+    bytes += mlp_swiglu * m * s.T * s.F;  // SwiGLU
   } else {
     bytes += 2 * 4 * s.T * s.E;                                                  // router logits, scores
     bytes += s.T * s.k * (grouped_experts ? 2 * m * s.D + 2 * m * s.Fm                  // routed rows
-                                          : (4 + cast) * s.D + swiglu * m * s.Fm + m * s.D);
-    if (s.Fs > 0) bytes += swiglu * m * s.T * s.Fs + cast * s.T * s.D;           // shared experts
+                                          : (4 + cast) * s.D + loop_swiglu * m * s.Fm + m * s.D);
+    if (s.Fs > 0) bytes += mlp_swiglu * m * s.T * s.Fs + cast * s.T * s.D;       // shared experts
     bytes += 2 * r * s.T * s.D;                                                  // expert sum, + shared
   }
   bytes += r * s.T * s.D;  // residual: the layer's output
@@ -274,9 +278,9 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   // whose own saved activations then exist once (the largest layer kind counts).
   const bool minimal = c.remat_policy == "minimal";
   const bool grouped = c.moe_dispatch == "grouped";
-  const double dense = layer_saved_bytes(s, false, r, m, bf16, ctx, segment_masks, c.use_qk_norm, minimal, grouped);
+  const double dense = layer_saved_bytes(s, false, r, m, bf16, ctx, segment_masks, c.use_qk_norm, grouped);
   const double moe =
-      moe_layers > 0 ? layer_saved_bytes(s, true, r, m, bf16, ctx, segment_masks, c.use_qk_norm, minimal, grouped) : 0.0;
+      moe_layers > 0 ? layer_saved_bytes(s, true, r, m, bf16, ctx, segment_masks, c.use_qk_norm, grouped) : 0.0;
   const double embedding = r * s.T * s.D;
   const double mask = segment_masks ? 2 * s.B * s.L * s.L + s.L * s.L : 0.0;  // bool masks: same segment, causal, both
   // num_vocab_tiling > 1: each head (the main one and every MTP depth's) keeps, from its tiled
@@ -310,7 +314,7 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   if (gla_layers > 0) detail += ", +" + memory_bytes_text(gla_extra) + " per GLA layer (its chunked core)";
   if (full) detail += " (remat_policy=full: each layer keeps its input, " + memory_bytes_text(r * s.T * s.D) +
                       ", and one layer at a time is rerun in backward)";
-  if (minimal) detail += " (remat_policy=minimal: norms and SwiGLU recomputed)";
+  if (minimal) detail += " (remat_policy=minimal: norms and SwiGLU recomputed, keeping what none keeps)";
   if (ctx.attention == AttentionCore::block_causal)
     detail += " (block-causal attention, blocks of " + std::to_string(kAttentionBlock) + " positions)";
   else
