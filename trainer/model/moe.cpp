@@ -18,26 +18,26 @@
 // Dispatch (moe_dispatch): the N k (token, slot) pairs are sorted by expert once (a counting sort
 // on the host for CPU tensors, a stable device sort otherwise), every expert runs on its
 // contiguous rows, and each token sums its k weighted rows. "grouped" runs all experts as one
-// autograd node (GroupedSwiGLU below: a GEMM per expert into one buffer on the CPU,
-// at::_grouped_mm on CUDA with LibTorch >= 2.8); "loop" records one small autograd graph per
-// expert and is the reference it is tested against. Rows move between token order and expert
-// order by gathers whose backward is a gather too (GatherRows), never by index_add_, whose CPU
-// kernel adds row by row.
+// autograd node (GroupedSwiGLU below: a GEMM per expert into one buffer on the CPU, runs of
+// experts on OpenBLAS's threads (ExpertThreads), at::_grouped_mm on CUDA with LibTorch >= 2.8);
+// "loop" records one small autograd graph per expert and is the reference it is tested against.
+// Rows move between token order and expert order by gathers whose backward is a gather too
+// (GatherRows), never by index_add_, whose CPU kernel adds row by row.
 #include <dlfcn.h>
 
 #include <ATen/ThreadLocalState.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
+#include <csignal>
 #include <exception>
 #include <functional>
-#include <mutex>
-#include <thread>
-#include <cmath>
-#include <csignal>
 #include <limits>
+#include <mutex>
 #include <numeric>
+#include <thread>
 
 #include "trainer/dist/dist.h"
 #include "trainer/metrics/perf_counters.h"
