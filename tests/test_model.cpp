@@ -157,58 +157,108 @@ TEST_CASE("block-causal attention: values and gradients equal a per-head float64
   CHECK(torch::allclose(dispatched.to(torch::kFloat64), expected, 1e-5, 1e-5));
 }
 
+// Restores RMSNorm's CPU row loop (on by default) when a test that switched it ends.
+struct RmsNormRowKernelRestore {
+  ~RmsNormRowKernelRestore() { rms_norm_row_kernel_set(true); }
+};
+
 TEST_CASE("RMSNorm: the model's and LibTorch's at::rms_norm agree in value and gradients", "[model]") {
-  torch::manual_seed(6);
-  RMSNorm norm(16, 1e-5);
-  { torch::NoGradGuard no_grad; norm->weight.uniform_(0.5, 1.5); }
-  const auto x0 = torch::randn({3, 5, 16}) * 3;
-  // Independent: float64, written out.
-  const auto x64 = x0.to(torch::kFloat64);
-  const auto expected = x64 * torch::rsqrt(x64.square().mean(-1, true) + 1e-5) * norm->weight.detach().to(torch::kFloat64);
-  const auto x = x0.clone().requires_grad_();
-  const auto ours = norm(x);
-  CHECK(torch::allclose(ours.to(torch::kFloat64), expected, 1e-6, 1e-6));
-  {
-    // The hand-written backward against autograd through the float64 formula above, and against
-    // central differences of the float64 module itself (one input and one weight entry).
-    const auto upstream = torch::randn_like(x0).to(torch::kFloat64);
-    const auto x64g = x64.clone().requires_grad_();
-    const auto w64 = norm->weight.detach().to(torch::kFloat64).requires_grad_();
-    const auto reference = x64g * torch::rsqrt(x64g.square().mean(-1, true) + 1e-5) * w64;
-    const auto want = torch::autograd::grad({reference}, {x64g, w64}, {upstream});
-    const auto x32 = x0.clone().requires_grad_();
-    const auto got = torch::autograd::grad({norm(x32)}, {x32, norm->weight}, {upstream.to(torch::kFloat32)});
-    CHECK(torch::allclose(got[0].to(torch::kFloat64), want[0], 1e-5, 1e-6));
-    CHECK(torch::allclose(got[1].to(torch::kFloat64), want[1], 1e-5, 1e-6));
-    RMSNorm norm64(16, 1e-5);
-    norm64->to(torch::kFloat64);
-    { torch::NoGradGuard no_grad; norm64->weight.copy_(w64.detach()); }
-    const auto xg = x64.clone().requires_grad_();
-    const auto analytic = torch::autograd::grad({(norm64(xg) * upstream).sum()}, {xg, norm64->weight});
-    const auto objective = [&](const torch::Tensor& input) { return (norm64(input) * upstream).sum().item<double>(); };
-    const double h = 1e-6;
-    auto plus = x64.clone(), minus = x64.clone();
-    plus[1][2][3] += h, minus[1][2][3] -= h;
-    CHECK(analytic[0][1][2][3].item<double>() == Approx((objective(plus) - objective(minus)) / (2 * h)).epsilon(1e-6));
-    torch::NoGradGuard no_grad;
-    const double w5 = norm64->weight[5].item<double>();
-    norm64->weight[5].fill_(w5 + h);
-    const double up = objective(x64);
-    norm64->weight[5].fill_(w5 - h);
-    const double down = objective(x64);
-    CHECK(analytic[1][5].item<double>() == Approx((up - down) / (2 * h)).epsilon(1e-6));
-  }
-  if (TRAINER_TORCH_AT_LEAST(2, 4)) {  // the fused path's call (CUDA >= 2.9), checked on the CPU
-    const auto x2 = x0.clone().requires_grad_();
-    const auto theirs = compat::rms_norm(x2, norm->weight, 1e-5);
-    CHECK(torch::allclose(theirs, ours, 1e-6, 1e-6));
-    const auto upstream = torch::randn_like(x0);
-    const auto g_ours = torch::autograd::grad({ours}, {x, norm->weight}, {upstream});
-    const auto g_theirs = torch::autograd::grad({theirs}, {x2, norm->weight}, {upstream});
-    CHECK(torch::allclose(g_theirs[0], g_ours[0], 1e-5, 1e-6));
-    CHECK(torch::allclose(g_theirs[1], g_ours[1], 1e-5, 1e-5));
+  RmsNormRowKernelRestore restore;
+  for (const bool row_kernel : {true, false}) {
+    INFO("CPU row loop " << row_kernel);
+    rms_norm_row_kernel_set(row_kernel);
+    torch::manual_seed(6);
+    RMSNorm norm(16, 1e-5);
+    { torch::NoGradGuard no_grad; norm->weight.uniform_(0.5, 1.5); }
+    const auto x0 = torch::randn({3, 5, 16}) * 3;
+    // Independent: float64, written out.
+    const auto x64 = x0.to(torch::kFloat64);
+    const auto expected = x64 * torch::rsqrt(x64.square().mean(-1, true) + 1e-5) * norm->weight.detach().to(torch::kFloat64);
+    const auto x = x0.clone().requires_grad_();
+    const auto ours = norm(x);
+    CHECK(torch::allclose(ours.to(torch::kFloat64), expected, 1e-6, 1e-6));
+    {
+      // The hand-written backward against autograd through the float64 formula above, and against
+      // central differences of the float64 module itself (one input and one weight entry).
+      const auto upstream = torch::randn_like(x0).to(torch::kFloat64);
+      const auto x64g = x64.clone().requires_grad_();
+      const auto w64 = norm->weight.detach().to(torch::kFloat64).requires_grad_();
+      const auto reference = x64g * torch::rsqrt(x64g.square().mean(-1, true) + 1e-5) * w64;
+      const auto want = torch::autograd::grad({reference}, {x64g, w64}, {upstream});
+      const auto x32 = x0.clone().requires_grad_();
+      const auto got = torch::autograd::grad({norm(x32)}, {x32, norm->weight}, {upstream.to(torch::kFloat32)});
+      CHECK(torch::allclose(got[0].to(torch::kFloat64), want[0], 1e-5, 1e-6));
+      CHECK(torch::allclose(got[1].to(torch::kFloat64), want[1], 1e-5, 1e-6));
+      RMSNorm norm64(16, 1e-5);
+      norm64->to(torch::kFloat64);
+      { torch::NoGradGuard no_grad; norm64->weight.copy_(w64.detach()); }
+      const auto xg = x64.clone().requires_grad_();
+      const auto analytic = torch::autograd::grad({(norm64(xg) * upstream).sum()}, {xg, norm64->weight});
+      const auto objective = [&](const torch::Tensor& input) { return (norm64(input) * upstream).sum().item<double>(); };
+      const double h = 1e-6;
+      auto plus = x64.clone(), minus = x64.clone();
+      plus[1][2][3] += h, minus[1][2][3] -= h;
+      CHECK(analytic[0][1][2][3].item<double>() == Approx((objective(plus) - objective(minus)) / (2 * h)).epsilon(1e-6));
+      torch::NoGradGuard no_grad;
+      const double w5 = norm64->weight[5].item<double>();
+      norm64->weight[5].fill_(w5 + h);
+      const double up = objective(x64);
+      norm64->weight[5].fill_(w5 - h);
+      const double down = objective(x64);
+      CHECK(analytic[1][5].item<double>() == Approx((up - down) / (2 * h)).epsilon(1e-6));
+    }
+    if (TRAINER_TORCH_AT_LEAST(2, 4)) {  // the fused path's call (CUDA >= 2.9), checked on the CPU
+      const auto x2 = x0.clone().requires_grad_();
+      const auto theirs = compat::rms_norm(x2, norm->weight, 1e-5);
+      CHECK(torch::allclose(theirs, ours, 1e-6, 1e-6));
+      const auto upstream = torch::randn_like(x0);
+      const auto g_ours = torch::autograd::grad({ours}, {x, norm->weight}, {upstream});
+      const auto g_theirs = torch::autograd::grad({theirs}, {x2, norm->weight}, {upstream});
+      CHECK(torch::allclose(g_theirs[0], g_ours[0], 1e-5, 1e-6));
+      CHECK(torch::allclose(g_theirs[1], g_ours[1], 1e-5, 1e-5));
+    }
   }
   CHECK_FALSE(compat::fused_rms_norm(torch::kCPU));
+}
+
+TEST_CASE("RMSNorm's CPU row loop equals its ATen kernels on many rows over two threads", "[model]") {
+  // Rows enough for two chunks on two intra-op threads (each with its own weight-gradient partial
+  // sums), a width that is no multiple of the loop's 8 lanes, and a strided input.
+  RmsNormRowKernelRestore restore;
+  const int threads = at::get_num_threads();
+  at::set_num_threads(2);
+  torch::manual_seed(7);
+  RMSNorm norm(203, 1e-6);
+  { torch::NoGradGuard no_grad; norm->weight.uniform_(0.5, 1.5); }
+  const auto x0 = (torch::randn({2, 203, 700}) * 2).transpose(1, 2);  // (2, 700, 203), strided
+  const auto upstream = torch::randn({2, 700, 203});
+  std::vector<torch::Tensor> results[2];
+  for (const bool row_kernel : {true, false}) {
+    rms_norm_row_kernel_set(row_kernel);
+    const auto x = x0.clone(at::MemoryFormat::Preserve).requires_grad_();
+    REQUIRE_FALSE(x.is_contiguous());
+    const auto y = norm(x);
+    auto grads = torch::autograd::grad({y}, {x, norm->weight}, {upstream});
+    results[row_kernel] = {y.detach(), grads[0], grads[1]};
+  }
+  at::set_num_threads(threads);
+  // Independent: float64 autograd through the formula.
+  const auto x64 = x0.to(torch::kFloat64).requires_grad_();
+  const auto w64 = norm->weight.detach().to(torch::kFloat64).requires_grad_();
+  const auto reference = x64 * torch::rsqrt(x64.square().mean(-1, true) + 1e-6) * w64;
+  const auto want = torch::autograd::grad({reference}, {x64, w64}, {upstream.to(torch::kFloat64)});
+  const std::vector<torch::Tensor> expected = {reference.detach(), want[0], want[1]};
+  const char* names[] = {"y", "dx", "dweight"};
+  for (int i = 0; i < 3; ++i) {
+    INFO(names[i]);
+    for (const bool row_kernel : {true, false}) {
+      INFO("CPU row loop " << row_kernel);
+      const auto got = results[row_kernel][i].to(torch::kFloat64);
+      const double scale = expected[i].abs().max().item<double>();
+      CHECK((got - expected[i]).abs().max().item<double>() < 2e-6 * scale);
+    }
+    CHECK(torch::allclose(results[1][i], results[0][i], 1e-5, 1e-5 * expected[i].abs().max().item<double>()));
+  }
 }
 
 TEST_CASE("parameters carry Hugging Face names and match the config-only count", "[model]") {

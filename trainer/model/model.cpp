@@ -4,10 +4,12 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 
 #include "trainer/model/layers.h"
 #include "trainer/model/model_size.h"
+#include "trainer/model/row_kernels.h"
 #include "trainer/util/torch_compat.h"
 
 namespace trainer {
@@ -27,14 +29,52 @@ namespace {
 //   dw = sum over rows of dy xhat
 //   dx_i = r g_i + sum_j g_j x_j (d r / d x_i),   d r / d x_i = -r^3 x_i / D,
 //        = r g_i - r xhat_i mean_j(g_j xhat_j) = r (g - xhat mean(g xhat))_i
-// It keeps x and r (one value per row) and runs 9 kernels in backward, where the composite
-// (pow, mean, add, rsqrt, mul, mul) kept x, r and xhat and ran ~14 over six autograd nodes: on a
-// host-bound step that bookkeeping is a measurable part of the norm. The forward computes the same
-// numbers as the composite, operation for operation.
+// It keeps x and r (one value per row). On the CPU, for fp32 and fp64 with the weight's dtype, both
+// directions are one pass over each row (row_kernels.cpp): on a host-bound step the ~4 forward and
+// ~9 backward ATen kernels (each a dispatch, an allocation and a sweep) were ~7% of the step.
+// Elsewhere (CUDA, bf16 inputs) they are ATen kernels, computing the same numbers as the composite
+// (pow, mean, add, rsqrt, mul, mul), which kept x, r and xhat over six autograd nodes.
+std::atomic<bool> rms_norm_row_kernel_enabled{true};  // rms_norm_row_kernel_set(), for tests
+
+bool rms_norm_row_kernel_applies(const torch::Tensor& x, const torch::Tensor& weight) {
+  return rms_norm_row_kernel_enabled && x.device().is_cpu() && x.scalar_type() == weight.scalar_type() &&
+         (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kFloat64);
+}
+
+// Runs fn(first_row, last_row, chunk) over `chunks` contiguous row ranges on LibTorch's intra-op
+// threads. The ranges depend only on the thread count, so each chunk's partial sums are the same
+// from run to run.
+template <typename Fn>
+int64_t for_each_row_chunk(int64_t rows, int64_t dim, Fn fn) {
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>({rows * dim >> 15, rows, at::get_num_threads()}));
+  at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t c = first; c < last; ++c) fn(rows * c / chunks, rows * (c + 1) / chunks, c);
+  });
+  return chunks;
+}
+
 class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
                                const torch::Tensor& weight, double eps) {
+    if (rms_norm_row_kernel_applies(x, weight)) {
+      const auto xc = x.contiguous(), wc = weight.contiguous();  // (..., D), (D)
+      const int64_t dim = xc.size(-1), rows = xc.numel() / std::max<int64_t>(dim, 1);
+      auto y = torch::empty_like(xc);                                  // (..., D)
+      auto rstd_shape = xc.sizes().vec();
+      rstd_shape.back() = 1;
+      auto rstd = torch::empty(rstd_shape, xc.options());  // (..., 1)
+      AT_DISPATCH_FLOATING_TYPES(xc.scalar_type(), "rms_norm_rows_forward", [&] {
+        const auto *xp = xc.data_ptr<scalar_t>(), *wp = wc.data_ptr<scalar_t>();
+        auto *yp = y.data_ptr<scalar_t>(), *rp = rstd.data_ptr<scalar_t>();
+        for_each_row_chunk(rows, dim, [&](int64_t first, int64_t last, int64_t) {
+          model_detail::rms_norm_rows_forward(xp + first * dim, wp, last - first, dim, eps, yp + first * dim,
+                                              rp + first);
+        });
+      });
+      ctx->save_for_backward({xc, weight, rstd});
+      return y;
+    }
     const auto wide = x.to(at::promote_types(x.scalar_type(), torch::kFloat32));  // (..., D)
     const auto rstd = (wide * wide).mean(-1, /*keepdim=*/true).add_(eps).rsqrt_();  // (..., 1)
     ctx->save_for_backward({x, weight, rstd});
@@ -45,6 +85,31 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
                                                  torch::autograd::variable_list grad_outputs) {
     const auto saved = ctx->get_saved_variables();
     const auto &x = saved[0], &weight = saved[1], &rstd = saved[2];
+    if (rms_norm_row_kernel_applies(x, weight) && x.scalar_type() == rstd.scalar_type()) {
+      const auto dy = grad_outputs[0].to(x.scalar_type()).contiguous();  // (..., D)
+      const auto wc = weight.contiguous();
+      const int64_t dim = x.size(-1), rows = x.numel() / std::max<int64_t>(dim, 1);
+      auto dx = torch::empty_like(x);  // (..., D)
+      const bool want_dw = ctx->needs_input_grad(1);
+      // One row of double partial sums per chunk, added in chunk order.
+      const int64_t max_chunks = std::max<int64_t>(1, std::min<int64_t>(rows, at::get_num_threads()));
+      auto dw_parts = want_dw ? torch::zeros({max_chunks, dim}, x.options().dtype(torch::kFloat64))  // (C, D)
+                              : torch::Tensor();
+      int64_t chunks = 1;
+      AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "rms_norm_rows_backward", [&] {
+        const auto *xp = x.data_ptr<scalar_t>(), *wp = wc.data_ptr<scalar_t>(), *rp = rstd.data_ptr<scalar_t>(),
+                   *dyp = dy.data_ptr<scalar_t>();
+        auto* dxp = dx.data_ptr<scalar_t>();
+        double* parts = want_dw ? dw_parts.data_ptr<double>() : nullptr;
+        chunks = for_each_row_chunk(rows, dim, [&](int64_t first, int64_t last, int64_t c) {
+          model_detail::rms_norm_rows_backward(xp + first * dim, wp, rp + first, dyp + first * dim, last - first, dim,
+                                               dxp + first * dim, parts ? parts + c * dim : nullptr);
+        });
+      });
+      torch::Tensor dw;
+      if (want_dw) dw = (chunks == 1 ? dw_parts[0] : dw_parts.narrow(0, 0, chunks).sum(0)).to(weight.scalar_type());
+      return {ctx->needs_input_grad(0) ? dx : torch::Tensor(), dw, torch::Tensor()};
+    }
     const auto wide = x.to(rstd.scalar_type());
     const auto dy = grad_outputs[0].to(rstd.scalar_type());  // (..., D)
     const auto xhat = wide * rstd;                            // (..., D)
@@ -57,6 +122,8 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
 };
 
 }  // namespace
+
+void rms_norm_row_kernel_set(bool enabled) { rms_norm_row_kernel_enabled = enabled; }
 
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
   weight = register_parameter("weight", torch::ones({dim}));
