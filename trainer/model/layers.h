@@ -18,6 +18,13 @@ torch::Tensor linear_fused(const torch::Tensor& x, std::initializer_list<torch::
 // x: (B, H, L, hd). Rotates the first cos.size(-1) dims, pairing i with i + rot/2 (rotate_half).
 torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin_signed);
 
+// The backward of SwiGLU, h = silu(g) * u, from dh, written into dg and du (callers pass the two
+// halves of one (.., 2F) gradient [dg | du]); silu_g = silu(g), which the caller already has:
+//   du = dh * silu(g),   dg = dh * u * silu'(g),   silu'(g) = s (1 + g (1 - s)), s = sigmoid(g)
+// (silu_backward: one kernel). Used by the dense MLP's node and the grouped MoE experts.
+void swiglu_backward_out(torch::Tensor dg, torch::Tensor du, const torch::Tensor& dh, const torch::Tensor& g,
+                         const torch::Tensor& u, const torch::Tensor& silu_g);
+
 // norm(x), recomputed in backward when recompute_elementwise (remat_policy=minimal).
 torch::Tensor norm_forward(RMSNorm& norm, const torch::Tensor& x, bool recompute_elementwise);
 

@@ -177,6 +177,12 @@ class RopeFunction : public torch::autograd::Function<RopeFunction> {
   }
 };
 
+void swiglu_backward_out(torch::Tensor dg, torch::Tensor du, const torch::Tensor& dh, const torch::Tensor& g,
+                         const torch::Tensor& u, const torch::Tensor& silu_g) {
+  at::silu_backward_out(dg, dh * u, g);
+  at::mul_out(du, dh, silu_g);
+}
+
 // Rotates the first rotary_dim dimensions and passes the rest through.
 torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin_signed) {
   const auto rotary_dim = cos.size(-1);
@@ -353,9 +359,8 @@ MlpImpl::MlpImpl(int64_t dim, int64_t hidden, bool one_gemm_for_gate_up) : one_g
 namespace {
 
 // SwiGLU on the fused gate/up GEMM output as one autograd node: h = silu(g) * u for
-// gate_up = [g | u] (.., 2F). Backward, with s = silu(g) recomputed (silu'(g) = s (1 + g (1 - s))):
-//   du = dh * s,   dg = dh * u * silu'(g)   (silu_backward: one kernel)
-// written into the two halves of one (.., 2F) gradient. Keeps gate_up only: the composite
+// gate_up = [g | u] (.., 2F). Backward (swiglu_backward_out) recomputes silu(g) and writes dg and du
+// into the two halves of one (.., 2F) gradient. Keeps gate_up only: the composite
 // (split, silu, mul) also kept silu(g), (.., F) per layer, and ran the same four backward kernels
 // plus a cat of the halves' gradients, over three autograd nodes.
 class SwiGLUFunction : public torch::autograd::Function<SwiGLUFunction> {
@@ -372,9 +377,7 @@ class SwiGLUFunction : public torch::autograd::Function<SwiGLUFunction> {
     const auto g = gate_up.narrow(-1, 0, F), u = gate_up.narrow(-1, F, F);
     const auto dh = grad_outputs[0].to(gate_up.scalar_type());
     auto grad = torch::empty(gate_up.sizes(), gate_up.options());  // (.., 2F): [dg | du]
-    auto dg = grad.narrow(-1, 0, F), du = grad.narrow(-1, F, F);
-    at::mul_out(du, dh, torch::silu(g));
-    at::silu_backward_out(dg, dh * u, g);
+    model_detail::swiglu_backward_out(grad.narrow(-1, 0, F), grad.narrow(-1, F, F), dh, g, u, torch::silu(g));
     return {grad};
   }
 };

@@ -41,6 +41,7 @@
 
 #include "trainer/dist/dist.h"
 #include "trainer/metrics/perf_counters.h"
+#include "trainer/model/layers.h"
 #include "trainer/model/model.h"
 #include "trainer/util/torch_compat.h"
 
@@ -436,9 +437,8 @@ class GroupedSwiGLU : public torch::autograd::Function<GroupedSwiGLU> {
         gemm_into(d_down[e], dy_e.t(), h.narrow(0, first_row - first, n));
       });
       const auto dh_part = dh.narrow(0, first, rows);
-      auto dg = dgu.narrow(0, first, rows).narrow(1, 0, F), du = dgu.narrow(0, first, rows).narrow(1, F, F);
-      at::silu_backward_out(dg, dh_part * u, g);  // dh * u * silu'(g), one fused kernel
-      at::mul_out(du, dh_part, silu);
+      model_detail::swiglu_backward_out(dgu.narrow(0, first, rows).narrow(1, 0, F),
+                                        dgu.narrow(0, first, rows).narrow(1, F, F), dh_part, g, u, silu);
       for_each_expert_rows(group_sizes, part, [&](int64_t e, int64_t first_row, int64_t n) {
         const auto dgu_e = dgu.narrow(0, first_row, n);
         gemm_into(dx.narrow(0, first_row, n), dgu_e, w[e]);
