@@ -157,16 +157,16 @@ TEST_CASE("block-causal attention: values and gradients equal a per-head float64
   CHECK(torch::allclose(dispatched.to(torch::kFloat64), expected, 1e-5, 1e-5));
 }
 
-// Restores RMSNorm's CPU row loop (on by default) when a test that switched it ends.
-struct RmsNormRowKernelRestore {
-  ~RmsNormRowKernelRestore() { rms_norm_row_kernel_set(true); }
+// Restores the CPU row loops of RMSNorm and RoPE (on by default) when a test that switched them ends.
+struct CpuRowKernelsRestore {
+  ~CpuRowKernelsRestore() { cpu_row_kernels_set(true); }
 };
 
 TEST_CASE("RMSNorm: the model's and LibTorch's at::rms_norm agree in value and gradients", "[model]") {
-  RmsNormRowKernelRestore restore;
+  CpuRowKernelsRestore restore;
   for (const bool row_kernel : {true, false}) {
     INFO("CPU row loop " << row_kernel);
-    rms_norm_row_kernel_set(row_kernel);
+    cpu_row_kernels_set(row_kernel);
     torch::manual_seed(6);
     RMSNorm norm(16, 1e-5);
     { torch::NoGradGuard no_grad; norm->weight.uniform_(0.5, 1.5); }
@@ -224,7 +224,7 @@ TEST_CASE("RMSNorm: the model's and LibTorch's at::rms_norm agree in value and g
 TEST_CASE("RMSNorm's CPU row loop equals its ATen kernels on many rows over two threads", "[model]") {
   // Rows enough for two chunks on two intra-op threads (each with its own weight-gradient partial
   // sums), a width that is no multiple of the loop's 8 lanes, and a strided input.
-  RmsNormRowKernelRestore restore;
+  CpuRowKernelsRestore restore;
   const int threads = at::get_num_threads();
   at::set_num_threads(2);
   torch::manual_seed(7);
@@ -234,7 +234,7 @@ TEST_CASE("RMSNorm's CPU row loop equals its ATen kernels on many rows over two 
   const auto upstream = torch::randn({2, 700, 203});
   std::vector<torch::Tensor> results[2];
   for (const bool row_kernel : {true, false}) {
-    rms_norm_row_kernel_set(row_kernel);
+    cpu_row_kernels_set(row_kernel);
     const auto x = x0.clone(at::MemoryFormat::Preserve).requires_grad_();
     REQUIRE_FALSE(x.is_contiguous());
     const auto y = norm(x);
@@ -284,7 +284,9 @@ TEST_CASE("parameters carry Hugging Face names and match the config-only count",
 TEST_CASE("RoPE's one-node backward equals autograd through HF's rotate_half form", "[model]") {
   // apply_rope's node (model.cpp, RopeFunction) has a hand-derived backward. Independent: HF's
   // formula x * cos + rotate_half(x) * sin in float64 with autograd, on a transposed (strided)
-  // input as the attention passes it, with full and partial rotary dimensions.
+  // input as the attention passes it, with full and partial rotary dimensions; on the CPU both
+  // as row loops and as ATen kernels.
+  CpuRowKernelsRestore restore;
   torch::manual_seed(8);
   for (const int64_t rotary_dim : {16, 8}) {
     INFO("rotary_dim " << rotary_dim);
@@ -305,12 +307,22 @@ TEST_CASE("RoPE's one-node backward equals autograd through HF's rotate_half for
     const auto want = torch::autograd::grad({reference}, {x_ref}, {upstream})[0];
     for (const auto dtype : {torch::kFloat64, torch::kFloat32}) {
       INFO(dtype);
-      const auto x = x0.to(dtype).requires_grad_();
-      const auto out = model_detail::apply_rope(x.transpose(1, 2), cos.to(dtype), sin_signed.to(dtype));
-      const auto got = torch::autograd::grad({out}, {x}, {upstream.to(dtype)})[0];
-      const double tolerance = dtype == torch::kFloat64 ? 1e-12 : 1e-6;
-      CHECK(torch::allclose(out.to(torch::kFloat64), reference.detach(), tolerance, tolerance));
-      CHECK(torch::allclose(got.to(torch::kFloat64), want, tolerance, tolerance));
+      std::vector<torch::Tensor> by_path[2];
+      for (const bool row_kernel : {true, false}) {
+        INFO("CPU row loop " << row_kernel);
+        cpu_row_kernels_set(row_kernel);
+        const auto x = x0.to(dtype).requires_grad_();
+        const auto out = model_detail::apply_rope(x.transpose(1, 2), cos.to(dtype), sin_signed.to(dtype));
+        const auto got = torch::autograd::grad({out}, {x}, {upstream.to(dtype)})[0];
+        const double tolerance = dtype == torch::kFloat64 ? 1e-12 : 1e-6;
+        CHECK(torch::allclose(out.to(torch::kFloat64), reference.detach(), tolerance, tolerance));
+        CHECK(torch::allclose(got.to(torch::kFloat64), want, tolerance, tolerance));
+        by_path[row_kernel] = {out.detach(), got};
+      }
+      // One rounding apart at most (LibTorch's AVX2 addcmul may fuse the multiply-add).
+      const double ulps = dtype == torch::kFloat64 ? 1e-15 : 5e-7;
+      CHECK(torch::allclose(by_path[1][0], by_path[0][0], ulps, ulps));
+      CHECK(torch::allclose(by_path[1][1], by_path[0][1], ulps, ulps));
     }
   }
 }

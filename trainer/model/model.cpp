@@ -34,10 +34,10 @@ namespace {
 // ~9 backward ATen kernels (each a dispatch, an allocation and a sweep) were ~7% of the step.
 // Elsewhere (CUDA, bf16 inputs) they are ATen kernels, computing the same numbers as the composite
 // (pow, mean, add, rsqrt, mul, mul), which kept x, r and xhat over six autograd nodes.
-std::atomic<bool> rms_norm_row_kernel_enabled{true};  // rms_norm_row_kernel_set(), for tests
+std::atomic<bool> cpu_row_kernels_enabled{true};  // cpu_row_kernels_set(), for tests
 
 bool rms_norm_row_kernel_applies(const torch::Tensor& x, const torch::Tensor& weight) {
-  return rms_norm_row_kernel_enabled && x.device().is_cpu() && x.scalar_type() == weight.scalar_type() &&
+  return cpu_row_kernels_enabled && x.device().is_cpu() && x.scalar_type() == weight.scalar_type() &&
          (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kFloat64);
 }
 
@@ -123,7 +123,7 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
 
 }  // namespace
 
-void rms_norm_row_kernel_set(bool enabled) { rms_norm_row_kernel_enabled = enabled; }
+void cpu_row_kernels_set(bool enabled) { cpu_row_kernels_enabled = enabled; }
 
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
   weight = register_parameter("weight", torch::ones({dim}));
@@ -160,20 +160,66 @@ Linear linear(int64_t in, int64_t out) { return Linear(in, out); }
 // first term and g_P(j) s_P(j) from the second (P(i) = j exactly when i = P(j)):
 //   dx = g * cos + P(g * sin_signed).
 // Three kernels each way (roll, mul, addcmul), where the composite recorded four nodes, ran four
-// kernels each way and summed the two gradients reaching x. Nothing is kept but the tables.
+// kernels each way and summed the two gradients reaching x. Nothing is kept but the tables. On the
+// CPU (fp32 and fp64) each direction is one pass over each row instead (rope_rows,
+// row_kernels.cpp): ATen's roll is a narrow and a cat. The gradient is written in the dimension
+// order of x's strides, so that for the transposed views the attention passes (x is (B, L, H, hd)
+// in memory) the view's backward needs no copy to return to (B, L, H * hd).
 class RopeFunction : public torch::autograd::Function<RopeFunction> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& cos,
                                const torch::Tensor& sin_signed) {
     ctx->save_for_backward({cos, sin_signed});
+    if (rope_row_kernel_applies(x, cos, sin_signed)) {
+      auto out = torch::empty(x.sizes(), x.options());  // (B, H, L, rot)
+      rope_rows_run(x, cos, sin_signed, /*adjoint=*/false, out);
+      // The order of x's dimensions in memory, outermost first, for the gradient's layout.
+      auto order = std::vector<int64_t>{0, 1, 2, 3};
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return x.stride(a) > x.stride(b); });
+      ctx->saved_data["order"] = order;
+      return out;
+    }
     return x.roll(cos.size(-1) / 2, -1).mul_(sin_signed).addcmul_(x, cos);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
     const auto saved = ctx->get_saved_variables();
     const auto &cos = saved[0], &sin_signed = saved[1];
-    const auto& g = grad_outputs[0];
+    const auto& g = grad_outputs[0];  // (B, H, L, rot)
+    if (ctx->saved_data.count("order") && rope_row_kernel_applies(g, cos, sin_signed)) {
+      const auto order = ctx->saved_data["order"].toIntVector();
+      std::vector<int64_t> sizes, inverse(4);
+      for (size_t i = 0; i < order.size(); ++i) sizes.push_back(g.size(order[i])), inverse[order[i]] = i;
+      auto dx = torch::empty(sizes, g.options()).permute(inverse);  // (B, H, L, rot) in x's memory order
+      rope_rows_run(g, cos, sin_signed, /*adjoint=*/true, dx);
+      return {dx, torch::Tensor(), torch::Tensor()};
+    }
     return {(g * sin_signed).roll(cos.size(-1) / 2, -1).addcmul_(g, cos), torch::Tensor(), torch::Tensor()};
+  }
+
+ private:
+  // CPU, fp32 or fp64 alike, 4-D, rows contiguous, tables (B or 1, 1, L or 1, rot) alike.
+  static bool rope_row_kernel_applies(const torch::Tensor& x, const torch::Tensor& cos,
+                                      const torch::Tensor& sin_signed) {
+    const auto type = x.scalar_type();
+    return cpu_row_kernels_enabled && x.device().is_cpu() && (type == torch::kFloat32 || type == torch::kFloat64) &&
+           cos.scalar_type() == type && sin_signed.scalar_type() == type && x.dim() == 4 && cos.dim() == 4 &&
+           x.stride(3) == 1 && cos.stride(3) == 1 && cos.strides() == sin_signed.strides() &&
+           cos.sizes() == sin_signed.sizes() && cos.size(1) == 1 && cos.size(3) == x.size(3) &&
+           (cos.size(0) == 1 || cos.size(0) == x.size(0)) && (cos.size(2) == 1 || cos.size(2) == x.size(2));
+  }
+  static model_detail::RowGrid row_grid(const torch::Tensor& t, at::IntArrayRef sizes) {
+    model_detail::RowGrid grid{};
+    for (int i = 0; i < 3; ++i) grid.sizes[i] = sizes[i], grid.strides[i] = t.size(i) == 1 ? 0 : t.stride(i);
+    return grid;
+  }
+  static void rope_rows_run(const torch::Tensor& in, const torch::Tensor& cos, const torch::Tensor& sin_signed,
+                            bool adjoint, torch::Tensor& out) {
+    AT_DISPATCH_FLOATING_TYPES(in.scalar_type(), "rope_rows", [&] {
+      model_detail::rope_rows(in.data_ptr<scalar_t>(), row_grid(in, in.sizes()), cos.data_ptr<scalar_t>(),
+                              sin_signed.data_ptr<scalar_t>(), row_grid(cos, in.sizes()), in.size(3), adjoint,
+                              out.data_ptr<scalar_t>(), row_grid(out, in.sizes()));
+    });
   }
 };
 

@@ -269,10 +269,10 @@ torch::Tensor moe_top_k_experts(const torch::Tensor& scores, int64_t k);
 // count. For tests: results do not depend on it.
 void moe_expert_parts_set(int parts);
 
-// Whether RMSNorm on the CPU (fp32 and fp64 with the weight's dtype) runs as one loop per row
-// (row_kernels.h) or as ATen kernels, as on CUDA and for bf16 inputs. On by default. For tests:
-// both compute the same function.
-void rms_norm_row_kernel_set(bool enabled);
+// Whether RMSNorm and RoPE on the CPU (fp32 and fp64) run as one loop per row (row_kernels.h) or
+// as ATen kernels, as on CUDA and for bf16 inputs. On by default. For tests: both compute the same
+// function.
+void cpu_row_kernels_set(bool enabled);
 
 // DeepSeek/Ling-style dropless MoE: router -> softmax|sigmoid scores -> top-k (on scores + bias)
 // -> optional renormalization -> routed_scaling_factor; routed SwiGLU experts plus shared experts.

@@ -25,4 +25,23 @@ void rms_norm_rows_backward(const float* x, const float* weight, const float* rs
 void rms_norm_rows_backward(const double* x, const double* weight, const double* rstd, const double* dy,
                             int64_t rows, int64_t dim, double* dx, double* dweight_sum);
 
+// Where each row of `dim` contiguous values starts in a (A, B, C, dim) view: row (a, b, c) at
+// a * strides[0] + b * strides[1] + c * strides[2] elements (a stride 0 broadcasts).
+struct RowGrid {
+  int64_t sizes[3];
+  int64_t strides[3];
+};
+
+// RoPE in the rotate_half form over rows of rot values (model.cpp derives it), with
+// P(j) = (j + rot/2) mod rot and the tables' rows c (cos) and s (sin_signed):
+//   forward:  out_j = in_P(j) s_j + in_j c_j
+//   adjoint:  out_j = in_P(j) s_P(j) + in_j c_j     (dx from dy)
+// rounded as LibTorch's roll, mul and addcmul round them (but without a fused multiply-add, which
+// LibTorch's AVX2 kernels may use: the two differ in the last bit at most). `in`, the tables and
+// `out` each have their own grid over the same sizes.
+void rope_rows(const float* in, const RowGrid& in_grid, const float* cos, const float* sin_signed,
+               const RowGrid& table_grid, int64_t rot, bool adjoint, float* out, const RowGrid& out_grid);
+void rope_rows(const double* in, const RowGrid& in_grid, const double* cos, const double* sin_signed,
+               const RowGrid& table_grid, int64_t rot, bool adjoint, double* out, const RowGrid& out_grid);
+
 }  // namespace trainer::model_detail
