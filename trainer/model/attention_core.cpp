@@ -6,7 +6,6 @@
 #include <limits>
 #include <map>
 #include <mutex>
-#include <string>
 #include <tuple>
 
 #include "trainer/model/layers.h"
@@ -24,18 +23,24 @@ struct SegmentMask {
 };
 
 // Plain causal, within a diagonal block: row r (position s + r/g) may not see key s + c, c > r/g.
-// (block*g, block) bool, the same for every layer and step: built once per (block, g, device) and
+// (block*g, block) of 0 and -inf in the scores' dtype, added to the diagonal block's scores (a
+// vectorized add: LibTorch 1.13's CPU masked_fill_ with a bool mask is a scalar loop, and it was 2%
+// of a tiny step). For finite scores the same as masking (only a score overflowed to +inf in a
+// hidden position would now give NaN, which the step's non-finite check reports, where masking
+// hid it). The same for every layer and step: built once per (block, g, dtype, device) and
 // kept for the process (the map is never destroyed, so no device tensor outlives its runtime).
-torch::Tensor diagonal_block_mask(int64_t block, int64_t group, const torch::Device& device) {
+torch::Tensor diagonal_block_bias(int64_t block, int64_t group, torch::ScalarType dtype, const torch::Device& device) {
   static std::mutex mutex;
-  static auto* masks = new std::map<std::tuple<int64_t, int64_t, std::string>, torch::Tensor>;
+  static auto* biases = new std::map<std::tuple<int64_t, int64_t, int, int, int>, torch::Tensor>;
   const std::lock_guard<std::mutex> lock(mutex);
-  auto& mask = (*masks)[{block, group, device.str()}];
-  if (!mask.defined()) {
+  auto& bias = (*biases)[{block, group, static_cast<int>(dtype), static_cast<int>(device.type()), device.index()}];
+  if (!bias.defined()) {
     const auto opts = torch::TensorOptions().dtype(torch::kLong).device(device);
-    mask = torch::arange(block, opts).unsqueeze(0) > torch::arange(block * group, opts).div(group, "floor").unsqueeze(1);
+    const auto hidden =
+        torch::arange(block, opts).unsqueeze(0) > torch::arange(block * group, opts).div(group, "floor").unsqueeze(1);
+    bias = torch::zeros(hidden.sizes(), opts.dtype(dtype)).masked_fill_(hidden, -std::numeric_limits<double>::infinity());
   }
-  return mask;
+  return bias;
 }
 
 // Block-causal attention as one autograd node. Inputs are laid out so that a block of query
@@ -65,7 +70,8 @@ class BlockCausalAttention : public torch::autograd::Function<BlockCausalAttenti
     const auto qs = q3 * (1.0 / std::sqrt(static_cast<double>(q3.size(2))));  // (N, L*g, hd)
     auto out = torch::empty({N, L * group, hv}, q3.options());  // (N, L*g, hv)
     const auto& allowed = segments.allowed;
-    const auto diagonal_hidden = allowed.defined() ? torch::Tensor() : diagonal_block_mask(block, group, q3.device());
+    const auto diagonal_bias =
+        allowed.defined() ? torch::Tensor() : diagonal_block_bias(block, group, q3.scalar_type(), q3.device());
     std::vector<torch::Tensor> saved = {qs, k3, v3};
     for (int64_t s = 0; s < L; s += block) {
       const int64_t e = std::min(L, s + block), rows = (e - s) * group;
@@ -77,8 +83,7 @@ class BlockCausalAttention : public torch::autograd::Function<BlockCausalAttenti
         scores.view({B, N / B, e - s, group, e})
             .masked_fill_(hidden.reshape({B, 1, e - s, 1, e}), -std::numeric_limits<double>::infinity());
       } else {
-        scores.narrow(2, s, e - s).masked_fill_(diagonal_hidden.narrow(0, 0, rows).narrow(1, 0, e - s),
-                                                -std::numeric_limits<double>::infinity());
+        scores.narrow(2, s, e - s).add_(diagonal_bias.narrow(0, 0, rows).narrow(1, 0, e - s));
       }
       // bf16: LibTorch's CPU softmax accumulates reduced-precision rows in fp32 and rounds once,
       // as an fp32 softmax cast back would, without the fp32 (N, rows, e) copy.
