@@ -9,6 +9,7 @@
 #include "test_support.h"
 #include "trainer/model/layers.h"
 #include "trainer/model/model.h"
+#include "trainer/model/row_kernels.h"
 #include "trainer/util/torch_compat.h"
 
 using namespace trainer;
@@ -341,18 +342,69 @@ TEST_CASE("SwiGLU's one-node backward equals autograd through silu(x W_g^T) * (x
   const auto x_ref = x0.clone().requires_grad_();
   const auto reference = torch::matmul(torch::silu(torch::matmul(x_ref, wg.t())) * torch::matmul(x_ref, wu.t()), wd.t());
   const auto want = torch::autograd::grad({reference}, {x_ref, wg, wu, wd}, {upstream});
-  for (const auto dtype : {torch::kFloat64, torch::kFloat32}) {
+  // fp32 and bf16 on the CPU run the node as a row loop (row_kernels.cpp) unless switched off; both
+  // ways are checked. bf16 rounds every GEMM output, so it gets bf16's tolerance.
+  CpuRowKernelsRestore restore;
+  for (const auto dtype : {torch::kFloat64, torch::kFloat32, torch::kBFloat16}) {
+    for (const bool row_kernel : {true, false}) {
+      INFO(dtype << ", CPU row loop " << row_kernel);
+      cpu_row_kernels_set(row_kernel);
+      mlp->to(dtype);
+      const auto x = x0.to(dtype).requires_grad_();
+      const auto out = mlp(x);
+      const auto got = torch::autograd::grad(
+          {out}, {x, mlp->gate_proj->weight, mlp->up_proj->weight, mlp->down_proj->weight}, {upstream.to(dtype)});
+      const double tolerance = dtype == torch::kFloat64 ? 1e-12 : dtype == torch::kFloat32 ? 1e-5 : 6e-2;
+      CHECK(torch::allclose(out.to(torch::kFloat64), reference.detach(), tolerance, tolerance));
+      for (size_t i = 0; i < got.size(); ++i) {
+        INFO("gradient " << i);
+        const double scale = dtype == torch::kBFloat16 ? want[i].abs().max().item<double>() : 1.0;
+        CHECK(torch::allclose(got[i].to(torch::kFloat64), want[i], tolerance, tolerance * scale));
+      }
+    }
+  }
+}
+
+TEST_CASE("SwiGLU's CPU row loop equals float64 formulas from -200 to 200 in fp32 and bf16", "[model]") {
+  // The loop's own sigmoid (an exp polynomial, clamped by the exponent) against the exact
+  // formulas, at the ends where it underflows and saturates, around 0, and on random values:
+  //   h = g sigmoid(g) u,  du = dh g sigmoid(g),  dg = dh u sigmoid(g) (1 + g (1 - sigmoid(g))).
+  torch::manual_seed(10);
+  const auto edges = torch::tensor({-200.0, -100.0, -88.0, -87.0, -30.0, -1e-3, 0.0, 1e-3, 0.5, 30.0, 88.0, 100.0, 200.0},
+                                   torch::kFloat64);
+  const int64_t F = edges.size(0) + 51;
+  const auto g64 = torch::cat({edges, torch::randn({51}, torch::kFloat64) * 4}).unsqueeze(0).repeat({3, 1});  // (3, F)
+  const auto u64 = torch::randn({3, F}, torch::kFloat64), dh64 = torch::randn({3, F}, torch::kFloat64);
+  for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
     INFO(dtype);
-    mlp->to(dtype);
-    const auto x = x0.to(dtype).requires_grad_();
-    const auto out = mlp(x);
-    const auto got = torch::autograd::grad(
-        {out}, {x, mlp->gate_proj->weight, mlp->up_proj->weight, mlp->down_proj->weight}, {upstream.to(dtype)});
-    const double tolerance = dtype == torch::kFloat64 ? 1e-12 : 1e-5;
-    CHECK(torch::allclose(out.to(torch::kFloat64), reference.detach(), tolerance, tolerance));
-    for (size_t i = 0; i < got.size(); ++i) {
-      INFO("gradient " << i);
-      CHECK(torch::allclose(got[i].to(torch::kFloat64), want[i], tolerance, tolerance));
+    // The stored inputs, and the exact results from them.
+    const auto g = g64.to(dtype), u = u64.to(dtype), dh = dh64.to(dtype);
+    const auto ge = g.to(torch::kFloat64), ue = u.to(torch::kFloat64), dhe = dh.to(torch::kFloat64);
+    const auto sig = torch::sigmoid(ge);
+    const auto h_want = ge * sig * ue, du_want = dhe * ge * sig, dg_want = dhe * ue * sig * (1 + ge * (1 - sig));
+    const auto gate_up = torch::cat({g, u}, 1).contiguous();  // (3, 2F)
+    auto h = torch::empty({3, F}, gate_up.options()), dgate_up = torch::empty({3, 2 * F}, gate_up.options());
+    if (dtype == torch::kFloat32) {
+      model_detail::swiglu_rows_forward(gate_up.data_ptr<float>(), 3, F, h.data_ptr<float>());
+      model_detail::swiglu_rows_backward(gate_up.data_ptr<float>(), dh.contiguous().data_ptr<float>(), 3, F,
+                                         dgate_up.data_ptr<float>());
+    } else {
+      const auto bits = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
+      const auto dh_rows = dh.contiguous();
+      model_detail::swiglu_rows_forward(bits(gate_up), 3, F, bits(h));
+      model_detail::swiglu_rows_backward(bits(gate_up), bits(dh_rows), 3, F, bits(dgate_up));
+    }
+    // fp32: a few ulp of fp32 over the exact value; bf16: the exact value rounded once (half an
+    // ulp, 2^-9) plus the fp32 work before it; both flush what is below ~1e-38 (g < -87) to 0.
+    const double rel = dtype == torch::kFloat32 ? 1e-6 : 1.0 / 256, abs = 1e-30;
+    const std::pair<torch::Tensor, torch::Tensor> checks[] = {
+        {h, h_want}, {dgate_up.narrow(1, F, F), du_want}, {dgate_up.narrow(1, 0, F), dg_want}};
+    const char* names[] = {"h", "du", "dg"};
+    for (int i = 0; i < 3; ++i) {
+      INFO(names[i]);
+      const auto got = checks[i].first.to(torch::kFloat64);
+      CHECK(torch::isfinite(got).all().item<bool>());
+      CHECK(((got - checks[i].second).abs() <= checks[i].second.abs() * rel + abs).all().item<bool>());
     }
   }
 }

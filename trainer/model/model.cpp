@@ -414,6 +414,17 @@ class SwiGLUFunction : public torch::autograd::Function<SwiGLUFunction> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& gate_up) {
     const int64_t F = gate_up.size(-1) / 2;
     ctx->save_for_backward({gate_up});
+    if (row_kernel_applies(gate_up)) {
+      auto sizes = gate_up.sizes().vec();
+      sizes.back() = F;
+      auto h = torch::empty(sizes, gate_up.options());  // (.., F)
+      const int64_t rows = gate_up.numel() / std::max<int64_t>(2 * F, 1);
+      if (gate_up.scalar_type() == torch::kFloat32)
+        model_detail::swiglu_rows_forward(gate_up.data_ptr<float>(), rows, F, h.data_ptr<float>());
+      else
+        model_detail::swiglu_rows_forward(bf16_bits(gate_up), rows, F, bf16_bits(h));
+      return h;
+    }
     return torch::silu(gate_up.narrow(-1, 0, F)).mul_(gate_up.narrow(-1, F, F));
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -423,8 +434,28 @@ class SwiGLUFunction : public torch::autograd::Function<SwiGLUFunction> {
     const auto g = gate_up.narrow(-1, 0, F), u = gate_up.narrow(-1, F, F);
     const auto dh = grad_outputs[0].to(gate_up.scalar_type());
     auto grad = torch::empty(gate_up.sizes(), gate_up.options());  // (.., 2F): [dg | du]
+    if (row_kernel_applies(gate_up)) {
+      const auto dh_rows = dh.contiguous();  // (.., F)
+      const int64_t rows = gate_up.numel() / std::max<int64_t>(2 * F, 1);
+      if (gate_up.scalar_type() == torch::kFloat32)
+        model_detail::swiglu_rows_backward(gate_up.data_ptr<float>(), dh_rows.data_ptr<float>(), rows, F,
+                                           grad.data_ptr<float>());
+      else
+        model_detail::swiglu_rows_backward(bf16_bits(gate_up), bf16_bits(dh_rows), rows, F, bf16_bits(grad));
+      return {grad};
+    }
     model_detail::swiglu_backward_out(grad.narrow(-1, 0, F), grad.narrow(-1, F, F), dh, g, u, torch::silu(g));
     return {grad};
+  }
+
+ private:
+  // CPU, fp32 or bf16, contiguous (the GEMM's output; float64, used by gradient checks, stays ATen).
+  static bool row_kernel_applies(const torch::Tensor& gate_up) {
+    return cpu_row_kernels_enabled && gate_up.device().is_cpu() && gate_up.is_contiguous() &&
+           (gate_up.scalar_type() == torch::kFloat32 || gate_up.scalar_type() == torch::kBFloat16);
+  }
+  static uint16_t* bf16_bits(const torch::Tensor& t) {
+    return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
   }
 };
 
@@ -438,11 +469,10 @@ torch::Tensor MlpImpl::forward(const torch::Tensor& x, bool recompute_activation
     return recompute_activation ? recompute(swiglu, {gate, up})[0] : swiglu({gate, up})[0];
   };
   if (!one_gemm_for_gate_up_) return down_proj(activation(gate_proj(x), up_proj(x)));
-  const auto hidden = gate_proj->weight.size(0);
+  // The node keeps gate_up only, which is what remat_policy=minimal's rerun of silu(g) * u would
+  // keep, so that policy runs it too: same memory, no rerun, and the same numbers as `none`.
   const auto gate_up = linear_fused(x, {gate_proj->weight, up_proj->weight});  // (B, L, 2F)
-  if (!recompute_activation) return down_proj(SwiGLUFunction::apply(gate_up));
-  const auto halves = gate_up.split_with_sizes({hidden, hidden}, -1);  // (B, L, F) x 2
-  return down_proj(activation(halves[0], halves[1]));
+  return down_proj(SwiGLUFunction::apply(gate_up));
 }
 
 DecoderLayerImpl::DecoderLayerImpl(const Config& c, bool use_moe, int64_t layer_index) {

@@ -160,7 +160,8 @@ std::vector<double> model_gla_head_slopes(int64_t heads);
 class MlpImpl : public torch::nn::Module {
  public:
   MlpImpl(int64_t dim, int64_t hidden, bool one_gemm_for_gate_up = true);
-  // recompute_activation: silu(gate) * up is recomputed in backward (remat_policy=minimal).
+  // recompute_activation (remat_policy=minimal): silu(gate) * up is recomputed in backward. With
+  // one GEMM the SwiGLU node keeps only its input, so there is nothing to rerun and it is ignored.
   torch::Tensor forward(const torch::Tensor& x, bool recompute_activation = false);
   Linear gate_proj{nullptr};  // (F, D)
   Linear up_proj{nullptr};    // (F, D)
