@@ -25,6 +25,12 @@ torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const
 void swiglu_backward_out(torch::Tensor dg, torch::Tensor du, const torch::Tensor& dh, const torch::Tensor& g,
                          const torch::Tensor& u, const torch::Tensor& silu_g);
 
+// SwiGLU's CPU row loops (row_kernels.h) on tensors: whether they apply (the CPU, fp32 or bf16,
+// contiguous (.., 2F) gate_up; cpu_row_kernels_set), h (.., F) = silu(g) u, and [dg | du] from dh.
+bool swiglu_row_kernel_applies(const torch::Tensor& gate_up);
+void swiglu_rows_forward_into(const torch::Tensor& gate_up, torch::Tensor& h);
+void swiglu_rows_backward_into(const torch::Tensor& gate_up, const torch::Tensor& dh, torch::Tensor& dgate_up);
+
 // norm(x), recomputed in backward when recompute_elementwise (remat_policy=minimal).
 torch::Tensor norm_forward(RMSNorm& norm, const torch::Tensor& x, bool recompute_elementwise);
 

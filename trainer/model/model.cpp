@@ -223,6 +223,38 @@ class RopeFunction : public torch::autograd::Function<RopeFunction> {
   }
 };
 
+bool swiglu_row_kernel_applies(const torch::Tensor& gate_up) {
+  return cpu_row_kernels_enabled && gate_up.device().is_cpu() && gate_up.is_contiguous() &&
+         (gate_up.scalar_type() == torch::kFloat32 || gate_up.scalar_type() == torch::kBFloat16);
+}
+
+namespace {
+uint16_t* bf16_bits(const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+}  // namespace
+
+void swiglu_rows_forward_into(const torch::Tensor& gate_up, torch::Tensor& h) {
+  const int64_t F = h.size(-1), rows = h.numel() / std::max<int64_t>(F, 1);
+  TORCH_CHECK(swiglu_row_kernel_applies(gate_up) && h.is_contiguous() && h.scalar_type() == gate_up.scalar_type() &&
+                  gate_up.numel() == 2 * h.numel(),
+              "swiglu_rows_forward_into: gate_up ", gate_up.sizes(), ", h ", h.sizes());
+  if (gate_up.scalar_type() == torch::kFloat32)
+    swiglu_rows_forward(gate_up.data_ptr<float>(), rows, F, h.data_ptr<float>());
+  else
+    swiglu_rows_forward(bf16_bits(gate_up), rows, F, bf16_bits(h));
+}
+
+void swiglu_rows_backward_into(const torch::Tensor& gate_up, const torch::Tensor& dh, torch::Tensor& dgate_up) {
+  const int64_t F = dh.size(-1), rows = dh.numel() / std::max<int64_t>(F, 1);
+  TORCH_CHECK(swiglu_row_kernel_applies(gate_up) && dh.is_contiguous() && dgate_up.is_contiguous() &&
+                  dh.scalar_type() == gate_up.scalar_type() && dgate_up.scalar_type() == gate_up.scalar_type() &&
+                  gate_up.numel() == 2 * dh.numel() && dgate_up.numel() == gate_up.numel(),
+              "swiglu_rows_backward_into: gate_up ", gate_up.sizes(), ", dh ", dh.sizes());
+  if (gate_up.scalar_type() == torch::kFloat32)
+    swiglu_rows_backward(gate_up.data_ptr<float>(), dh.data_ptr<float>(), rows, F, dgate_up.data_ptr<float>());
+  else
+    swiglu_rows_backward(bf16_bits(gate_up), bf16_bits(dh), rows, F, bf16_bits(dgate_up));
+}
+
 void swiglu_backward_out(torch::Tensor dg, torch::Tensor du, const torch::Tensor& dh, const torch::Tensor& g,
                          const torch::Tensor& u, const torch::Tensor& silu_g) {
   at::silu_backward_out(dg, dh * u, g);
@@ -414,15 +446,11 @@ class SwiGLUFunction : public torch::autograd::Function<SwiGLUFunction> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& gate_up) {
     const int64_t F = gate_up.size(-1) / 2;
     ctx->save_for_backward({gate_up});
-    if (row_kernel_applies(gate_up)) {
+    if (model_detail::swiglu_row_kernel_applies(gate_up)) {
       auto sizes = gate_up.sizes().vec();
       sizes.back() = F;
       auto h = torch::empty(sizes, gate_up.options());  // (.., F)
-      const int64_t rows = gate_up.numel() / std::max<int64_t>(2 * F, 1);
-      if (gate_up.scalar_type() == torch::kFloat32)
-        model_detail::swiglu_rows_forward(gate_up.data_ptr<float>(), rows, F, h.data_ptr<float>());
-      else
-        model_detail::swiglu_rows_forward(bf16_bits(gate_up), rows, F, bf16_bits(h));
+      model_detail::swiglu_rows_forward_into(gate_up, h);
       return h;
     }
     return torch::silu(gate_up.narrow(-1, 0, F)).mul_(gate_up.narrow(-1, F, F));
@@ -434,29 +462,14 @@ class SwiGLUFunction : public torch::autograd::Function<SwiGLUFunction> {
     const auto g = gate_up.narrow(-1, 0, F), u = gate_up.narrow(-1, F, F);
     const auto dh = grad_outputs[0].to(gate_up.scalar_type());
     auto grad = torch::empty(gate_up.sizes(), gate_up.options());  // (.., 2F): [dg | du]
-    if (row_kernel_applies(gate_up)) {
-      const auto dh_rows = dh.contiguous();  // (.., F)
-      const int64_t rows = gate_up.numel() / std::max<int64_t>(2 * F, 1);
-      if (gate_up.scalar_type() == torch::kFloat32)
-        model_detail::swiglu_rows_backward(gate_up.data_ptr<float>(), dh_rows.data_ptr<float>(), rows, F,
-                                           grad.data_ptr<float>());
-      else
-        model_detail::swiglu_rows_backward(bf16_bits(gate_up), bf16_bits(dh_rows), rows, F, bf16_bits(grad));
+    if (model_detail::swiglu_row_kernel_applies(gate_up)) {
+      model_detail::swiglu_rows_backward_into(gate_up, dh.contiguous(), grad);
       return {grad};
     }
     model_detail::swiglu_backward_out(grad.narrow(-1, 0, F), grad.narrow(-1, F, F), dh, g, u, torch::silu(g));
     return {grad};
   }
 
- private:
-  // CPU, fp32 or bf16, contiguous (the GEMM's output; float64, used by gradient checks, stays ATen).
-  static bool row_kernel_applies(const torch::Tensor& gate_up) {
-    return cpu_row_kernels_enabled && gate_up.device().is_cpu() && gate_up.is_contiguous() &&
-           (gate_up.scalar_type() == torch::kFloat32 || gate_up.scalar_type() == torch::kBFloat16);
-  }
-  static uint16_t* bf16_bits(const torch::Tensor& t) {
-    return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
-  }
 };
 
 }  // namespace

@@ -401,7 +401,11 @@ class GroupedSwiGLU : public torch::autograd::Function<GroupedSwiGLU> {
         gemm_into(gu.narrow(0, first_row, n), xc.narrow(0, first_row, n), w[e].t());
       });
       auto h_part = h.narrow(0, first, rows);
-      at::silu_out(h_part, gu.narrow(0, first, rows).narrow(1, 0, F)).mul_(gu.narrow(0, first, rows).narrow(1, F, F));
+      const auto gu_part = gu.narrow(0, first, rows);  // (rows, 2F)
+      if (model_detail::swiglu_row_kernel_applies(gu_part))
+        model_detail::swiglu_rows_forward_into(gu_part, h_part);
+      else
+        at::silu_out(h_part, gu_part.narrow(1, 0, F)).mul_(gu_part.narrow(1, F, F));
       for_each_expert_rows(group_sizes, part, [&](int64_t e, int64_t first_row, int64_t n) {
         gemm_into(y.narrow(0, first_row, n), h.narrow(0, first_row, n), w_down[e].t());
       });
@@ -428,17 +432,28 @@ class GroupedSwiGLU : public torch::autograd::Function<GroupedSwiGLU> {
     auto d_gate_up = torch::zeros_like(w);                              // (E, 2F, D)
     for_each_expert_part(group_sizes, xc, [&](const ExpertPart& part) {
       const int64_t first = part.first_row, rows = part.rows;
-      const auto g = gu.narrow(0, first, rows).narrow(1, 0, F), u = gu.narrow(0, first, rows).narrow(1, F, F);
-      const auto silu = torch::silu(g);  // (rows, F)
-      const auto h = silu * u;           // (rows, F)
+      const auto gu_part = gu.narrow(0, first, rows);  // (rows, 2F)
+      const auto g = gu_part.narrow(1, 0, F), u = gu_part.narrow(1, F, F);
+      const bool row_kernel = model_detail::swiglu_row_kernel_applies(gu_part);
+      torch::Tensor silu, h;  // (rows, F) each; the row loop recomputes silu itself
+      if (row_kernel) {
+        h = torch::empty({rows, F}, gu.options());
+        model_detail::swiglu_rows_forward_into(gu_part, h);
+      } else {
+        silu = torch::silu(g);
+        h = silu * u;
+      }
       for_each_expert_rows(group_sizes, part, [&](int64_t e, int64_t first_row, int64_t n) {
         const auto dy_e = dy.narrow(0, first_row, n);
         gemm_into(dh.narrow(0, first_row, n), dy_e, w_down[e]);
         gemm_into(d_down[e], dy_e.t(), h.narrow(0, first_row - first, n));
       });
       const auto dh_part = dh.narrow(0, first, rows);
-      model_detail::swiglu_backward_out(dgu.narrow(0, first, rows).narrow(1, 0, F),
-                                        dgu.narrow(0, first, rows).narrow(1, F, F), dh_part, g, u, silu);
+      auto dgu_part = dgu.narrow(0, first, rows);  // (rows, 2F)
+      if (row_kernel)
+        model_detail::swiglu_rows_backward_into(gu_part, dh_part, dgu_part);
+      else
+        model_detail::swiglu_backward_out(dgu_part.narrow(1, 0, F), dgu_part.narrow(1, F, F), dh_part, g, u, silu);
       for_each_expert_rows(group_sizes, part, [&](int64_t e, int64_t first_row, int64_t n) {
         const auto dgu_e = dgu.narrow(0, first_row, n);
         gemm_into(dx.narrow(0, first_row, n), dgu_e, w[e]);
