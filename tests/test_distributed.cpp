@@ -1049,7 +1049,10 @@ TEST_CASE("expert parallelism with remat_policy full and minimal equals EP=1 wit
       for (const char* name : {"learning/loss", "learning/moe_lb_loss", "learning/mtp_loss", "learning/raw_grad_norm",
                                "learning/param_norm", "moe/router_probs_std", "moe/expert_load_max_over_mean"}) {
         INFO("step " << i << " " << name);
-        CHECK(runs[remat][i][name].get<double>() == Approx(reference[i][name].get<double>()).epsilon(1e-6));
+        // 1e-5, as ling2-tiny in the EP test above: EP sums each expert's rows in another order
+        // than EP=1, and its 5-layer stack carries that rounding to ~2e-6 in raw_grad_norm
+        // (measured 1.75e-6 after the CPU SwiGLU loop; the weights below stay within 1e-6).
+        CHECK(runs[remat][i][name].get<double>() == Approx(reference[i][name].get<double>()).epsilon(1e-5));
       }
     CHECK(largest_weight_difference(checkpoint_model(run, 3), checkpoint_model("ep-remat-reference", 3)) < 1e-6);
     CHECK(expert_bias_bytes(checkpoint_model(run, 3)) == expert_bias_bytes(checkpoint_model("ep-remat-reference", 3)));
