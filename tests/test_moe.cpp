@@ -857,6 +857,43 @@ TEST_CASE("grouped experts with no rows, and under bf16 autocast", "[moe][dispat
   INFO("bf16 against fp32: " << rounding);
   CHECK(rounding > 1e-4);
   CHECK(rounding < 2e-2);
+
+  // A whole layer under bf16 autocast: the grouped dispatch (gather, experts and combine in one
+  // node) against the loop's separate autograd nodes, output and every gradient.
+  auto layer_run = [&](const std::string& dispatch) {
+    const Config c = tiny_config({"override_model_config=true", "base_emb_dim=16", "num_experts=8",
+                                  "num_experts_per_tok=3", "base_moe_mlp_dim=12", "shared_experts=0",
+                                  "moe_dispatch=" + dispatch});
+    torch::manual_seed(5);
+    Moe moe(c);
+    {
+      torch::NoGradGuard no_grad;
+      draw_weights(*moe, 0.3);
+      moe->gate->weight.normal_(0.0, 0.5);
+    }
+    torch::manual_seed(6);
+    const auto input = torch::randn({2, 10, 16}).requires_grad_(true);
+    const auto layer_upstream = torch::randn({2, 10, 16});
+    BlockContext ctx;
+    ctx.valid = torch::ones({2, 10}, torch::kBool);
+    torch::Tensor out;
+    {
+      compat::AutocastGuard autocast(true, false);
+      out = moe->forward(input, ctx);
+    }
+    (out.to(torch::kFloat32) * layer_upstream).sum().backward();
+    return std::tuple{out.detach(), input.grad(), moe->gate->weight.grad(), moe->experts->gate_up_proj.grad(),
+                      moe->experts->down_proj.grad()};
+  };
+  const auto [out_grouped, din_grouped, dgate_grouped, dgu_grouped, ddown_grouped] = layer_run("grouped");
+  const auto [out_loop, din_loop, dgate_loop, dgu_loop, ddown_loop] = layer_run("loop");
+  CHECK(out_grouped.scalar_type() == out_loop.scalar_type());
+  CHECK(dgu_grouped.scalar_type() == torch::kFloat32);
+  CHECK(relative_difference(out_grouped.to(torch::kFloat32), out_loop.to(torch::kFloat32)) < 1e-2);
+  CHECK(relative_difference(din_grouped, din_loop) < 1e-2);
+  CHECK(relative_difference(dgate_grouped, dgate_loop) < 1e-2);
+  CHECK(relative_difference(dgu_grouped, dgu_loop) < 1e-2);
+  CHECK(relative_difference(ddown_grouped, ddown_loop) < 1e-2);
 }
 
 TEST_CASE("a model with grouped dispatch trains as with the loop: gradients of a step", "[moe][dispatch][training]") {
@@ -877,7 +914,7 @@ TEST_CASE("a model with grouped dispatch trains as with the loop: gradients of a
     }
 }
 
-TEST_CASE("moe_top_k_experts equals a stable sort of each row: ties to the lower index and NaN last", "[moe][dispatch]") {
+TEST_CASE("moe_top_k_experts equals a stable sort of each row: ties to the lower index (-0 = 0) and NaN last", "[moe][dispatch]") {
   // Scores from a handful of values, so most rows have ties, with -inf (group-limited routing's
   // mask) and NaN entries. The reference ranks every number above NaN, larger first, and keeps
   // equal keys in index order (std::stable_sort).
@@ -890,6 +927,7 @@ TEST_CASE("moe_top_k_experts equals a stable sort of each row: ties to the lower
         auto scores = torch::randint(0, 4, {N, E}, torch::kFloat64).div_(4);  // (N, E)
         scores.masked_fill_(torch::rand({N, E}) < 0.1, -std::numeric_limits<double>::infinity());
         scores.masked_fill_(torch::rand({N, E}) < 0.05, std::numeric_limits<double>::quiet_NaN());
+        scores.masked_fill_(torch::rand({N, E}) < 0.05, -0.0);  // ties with 0.0, whose bits differ
         scores[0].fill_(std::numeric_limits<double>::quiet_NaN());  // a row of NaN still yields k experts
         scores = scores.to(dtype);
         const auto chosen = moe_top_k_experts(scores, k);

@@ -18,9 +18,11 @@
 // Dispatch (moe_dispatch): the N k (token, slot) pairs are sorted by expert once (a counting sort
 // on the host for CPU tensors, a stable device sort otherwise), every expert runs on its
 // contiguous rows, and each token sums its k weighted rows. "grouped" runs all experts as one
-// autograd node (GroupedSwiGLU below: a GEMM per expert into one buffer on the CPU, runs of
-// experts on OpenBLAS's threads (ExpertThreads), at::_grouped_mm on CUDA with LibTorch >= 2.8);
-// "loop" records one small autograd graph per expert and is the reference it is tested against.
+// autograd node (a GEMM per expert into one buffer on the CPU, runs of experts on OpenBLAS's
+// threads (ExpertThreads), at::_grouped_mm on CUDA with LibTorch >= 2.8); on the host path the
+// gather and the combine join that node (DispatchedExperts) unless the rows go to other ranks
+// (GroupedSwiGLU). "loop" records one small autograd graph per expert and is the reference it is
+// tested against.
 // Rows move between token order and expert order by gathers whose backward is a gather too
 // (GatherRows), never by index_add_, whose CPU kernel adds row by row.
 #include <dlfcn.h>
@@ -38,11 +40,13 @@
 #include <mutex>
 #include <numeric>
 #include <thread>
+#include <type_traits>
 
 #include "trainer/dist/dist.h"
 #include "trainer/metrics/perf_counters.h"
 #include "trainer/model/layers.h"
 #include "trainer/model/model.h"
+#include "trainer/model/row_kernels.h"
 #include "trainer/util/torch_compat.h"
 
 namespace trainer {
@@ -249,31 +253,73 @@ class ExpertThreads {
   std::exception_ptr error_;
 };
 
-// Calls fn(part) for contiguous runs of experts of about equal rows, in parallel where the GEMMs
-// go straight to OpenBLAS (see ExpertThreads), else once for all experts.
-template <class Fn>
-void for_each_expert_part(const std::vector<int64_t>& group_sizes, const torch::Tensor& x, Fn&& fn) {
+// How many threads the CPU experts and their dispatch use: OpenBLAS's thread count (or
+// moe_expert_parts_set's) where the experts' GEMMs go straight to OpenBLAS and its workers can be
+// stopped meanwhile (see ExpertThreads); else 1.
+int64_t expert_threads_for(const torch::Tensor& x) {
   const auto dtype = x.scalar_type();
   const bool direct_blas = x.is_cpu() && blas_set_threads && blas_get_threads && blas_stop_threads &&
                            ((dtype == at::kFloat && blas_sgemm) || (dtype == at::kDouble && blas_dgemm));
-  const int64_t wanted = direct_blas ? (expert_parts_wanted > 0 ? expert_parts_wanted.load() : blas_get_threads()) : 1;
-  const int64_t E = static_cast<int64_t>(group_sizes.size()), M = x.size(0);
+  if (!direct_blas) return 1;
+  return expert_parts_wanted > 0 ? expert_parts_wanted.load() : blas_get_threads();
+}
+
+// At most `threads` contiguous runs of experts of about equal rows (M in all), none empty; one
+// run of all experts when there are no rows.
+std::vector<ExpertPart> expert_parts_of(const std::vector<int64_t>& group_sizes, int64_t M, int64_t threads) {
+  const int64_t E = static_cast<int64_t>(group_sizes.size());
   std::vector<ExpertPart> parts;
   int64_t expert = 0, row = 0;
-  for (int64_t p = 1; p <= wanted; ++p) {
+  for (int64_t p = 1; p <= threads; ++p) {
     ExpertPart part{expert, expert, row, 0};
-    while (part.end_expert < E && (p == wanted || row < M * p / wanted))
+    while (part.end_expert < E && (p == threads || row < M * p / threads))
       row += group_sizes[static_cast<size_t>(part.end_expert++)];
     part.rows = row - part.first_row;
     expert = part.end_expert;
     if (part.rows > 0) parts.push_back(part);
   }
-  if (parts.size() <= 1) {
-    fn(parts.empty() ? ExpertPart{0, E, 0, M} : parts[0]);
+  if (parts.empty()) parts.push_back(ExpertPart{0, E, 0, M});
+  return parts;
+}
+
+// [first, first + rows) of some rows (tokens, for the passes that go by token).
+struct RowRange {
+  int64_t first = 0, rows = 0;
+};
+
+// At most `threads` contiguous ranges of about equal rows covering [0, rows); at least one.
+std::vector<RowRange> row_ranges_of(int64_t rows, int64_t threads) {
+  std::vector<RowRange> ranges;
+  for (int64_t p = 0; p < threads; ++p) {
+    const int64_t first = rows * p / threads, end = rows * (p + 1) / threads;
+    if (end > first) ranges.push_back({first, end - first});
+  }
+  if (ranges.empty()) ranges.push_back({0, rows});
+  return ranges;
+}
+
+// fn(part) for every part, each on its own thread of ExpertThreads when there is more than one;
+// the caller holds a BlasThreadsLent (the helpers must not share their cores with OpenBLAS's).
+template <class Part, class Fn>
+void run_parts(const std::vector<Part>& parts, Fn&& fn) {
+  if (parts.size() == 1) {
+    fn(parts[0]);
+    return;
+  }
+  ExpertThreads::get().run(static_cast<int>(parts.size()), [&](int p) { fn(parts[static_cast<size_t>(p)]); });
+}
+
+// Calls fn(part) for contiguous runs of experts of about equal rows, in parallel where the GEMMs
+// go straight to OpenBLAS (see ExpertThreads), else once for all experts.
+template <class Fn>
+void for_each_expert_part(const std::vector<int64_t>& group_sizes, const torch::Tensor& x, Fn&& fn) {
+  const auto parts = expert_parts_of(group_sizes, x.size(0), expert_threads_for(x));
+  if (parts.size() == 1) {
+    fn(parts[0]);
     return;
   }
   BlasThreadsLent lent;
-  ExpertThreads::get().run(static_cast<int>(parts.size()), [&](int p) { fn(parts[static_cast<size_t>(p)]); });
+  run_parts(parts, fn);
 }
 
 }  // namespace
@@ -375,42 +421,107 @@ class CombineRows : public torch::autograd::Function<CombineRows> {
   }
 };
 
-// All experts of a layer as one autograd node. With x_e the rows of expert e, W = gate_up[e]
-// (2F, D) and W_d = down[e] (D, F):
+// The routed SwiGLU experts of a layer on rows in expert order. With x_e the rows of expert e,
+// W = gate_up[e] (2F, D) and W_d = down[e] (D, F):
 //   [g | u] = x_e W^T,  h = silu(g) * u,  y_e = h W_d^T
 // and backward, from dy_e (silu'(g) = s (1 + g (1 - s)), s = sigmoid(g)):
 //   dW_d[e] = dy_e^T h,   dh = dy_e W_d,   dg = dh * u * silu'(g),   du = dh * silu(g)
 //   dW[e] = [dg | du]^T x_e,   dx_e = [dg | du] W
 // Forward keeps x (in the compute dtype) and [g | u]; h is recomputed in backward. Experts
-// without rows get zero weight gradients. Weight gradients leave in the weights' dtype.
+// without rows get zero weight gradients. Each function below computes one run of experts
+// (ExpertPart) into its rows of the full buffers, so that runs can go on separate threads.
+struct GroupedExperts {
+  std::vector<int64_t> group_sizes;  // (E) rows per expert, on the host
+  torch::Tensor x;                   // (M, D) the routed rows, in the compute dtype
+  torch::Tensor gate_up;             // (E, 2F, D) in the compute dtype
+  torch::Tensor down;                // (E, D, F) in the compute dtype
+  torch::Tensor gu;                  // (M, 2F) [g | u], written by forward, read by backward
+
+  int64_t width() const { return down.size(2); }
+
+  // h (M, F) and y (M, D): the part's rows.
+  void forward_part(const ExpertPart& part, torch::Tensor& h, torch::Tensor& y) const {
+    const int64_t F = width();
+    for_each_expert_rows(group_sizes, part, [&](int64_t e, int64_t first_row, int64_t n) {
+      gemm_into(gu.narrow(0, first_row, n), x.narrow(0, first_row, n), gate_up[e].t());
+    });
+    auto h_part = h.narrow(0, part.first_row, part.rows);
+    const auto gu_part = gu.narrow(0, part.first_row, part.rows);  // (rows, 2F)
+    if (model_detail::swiglu_row_kernel_applies(gu_part))
+      model_detail::swiglu_rows_forward_into(gu_part, h_part);
+    else
+      at::silu_out(h_part, gu_part.narrow(1, 0, F)).mul_(gu_part.narrow(1, F, F));
+    for_each_expert_rows(group_sizes, part, [&](int64_t e, int64_t first_row, int64_t n) {
+      gemm_into(y.narrow(0, first_row, n), h.narrow(0, first_row, n), down[e].t());
+    });
+  }
+
+  // From dy (M, D): the part's rows of dh (M, F), dgu (M, 2F) and dx (M, D), and its experts' slices
+  // of d_gate_up and d_down (zeros where an expert has no rows).
+  void backward_part(const ExpertPart& part, const torch::Tensor& dy, torch::Tensor& dh, torch::Tensor& dgu,
+                     torch::Tensor& dx, torch::Tensor& d_gate_up, torch::Tensor& d_down) const {
+    const int64_t F = width(), first = part.first_row, rows = part.rows;
+    const auto gu_part = gu.narrow(0, first, rows);  // (rows, 2F)
+    const auto g = gu_part.narrow(1, 0, F), u = gu_part.narrow(1, F, F);
+    const bool row_kernel = model_detail::swiglu_row_kernel_applies(gu_part);
+    torch::Tensor silu, h;  // (rows, F) each; the row loop recomputes silu itself
+    if (row_kernel) {
+      h = torch::empty({rows, F}, gu.options());
+      model_detail::swiglu_rows_forward_into(gu_part, h);
+    } else {
+      silu = torch::silu(g);
+      h = silu * u;
+    }
+    for_each_expert_rows(group_sizes, part, [&](int64_t e, int64_t first_row, int64_t n) {
+      const auto dy_e = dy.narrow(0, first_row, n);
+      gemm_into(dh.narrow(0, first_row, n), dy_e, down[e]);
+      gemm_into(d_down[e], dy_e.t(), h.narrow(0, first_row - first, n));
+    });
+    const auto dh_part = dh.narrow(0, first, rows);
+    auto dgu_part = dgu.narrow(0, first, rows);  // (rows, 2F)
+    if (row_kernel)
+      model_detail::swiglu_rows_backward_into(gu_part, dh_part, dgu_part);
+    else
+      model_detail::swiglu_backward_out(dgu_part.narrow(1, 0, F), dgu_part.narrow(1, F, F), dh_part, g, u, silu);
+    for_each_expert_rows(group_sizes, part, [&](int64_t e, int64_t first_row, int64_t n) {
+      const auto dgu_e = dgu.narrow(0, first_row, n);
+      gemm_into(dx.narrow(0, first_row, n), dgu_e, gate_up[e]);
+      gemm_into(d_gate_up[e], dgu_e.t(), x.narrow(0, first_row, n));
+    });
+  }
+
+  // What backward needs, the first tensors given to save_for_backward, and the experts back from them.
+  std::vector<torch::Tensor> saved_tensors() const { return {x, gu, gate_up, down}; }
+  static GroupedExperts from_saved(std::vector<int64_t> group_sizes, const torch::autograd::variable_list& saved) {
+    return {std::move(group_sizes), saved[0], saved[2], saved[3], saved[1]};
+  }
+};
+
+// The grouped experts' inputs in the compute dtype (bf16 under autocast), contiguous.
+GroupedExperts grouped_experts(const torch::Tensor& x_sorted, const torch::Tensor& gate_up, const torch::Tensor& down,
+                               const std::vector<int64_t>& group_sizes) {
+  const auto dtype = expert_compute_dtype(x_sorted);
+  const int64_t M = x_sorted.size(0), F = down.size(2);
+  const auto x = x_sorted.to(dtype).contiguous();
+  return {group_sizes, x, gate_up.to(dtype).contiguous(), down.to(dtype).contiguous(),
+          torch::empty({M, 2 * F}, x.options())};
+}
+
+// All experts of a layer on rows already in expert order, as one autograd node (the expert-
+// parallel path, where the rows arrive from the other ranks). Weight gradients leave in the
+// weights' dtype.
 class GroupedSwiGLU : public torch::autograd::Function<GroupedSwiGLU> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
                                const torch::Tensor& gate_up, const torch::Tensor& down,
                                const std::vector<int64_t>& group_sizes) {
-    const auto dtype = expert_compute_dtype(x);
+    auto experts = grouped_experts(x, gate_up, down, group_sizes);  // reads autocast's state: before the guard
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    const auto xc = x.to(dtype).contiguous(), w = gate_up.to(dtype).contiguous(), w_down = down.to(dtype).contiguous();
-    const int64_t M = x.size(0), D = x.size(1), F = down.size(2);
-    auto gu = torch::empty({M, 2 * F}, xc.options());  // (M, 2F)
-    auto h = torch::empty({M, F}, xc.options());       // (M, F)
-    auto y = torch::empty({M, D}, xc.options());       // (M, D)
-    for_each_expert_part(group_sizes, xc, [&](const ExpertPart& part) {
-      const int64_t first = part.first_row, rows = part.rows;
-      for_each_expert_rows(group_sizes, part, [&](int64_t e, int64_t first_row, int64_t n) {
-        gemm_into(gu.narrow(0, first_row, n), xc.narrow(0, first_row, n), w[e].t());
-      });
-      auto h_part = h.narrow(0, first, rows);
-      const auto gu_part = gu.narrow(0, first, rows);  // (rows, 2F)
-      if (model_detail::swiglu_row_kernel_applies(gu_part))
-        model_detail::swiglu_rows_forward_into(gu_part, h_part);
-      else
-        at::silu_out(h_part, gu_part.narrow(1, 0, F)).mul_(gu_part.narrow(1, F, F));
-      for_each_expert_rows(group_sizes, part, [&](int64_t e, int64_t first_row, int64_t n) {
-        gemm_into(y.narrow(0, first_row, n), h.narrow(0, first_row, n), w_down[e].t());
-      });
-    });
-    ctx->save_for_backward({xc, gu, w, w_down});
+    const int64_t M = x.size(0), D = x.size(1), F = experts.width();
+    auto h = torch::empty({M, F}, experts.x.options());  // (M, F)
+    auto y = torch::empty({M, D}, experts.x.options());  // (M, D)
+    for_each_expert_part(group_sizes, experts.x, [&](const ExpertPart& part) { experts.forward_part(part, h, y); });
+    ctx->save_for_backward(experts.saved_tensors());
     ctx->saved_data["group_sizes"] = group_sizes;
     ctx->saved_data["x_dtype"] = x.scalar_type();
     ctx->saved_data["weight_dtype"] = gate_up.scalar_type();
@@ -419,49 +530,136 @@ class GroupedSwiGLU : public torch::autograd::Function<GroupedSwiGLU> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
-    const auto saved = ctx->get_saved_variables();
-    const auto &xc = saved[0], &gu = saved[1], &w = saved[2], &w_down = saved[3];
-    const auto group_sizes = ctx->saved_data["group_sizes"].toIntVector();
+    const auto experts =
+        GroupedExperts::from_saved(ctx->saved_data["group_sizes"].toIntVector(), ctx->get_saved_variables());
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    const int64_t M = xc.size(0), D = xc.size(1), F = w_down.size(2);
-    const auto dy = grad_outputs[0].to(xc.scalar_type()).contiguous();  // (M, D)
-    auto dh = torch::empty({M, F}, xc.options());                       // (M, F)
-    auto dgu = torch::empty({M, 2 * F}, xc.options());                  // (M, 2F): [dg | du]
-    auto dx = torch::empty({M, D}, xc.options());                       // (M, D)
-    auto d_down = torch::zeros_like(w_down);                            // (E, D, F)
-    auto d_gate_up = torch::zeros_like(w);                              // (E, 2F, D)
-    for_each_expert_part(group_sizes, xc, [&](const ExpertPart& part) {
-      const int64_t first = part.first_row, rows = part.rows;
-      const auto gu_part = gu.narrow(0, first, rows);  // (rows, 2F)
-      const auto g = gu_part.narrow(1, 0, F), u = gu_part.narrow(1, F, F);
-      const bool row_kernel = model_detail::swiglu_row_kernel_applies(gu_part);
-      torch::Tensor silu, h;  // (rows, F) each; the row loop recomputes silu itself
-      if (row_kernel) {
-        h = torch::empty({rows, F}, gu.options());
-        model_detail::swiglu_rows_forward_into(gu_part, h);
-      } else {
-        silu = torch::silu(g);
-        h = silu * u;
-      }
-      for_each_expert_rows(group_sizes, part, [&](int64_t e, int64_t first_row, int64_t n) {
-        const auto dy_e = dy.narrow(0, first_row, n);
-        gemm_into(dh.narrow(0, first_row, n), dy_e, w_down[e]);
-        gemm_into(d_down[e], dy_e.t(), h.narrow(0, first_row - first, n));
-      });
-      const auto dh_part = dh.narrow(0, first, rows);
-      auto dgu_part = dgu.narrow(0, first, rows);  // (rows, 2F)
-      if (row_kernel)
-        model_detail::swiglu_rows_backward_into(gu_part, dh_part, dgu_part);
-      else
-        model_detail::swiglu_backward_out(dgu_part.narrow(1, 0, F), dgu_part.narrow(1, F, F), dh_part, g, u, silu);
-      for_each_expert_rows(group_sizes, part, [&](int64_t e, int64_t first_row, int64_t n) {
-        const auto dgu_e = dgu.narrow(0, first_row, n);
-        gemm_into(dx.narrow(0, first_row, n), dgu_e, w[e]);
-        gemm_into(d_gate_up[e], dgu_e.t(), xc.narrow(0, first_row, n));
-      });
+    const auto& x = experts.x;
+    const int64_t M = x.size(0), D = x.size(1), F = experts.width();
+    const auto dy = grad_outputs[0].to(x.scalar_type()).contiguous();  // (M, D)
+    auto dh = torch::empty({M, F}, x.options());                       // (M, F)
+    auto dgu = torch::empty({M, 2 * F}, x.options());                  // (M, 2F): [dg | du]
+    auto dx = torch::empty({M, D}, x.options());                       // (M, D)
+    auto d_down = torch::zeros_like(experts.down);                     // (E, D, F)
+    auto d_gate_up = torch::zeros_like(experts.gate_up);               // (E, 2F, D)
+    for_each_expert_part(experts.group_sizes, x, [&](const ExpertPart& part) {
+      experts.backward_part(part, dy, dh, dgu, dx, d_gate_up, d_down);
     });
     const auto weight_dtype = ctx->saved_data["weight_dtype"].toScalarType();
     return {dx.to(ctx->saved_data["x_dtype"].toScalarType()), d_gate_up.to(weight_dtype), d_down.to(weight_dtype),
+            torch::Tensor()};
+  }
+};
+
+// A layer's whole grouped dispatch where it holds all its experts: the gather into expert order,
+// the experts and the weighted combine, as one autograd node; the math is GatherRows', the grouped
+// experts' and CombineRows' above, in turn. One node, so that the passes over the N k routed rows
+// (the gather, the combine, their backwards) run on the expert threads too, inside the same lend
+// of OpenBLAS's threads as the experts (stopping its worker and starting it again costs ~0.15 ms,
+// so one lend per direction, not one per pass). The gather and the experts go by runs of experts,
+// the combine and the gather's backward by tokens. Returns (N, D) in x's dtype.
+class DispatchedExperts : public torch::autograd::Function<DispatchedExperts> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& weights, const torch::Tensor& gate_up, const torch::Tensor& down,
+                               const torch::Tensor& order, const torch::Tensor& row_of, const torch::Tensor& token_of,
+                               const std::vector<int64_t>& group_sizes) {
+    const auto dtype = expert_compute_dtype(x);  // reads autocast's state: before the guard
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const int64_t N = x.size(0), D = x.size(1), k = weights.size(1), M = N * k;
+    const auto xc = x.to(dtype).contiguous();  // (N, D)
+    GroupedExperts experts{group_sizes, torch::empty({M, D}, xc.options()), gate_up.to(dtype).contiguous(),
+                           down.to(dtype).contiguous(), torch::empty({M, 2 * down.size(2)}, xc.options())};
+    auto h = torch::empty({M, experts.width()}, xc.options());  // (M, F)
+    auto y = torch::empty({M, D}, xc.options());                // (M, D)
+    const auto w = weights.to(dtype);                          // (N, k)
+    auto out = torch::empty({N, D}, x.options());              // (N, D)
+    const int64_t threads = expert_threads_for(xc);
+    const auto parts = expert_parts_of(group_sizes, M, threads);
+    const auto tokens = row_ranges_of(N, threads);
+    auto compute = [&] {
+      run_parts(parts, [&](const ExpertPart& part) {
+        auto x_part = experts.x.narrow(0, part.first_row, part.rows);
+        at::index_select_out(x_part, xc, 0, token_of.narrow(0, part.first_row, part.rows));
+        experts.forward_part(part, h, y);
+      });
+      run_parts(tokens, [&](const RowRange& r) {  // out_t = sum_j w_{t,j} y_{row_of(t k + j)}
+        const auto y_by_token = y.index_select(0, row_of.narrow(0, r.first * k, r.rows * k)).view({r.rows, k, D});
+        auto out_rows = out.narrow(0, r.first, r.rows);
+        at::sum_out(out_rows, (y_by_token * w.narrow(0, r.first, r.rows).unsqueeze(-1)).to(out.scalar_type()), 1);
+      });
+    };
+    if (parts.size() > 1 || tokens.size() > 1) {
+      BlasThreadsLent lent;
+      compute();
+    } else {
+      compute();
+    }
+    auto saved = experts.saved_tensors();
+    saved.insert(saved.end(), {y, weights, order, row_of, token_of});
+    ctx->save_for_backward(saved);
+    ctx->saved_data["group_sizes"] = group_sizes;
+    ctx->saved_data["x_dtype"] = x.scalar_type();
+    ctx->saved_data["weight_dtype"] = gate_up.scalar_type();
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const auto experts = GroupedExperts::from_saved(ctx->saved_data["group_sizes"].toIntVector(), saved);
+    const auto &y = saved[4], &weights = saved[5], &order = saved[6], &row_of = saved[7], &token_of = saved[8];
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const auto& x = experts.x;
+    const int64_t M = x.size(0), D = x.size(1), F = experts.width(), N = weights.size(0), k = weights.size(1);
+    const auto x_dtype = ctx->saved_data["x_dtype"].toScalarType();
+    const auto dout = grad_outputs[0].to(x.scalar_type()).contiguous();                  // (N, D)
+    const auto w_sorted = weights.reshape({M}).index_select(0, order).to(x.scalar_type());  // (M) expert order
+    auto dy = torch::empty({M, D}, x.options());           // (M, D)
+    auto dw_sorted = torch::empty({M}, x.options());       // (M) expert order
+    auto dh = torch::empty({M, F}, x.options());           // (M, F)
+    auto dgu = torch::empty({M, 2 * F}, x.options());      // (M, 2F): [dg | du]
+    auto dx_sorted = torch::empty({M, D}, x.options());    // (M, D)
+    auto d_down = torch::zeros_like(experts.down);         // (E, D, F)
+    auto d_gate_up = torch::zeros_like(experts.gate_up);   // (E, 2F, D)
+    auto dx = torch::empty({N, D}, dout.options().dtype(x_dtype));  // (N, D)
+    auto dw = torch::empty({M}, x.options());                        // (N k) token order
+    const int64_t threads = expert_threads_for(x);
+    const auto parts = expert_parts_of(experts.group_sizes, M, threads);
+    const auto tokens = row_ranges_of(N, threads);
+    auto compute = [&] {
+      // In expert order (row i holds pair order[i] of token token_of[i]):
+      //   dy_i = w_{order[i]} dout_{token_of[i]},   dw_{order[i]} = dout_{token_of[i]} . y_i
+      run_parts(parts, [&](const ExpertPart& part) {
+        const auto dout_rows = dout.index_select(0, token_of.narrow(0, part.first_row, part.rows));  // (rows, D)
+        auto dy_rows = dy.narrow(0, part.first_row, part.rows);
+        auto dw_rows = dw_sorted.narrow(0, part.first_row, part.rows);
+        at::mul_out(dy_rows, dout_rows, w_sorted.narrow(0, part.first_row, part.rows).unsqueeze(1));
+        at::sum_out(dw_rows, dout_rows * y.narrow(0, part.first_row, part.rows), 1);
+        experts.backward_part(part, dy, dh, dgu, dx_sorted, d_gate_up, d_down);
+      });
+      // Back to tokens: dx_t = sum_j dx_sorted_{row_of(t k + j)}, and dw in token order.
+      run_parts(tokens, [&](const RowRange& r) {
+        const auto rows_of_tokens = row_of.narrow(0, r.first * k, r.rows * k);
+        auto dx_rows = dx.narrow(0, r.first, r.rows);
+        at::sum_out(dx_rows, dx_sorted.index_select(0, rows_of_tokens).to(x_dtype).view({r.rows, k, D}), 1);
+        auto dw_rows = dw.narrow(0, r.first * k, r.rows * k);
+        at::index_select_out(dw_rows, dw_sorted, 0, rows_of_tokens);
+      });
+    };
+    if (parts.size() > 1 || tokens.size() > 1) {
+      BlasThreadsLent lent;
+      compute();
+    } else {
+      compute();
+    }
+    const auto weight_dtype = ctx->saved_data["weight_dtype"].toScalarType();
+    return {dx,
+            dw.view({N, k}).to(weights.scalar_type()),
+            d_gate_up.to(weight_dtype),
+            d_down.to(weight_dtype),
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor(),
             torch::Tensor()};
   }
 };
@@ -563,9 +761,9 @@ MoeImpl::MoeImpl(const Config& c)
         "shared_experts", Mlp(c.base_emb_dim, c.shared_experts * (c.moe_shared_expert_dim > 0 ? c.moe_shared_expert_dim : c.base_moe_mlp_dim)));
 }
 
-// On the CPU one insertion pass per row: ATen's topk sorts (value, index) pairs per row and costs
-// ~1.6x this at E = 64, k = 8 (~3x at E = 256). Elsewhere ATen's topk, whose ties may go either
-// way and which ranks NaN first.
+// On the CPU model_detail::top_k_rows (row_kernels.h): ATen's topk sorts (value, index) pairs per
+// row and costs ~1.6x an insertion pass at E = 64, k = 8, which costs ~2x top_k_rows. Elsewhere
+// ATen's topk, whose ties may go either way and which ranks NaN first.
 torch::Tensor moe_top_k_experts(const torch::Tensor& scores, int64_t k) {
   if (!scores.is_cpu()) return std::get<1>(scores.topk(k, -1));
   const auto rows = scores.contiguous();
@@ -574,27 +772,10 @@ torch::Tensor moe_top_k_experts(const torch::Tensor& scores, int64_t k) {
   int64_t* out = chosen.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES(rows.scalar_type(), "moe_top_k_experts", [&] {
     const scalar_t* all = rows.data_ptr<scalar_t>();
-    // Strictly greater, with NaN below every number (and equal to itself): ties keep the lower index.
-    const auto better = [](scalar_t v, scalar_t than) { return v > than || (than != than && v == v); };
+    using Key = std::conditional_t<sizeof(scalar_t) == 4, int32_t, int64_t>;
     at::parallel_for(0, N, 256, [&](int64_t first, int64_t last) {
-      std::vector<scalar_t> best(static_cast<size_t>(k));  // descending
-      std::vector<int64_t> best_index(static_cast<size_t>(k));
-      for (int64_t t = first; t < last; ++t) {
-        const scalar_t* row = all + t * E;
-        int64_t held = 0;
-        for (int64_t e = 0; e < E; ++e) {
-          const scalar_t v = row[e];
-          if (held == k && !better(v, best[k - 1])) continue;  // the common case once the k are held
-          int64_t j = held < k ? held++ : k - 1;
-          for (; j > 0 && better(v, best[j - 1]); --j) {
-            best[j] = best[j - 1];
-            best_index[j] = best_index[j - 1];
-          }
-          best[j] = v;
-          best_index[j] = e;
-        }
-        std::copy(best_index.begin(), best_index.end(), out + t * k);
-      }
+      std::vector<Key> keys(static_cast<size_t>(E));
+      model_detail::top_k_rows(all + first * E, last - first, E, k, keys.data(), out + first * k);
     });
   });
   return chosen;
@@ -649,10 +830,12 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x, const BlockContext& ctx) 
   // Dispatch: the N*k (token, slot) pairs in expert order, the experts on their rows, and back:
   //   out_t = sum_j weight_{t,j} y_{row_of(t k + j)}.
   auto rows = expert_rows(chosen, E);
-  const auto x_sorted = GatherRows::apply(xf, rows.token_of, rows.row_of, k);  // (N*k, D)
-  torch::Tensor y;                                                            // (N*k, D)
-  if (grouped_dispatch_ && !expert_group_ && experts->usable_on_device(x_sorted)) {
-    y = experts->forward_on_device(x_sorted, rows.group_sizes);
+  const bool grouped_here = grouped_dispatch_ && !expert_group_;
+  torch::Tensor out;  // (N, D)
+  if (grouped_here && experts->usable_on_device(xf)) {
+    const auto x_sorted = GatherRows::apply(xf, rows.token_of, rows.row_of, k);  // (N*k, D)
+    const auto y = experts->forward_on_device(x_sorted, rows.group_sizes);       // (N*k, D)
+    out = CombineRows::apply(y, weights, rows.order, rows.row_of, rows.token_of, x.scalar_type());
   } else {
     // Group sizes on the host: the one device->host read of a MoE layer (dynamic shapes; on the
     // CPU the counting sort read the routing instead).
@@ -662,9 +845,15 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x, const BlockContext& ctx) 
       rows.host_sizes.assign(sizes, sizes + E);
     }
     perf_note_host_read();
-    y = run_experts(x_sorted, rows.host_sizes);
+    if (grouped_here) {
+      out = DispatchedExperts::apply(xf, weights, experts->gate_up_proj, experts->down_proj, rows.order, rows.row_of,
+                                     rows.token_of, rows.host_sizes);
+    } else {
+      const auto x_sorted = GatherRows::apply(xf, rows.token_of, rows.row_of, k);  // (N*k, D)
+      const auto y = run_experts(x_sorted, rows.host_sizes);                        // (N*k, D)
+      out = CombineRows::apply(y, weights, rows.order, rows.row_of, rows.token_of, x.scalar_type());
+    }
   }
-  auto out = CombineRows::apply(y, weights, rows.order, rows.row_of, rows.token_of, x.scalar_type());  // (N, D)
   if (shared_experts) out = out + shared_experts->forward(xf, ctx.recompute_elementwise).to(out.scalar_type());
   return out.view({B, L, D});
 }

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define TRAINER_ROW_KERNEL __attribute__((target_clones("avx2", "default")))
@@ -181,7 +182,52 @@ inline __attribute__((always_inline)) void swiglu_backward_impl(const T* gate_up
   }
 }
 
+// An integer whose order is the scores' order (NaN: the lowest number, at kMin + 1; +0 = -0).
+// Positive floats order as their bits; a negative float's bits with the 31 (or 63) value bits
+// flipped order the other way round, as they must.
+template <typename T, typename Key>
+inline __attribute__((always_inline)) Key order_key(T v) {
+  static_assert(sizeof(T) == sizeof(Key), "one key per score, of the score's width");
+  Key bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  bits = bits >= 0 ? bits : static_cast<Key>(bits ^ std::numeric_limits<Key>::max());
+  bits = v == 0 ? 0 : bits;
+  return v != v ? std::numeric_limits<Key>::min() + 1 : bits;
+}
+
+template <typename T, typename Key>
+inline __attribute__((always_inline)) void top_k_impl(const T* scores, int64_t rows, int64_t E, int64_t k, Key* keys,
+                                                      int64_t* chosen) {
+  using Index = Key;  // the index reduction in the keys' lane width vectorizes
+  constexpr Key kTaken = std::numeric_limits<Key>::min();
+  const Index n = static_cast<Index>(E);
+  for (int64_t t = 0; t < rows; ++t) {
+    const T* __restrict__ row = scores + t * E;
+    for (Index e = 0; e < n; ++e) keys[e] = order_key<T, Key>(row[e]);
+    for (int64_t j = 0; j < k; ++j) {
+      Key best = kTaken;
+      for (Index e = 0; e < n; ++e) best = keys[e] > best ? keys[e] : best;
+      Index first = n;
+      for (Index e = 0; e < n; ++e) {
+        const Index at = keys[e] == best ? e : n;
+        first = at < first ? at : first;
+      }
+      chosen[t * k + j] = first;
+      keys[first] = kTaken;
+    }
+  }
+}
+
 }  // namespace
+
+TRAINER_ROW_KERNEL void top_k_rows(const float* scores, int64_t rows, int64_t E, int64_t k, int32_t* key_scratch,
+                                   int64_t* chosen) {
+  top_k_impl(scores, rows, E, k, key_scratch, chosen);
+}
+TRAINER_ROW_KERNEL void top_k_rows(const double* scores, int64_t rows, int64_t E, int64_t k, int64_t* key_scratch,
+                                   int64_t* chosen) {
+  top_k_impl(scores, rows, E, k, key_scratch, chosen);
+}
 
 TRAINER_ROW_KERNEL void swiglu_rows_forward(const float* gate_up, int64_t rows, int64_t F, float* h) {
   swiglu_forward_impl(gate_up, rows, F, h);
