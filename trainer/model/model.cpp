@@ -41,16 +41,21 @@ bool rms_norm_row_kernel_applies(const torch::Tensor& x, const torch::Tensor& we
          (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kFloat64);
 }
 
-// Runs fn(first_row, last_row, chunk) over `chunks` contiguous row ranges on LibTorch's intra-op
-// threads. The ranges depend only on the thread count, so each chunk's partial sums are the same
-// from run to run.
+// How many contiguous row ranges for_each_row_chunk cuts rows of `dim` values into: one per
+// intra-op thread, but at least 32K values each. It depends only on the shape and the thread
+// count, so each chunk's partial sums are the same from run to run.
+int64_t row_chunk_count(int64_t rows, int64_t dim) {
+  return std::max<int64_t>(1, std::min<int64_t>({rows * dim >> 15, rows, at::get_num_threads()}));
+}
+
+// Runs fn(first_row, last_row, chunk) over row_chunk_count(rows, dim) contiguous row ranges on
+// LibTorch's intra-op threads.
 template <typename Fn>
-int64_t for_each_row_chunk(int64_t rows, int64_t dim, Fn fn) {
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>({rows * dim >> 15, rows, at::get_num_threads()}));
+void for_each_row_chunk(int64_t rows, int64_t dim, Fn fn) {
+  const int64_t chunks = row_chunk_count(rows, dim);
   at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
     for (int64_t c = first; c < last; ++c) fn(rows * c / chunks, rows * (c + 1) / chunks, c);
   });
-  return chunks;
 }
 
 class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
@@ -92,22 +97,21 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
       auto dx = torch::empty_like(x);  // (..., D)
       const bool want_dw = ctx->needs_input_grad(1);
       // One row of double partial sums per chunk, added in chunk order.
-      const int64_t max_chunks = std::max<int64_t>(1, std::min<int64_t>(rows, at::get_num_threads()));
-      auto dw_parts = want_dw ? torch::zeros({max_chunks, dim}, x.options().dtype(torch::kFloat64))  // (C, D)
+      const int64_t chunks = row_chunk_count(rows, dim);
+      auto dw_parts = want_dw ? torch::zeros({chunks, dim}, x.options().dtype(torch::kFloat64))  // (C, D)
                               : torch::Tensor();
-      int64_t chunks = 1;
       AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "rms_norm_rows_backward", [&] {
         const auto *xp = x.data_ptr<scalar_t>(), *wp = wc.data_ptr<scalar_t>(), *rp = rstd.data_ptr<scalar_t>(),
                    *dyp = dy.data_ptr<scalar_t>();
         auto* dxp = dx.data_ptr<scalar_t>();
         double* parts = want_dw ? dw_parts.data_ptr<double>() : nullptr;
-        chunks = for_each_row_chunk(rows, dim, [&](int64_t first, int64_t last, int64_t c) {
+        for_each_row_chunk(rows, dim, [&](int64_t first, int64_t last, int64_t c) {
           model_detail::rms_norm_rows_backward(xp + first * dim, wp, rp + first, dyp + first * dim, last - first, dim,
                                                dxp + first * dim, parts ? parts + c * dim : nullptr);
         });
       });
       torch::Tensor dw;
-      if (want_dw) dw = (chunks == 1 ? dw_parts[0] : dw_parts.narrow(0, 0, chunks).sum(0)).to(weight.scalar_type());
+      if (want_dw) dw = (chunks == 1 ? dw_parts[0] : dw_parts.sum(0)).to(weight.scalar_type());
       return {ctx->needs_input_grad(0) ? dx : torch::Tensor(), dw, torch::Tensor()};
     }
     const auto wide = x.to(rstd.scalar_type());
@@ -428,7 +432,7 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const RopeTables& r
   return o_proj(out.transpose(1, 2).reshape({B, L, num_heads_ * head_dim_}));
 }
 
-MlpImpl::MlpImpl(int64_t dim, int64_t hidden, bool one_gemm_for_gate_up) : one_gemm_for_gate_up_(one_gemm_for_gate_up) {
+MlpImpl::MlpImpl(int64_t dim, int64_t hidden) {
   gate_proj = register_module("gate_proj", linear(dim, hidden));
   up_proj = register_module("up_proj", linear(dim, hidden));
   down_proj = register_module("down_proj", linear(hidden, dim));
@@ -474,16 +478,9 @@ class SwiGLUFunction : public torch::autograd::Function<SwiGLUFunction> {
 
 }  // namespace
 
-torch::Tensor MlpImpl::forward(const torch::Tensor& x, bool recompute_activation) {
-  const auto swiglu = [](const std::vector<torch::Tensor>& in) {  // {gate (.., F), up (.., F)}
-    return std::vector<torch::Tensor>{F::silu(in[0]) * in[1]};
-  };
-  const auto activation = [&](const torch::Tensor& gate, const torch::Tensor& up) {
-    return recompute_activation ? recompute(swiglu, {gate, up})[0] : swiglu({gate, up})[0];
-  };
-  if (!one_gemm_for_gate_up_) return down_proj(activation(gate_proj(x), up_proj(x)));
-  // The node keeps gate_up only, which is what remat_policy=minimal's rerun of silu(g) * u would
-  // keep, so that policy runs it too: same memory, no rerun, and the same numbers as `none`.
+torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
+  // The node keeps gate_up only, which is also all that remat_policy=minimal would keep of it: so
+  // that policy runs the same node, with no rerun and the same numbers as `none`.
   const auto gate_up = linear_fused(x, {gate_proj->weight, up_proj->weight});  // (B, L, 2F)
   return down_proj(SwiGLUFunction::apply(gate_up));
 }
@@ -512,7 +509,7 @@ torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const BlockConte
                       : gla_attn ? gla_attn->forward(normed_in, ctx.rope, ctx.segment_ids)
                                  : self_attn->forward(normed_in, ctx.rope, ctx.allowed, minimal));
   const auto normed = norm_forward(post_attention_layernorm, h, minimal);
-  return h + (moe ? moe->forward(normed, ctx) : mlp->forward(normed, minimal));
+  return h + (moe ? moe->forward(normed, ctx) : mlp->forward(normed));
 }
 
 SharedHeadImpl::SharedHeadImpl(int64_t dim, double eps) {

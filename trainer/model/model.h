@@ -154,20 +154,15 @@ torch::Tensor model_gla_attention_chunked(const torch::Tensor& q, const torch::T
 // i = 1..H when H is a power of two, else the next power's odd-indexed slopes fill the rest.
 std::vector<double> model_gla_head_slopes(int64_t heads);
 
-// SwiGLU: down(silu(gate(x)) * up(x)). With one_gemm_for_gate_up, gate and up run as one GEMM
-// over their concatenated weights (model.cpp, linear_fused): right when every token passes
-// through; a routed MoE expert sees a few tokens, where copying its weights would cost more.
+// SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one GEMM over their concatenated weights
+// (model.cpp, linear_fused) and silu(g) * u as one autograd node that keeps only its input.
 class MlpImpl : public torch::nn::Module {
  public:
-  MlpImpl(int64_t dim, int64_t hidden, bool one_gemm_for_gate_up = true);
-  // recompute_activation (remat_policy=minimal): silu(gate) * up is recomputed in backward. With
-  // one GEMM the SwiGLU node keeps only its input, so there is nothing to rerun and it is ignored.
-  torch::Tensor forward(const torch::Tensor& x, bool recompute_activation = false);
+  MlpImpl(int64_t dim, int64_t hidden);
+  torch::Tensor forward(const torch::Tensor& x);
   Linear gate_proj{nullptr};  // (F, D)
   Linear up_proj{nullptr};    // (F, D)
   Linear down_proj{nullptr};  // (D, F)
- private:
-  bool one_gemm_for_gate_up_;
 };
 TORCH_MODULE(Mlp);
 

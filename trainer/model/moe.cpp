@@ -854,7 +854,7 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x, const BlockContext& ctx) 
       out = CombineRows::apply(y, weights, rows.order, rows.row_of, rows.token_of, x.scalar_type());
     }
   }
-  if (shared_experts) out = out + shared_experts->forward(xf, ctx.recompute_elementwise).to(out.scalar_type());
+  if (shared_experts) out = out + shared_experts->forward(xf).to(out.scalar_type());
   return out.view({B, L, D});
 }
 

@@ -5,7 +5,6 @@
 // variant, so both variants round alike.
 #include "trainer/model/row_kernels.h"
 
-#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -21,15 +20,16 @@ namespace {
 
 constexpr int64_t kLanes = 8;
 
-// sum_j a_j b_j over one row, in T: kLanes partial sums, then the tail, then the lanes in order.
-template <typename T>
-inline __attribute__((always_inline)) T row_dot(const T* a, const T* b, int64_t dim) {
+// sum_j term(j) over one row of dim values, in T: kLanes partial sums, then the tail, then the
+// lanes in order (term is inlined, so the lanes vectorize).
+template <typename T, typename Term>
+inline __attribute__((always_inline)) T row_sum(int64_t dim, Term term) {
   T lanes[kLanes] = {};
   int64_t j = 0;
   for (; j + kLanes <= dim; j += kLanes)
-    for (int64_t k = 0; k < kLanes; ++k) lanes[k] += a[j + k] * b[j + k];
+    for (int64_t k = 0; k < kLanes; ++k) lanes[k] += term(j + k);
   T sum = 0;
-  for (; j < dim; ++j) sum += a[j] * b[j];
+  for (; j < dim; ++j) sum += term(j);
   for (int64_t k = 0; k < kLanes; ++k) sum += lanes[k];
   return sum;
 }
@@ -40,7 +40,7 @@ inline __attribute__((always_inline)) void forward_rows(const T* x, const T* wei
   for (int64_t i = 0; i < rows; ++i) {
     const T* xi = x + i * dim;
     T* yi = y + i * dim;
-    const T r = T(1) / std::sqrt(row_dot(xi, xi, dim) / T(dim) + T(eps));
+    const T r = T(1) / std::sqrt(row_sum<T>(dim, [&](int64_t j) { return xi[j] * xi[j]; }) / T(dim) + T(eps));
     rstd[i] = r;
     for (int64_t j = 0; j < dim; ++j) yi[j] = xi[j] * r * weight[j];
   }
@@ -54,20 +54,14 @@ inline __attribute__((always_inline)) void backward_rows(const T* x, const T* we
     T* dxi = dx + i * dim;
     const T r = rstd[i];
     // mean(g xhat) = r mean(dy w x): one dot product, then dx in one more pass.
-    T lanes[kLanes] = {};
-    int64_t j = 0;
-    for (; j + kLanes <= dim; j += kLanes)
-      for (int64_t k = 0; k < kLanes; ++k) lanes[k] += dyi[j + k] * weight[j + k] * xi[j + k];
-    T dot = 0;
-    for (; j < dim; ++j) dot += dyi[j] * weight[j] * xi[j];
-    for (int64_t k = 0; k < kLanes; ++k) dot += lanes[k];
+    const T dot = row_sum<T>(dim, [&](int64_t j) { return dyi[j] * weight[j] * xi[j]; });
     const T mean_g_xhat = dot * r / T(dim);
-    for (j = 0; j < dim; ++j) {
+    for (int64_t j = 0; j < dim; ++j) {
       const T xhat = xi[j] * r;
       dxi[j] = (dyi[j] * weight[j] - xhat * mean_g_xhat) * r;
     }
     if (dweight_sum)
-      for (j = 0; j < dim; ++j) dweight_sum[j] += double(dyi[j] * (xi[j] * r));
+      for (int64_t j = 0; j < dim; ++j) dweight_sum[j] += double(dyi[j] * (xi[j] * r));
   }
 }
 
