@@ -39,6 +39,7 @@
 #include <limits>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <thread>
 #include <type_traits>
 
@@ -314,11 +315,8 @@ void run_parts(const std::vector<Part>& parts, Fn&& fn) {
 template <class Fn>
 void for_each_expert_part(const std::vector<int64_t>& group_sizes, const torch::Tensor& x, Fn&& fn) {
   const auto parts = expert_parts_of(group_sizes, x.size(0), expert_threads_for(x));
-  if (parts.size() == 1) {
-    fn(parts[0]);
-    return;
-  }
-  BlasThreadsLent lent;
+  std::optional<BlasThreadsLent> lent;
+  if (parts.size() > 1) lent.emplace();
   run_parts(parts, fn);
 }
 
@@ -456,10 +454,23 @@ struct GroupedExperts {
     });
   }
 
-  // From dy (M, D): the part's rows of dh (M, F), dgu (M, 2F) and dx (M, D), and its experts' slices
-  // of d_gate_up and d_down (zeros where an expert has no rows).
-  void backward_part(const ExpertPart& part, const torch::Tensor& dy, torch::Tensor& dh, torch::Tensor& dgu,
-                     torch::Tensor& dx, torch::Tensor& d_gate_up, torch::Tensor& d_down) const {
+  // The backward's buffers, written part by part.
+  struct Grads {
+    torch::Tensor dh;         // (M, F)
+    torch::Tensor dgu;        // (M, 2F): [dg | du]
+    torch::Tensor dx;         // (M, D)
+    torch::Tensor d_gate_up;  // (E, 2F, D), zero for experts without rows
+    torch::Tensor d_down;     // (E, D, F), zero for experts without rows
+  };
+  Grads grads() const {
+    const int64_t M = x.size(0), F = width();
+    return {torch::empty({M, F}, x.options()), torch::empty({M, 2 * F}, x.options()), torch::empty_like(x),
+            torch::zeros_like(gate_up), torch::zeros_like(down)};
+  }
+
+  // From dy (M, D): the part's rows of the row gradients and its experts' weight gradients.
+  void backward_part(const ExpertPart& part, const torch::Tensor& dy, Grads& grads) const {
+    auto &dh = grads.dh, &dgu = grads.dgu, &dx = grads.dx, &d_gate_up = grads.d_gate_up, &d_down = grads.d_down;
     const int64_t F = width(), first = part.first_row, rows = part.rows;
     const auto gu_part = gu.narrow(0, first, rows);  // (rows, 2F)
     const auto g = gu_part.narrow(1, 0, F), u = gu_part.narrow(1, F, F);
@@ -533,20 +544,13 @@ class GroupedSwiGLU : public torch::autograd::Function<GroupedSwiGLU> {
     const auto experts =
         GroupedExperts::from_saved(ctx->saved_data["group_sizes"].toIntVector(), ctx->get_saved_variables());
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    const auto& x = experts.x;
-    const int64_t M = x.size(0), D = x.size(1), F = experts.width();
-    const auto dy = grad_outputs[0].to(x.scalar_type()).contiguous();  // (M, D)
-    auto dh = torch::empty({M, F}, x.options());                       // (M, F)
-    auto dgu = torch::empty({M, 2 * F}, x.options());                  // (M, 2F): [dg | du]
-    auto dx = torch::empty({M, D}, x.options());                       // (M, D)
-    auto d_down = torch::zeros_like(experts.down);                     // (E, D, F)
-    auto d_gate_up = torch::zeros_like(experts.gate_up);               // (E, 2F, D)
-    for_each_expert_part(experts.group_sizes, x, [&](const ExpertPart& part) {
-      experts.backward_part(part, dy, dh, dgu, dx, d_gate_up, d_down);
-    });
+    const auto dy = grad_outputs[0].to(experts.x.scalar_type()).contiguous();  // (M, D)
+    auto grads = experts.grads();
+    for_each_expert_part(experts.group_sizes, experts.x,
+                         [&](const ExpertPart& part) { experts.backward_part(part, dy, grads); });
     const auto weight_dtype = ctx->saved_data["weight_dtype"].toScalarType();
-    return {dx.to(ctx->saved_data["x_dtype"].toScalarType()), d_gate_up.to(weight_dtype), d_down.to(weight_dtype),
-            torch::Tensor()};
+    return {grads.dx.to(ctx->saved_data["x_dtype"].toScalarType()), grads.d_gate_up.to(weight_dtype),
+            grads.d_down.to(weight_dtype), torch::Tensor()};
   }
 };
 
@@ -576,24 +580,19 @@ class DispatchedExperts : public torch::autograd::Function<DispatchedExperts> {
     const int64_t threads = expert_threads_for(xc);
     const auto parts = expert_parts_of(group_sizes, M, threads);
     const auto tokens = row_ranges_of(N, threads);
-    auto compute = [&] {
-      run_parts(parts, [&](const ExpertPart& part) {
-        auto x_part = experts.x.narrow(0, part.first_row, part.rows);
-        at::index_select_out(x_part, xc, 0, token_of.narrow(0, part.first_row, part.rows));
-        experts.forward_part(part, h, y);
-      });
-      run_parts(tokens, [&](const RowRange& r) {  // out_t = sum_j w_{t,j} y_{row_of(t k + j)}
-        const auto y_by_token = y.index_select(0, row_of.narrow(0, r.first * k, r.rows * k)).view({r.rows, k, D});
-        auto out_rows = out.narrow(0, r.first, r.rows);
-        at::sum_out(out_rows, (y_by_token * w.narrow(0, r.first, r.rows).unsqueeze(-1)).to(out.scalar_type()), 1);
-      });
-    };
-    if (parts.size() > 1 || tokens.size() > 1) {
-      BlasThreadsLent lent;
-      compute();
-    } else {
-      compute();
-    }
+    std::optional<BlasThreadsLent> lent;
+    if (parts.size() > 1 || tokens.size() > 1) lent.emplace();
+    run_parts(parts, [&](const ExpertPart& part) {
+      auto x_part = experts.x.narrow(0, part.first_row, part.rows);
+      at::index_select_out(x_part, xc, 0, token_of.narrow(0, part.first_row, part.rows));
+      experts.forward_part(part, h, y);
+    });
+    run_parts(tokens, [&](const RowRange& r) {  // out_t = sum_j w_{t,j} y_{row_of(t k + j)}
+      const auto y_by_token = y.index_select(0, row_of.narrow(0, r.first * k, r.rows * k)).view({r.rows, k, D});
+      auto out_rows = out.narrow(0, r.first, r.rows);
+      at::sum_out(out_rows, (y_by_token * w.narrow(0, r.first, r.rows).unsqueeze(-1)).to(out.scalar_type()), 1);
+    });
+    lent.reset();
     auto saved = experts.saved_tensors();
     saved.insert(saved.end(), {y, weights, order, row_of, token_of});
     ctx->save_for_backward(saved);
@@ -610,53 +609,44 @@ class DispatchedExperts : public torch::autograd::Function<DispatchedExperts> {
     const auto &y = saved[4], &weights = saved[5], &order = saved[6], &row_of = saved[7], &token_of = saved[8];
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const auto& x = experts.x;
-    const int64_t M = x.size(0), D = x.size(1), F = experts.width(), N = weights.size(0), k = weights.size(1);
+    const int64_t M = x.size(0), D = x.size(1), N = weights.size(0), k = weights.size(1);
     const auto x_dtype = ctx->saved_data["x_dtype"].toScalarType();
     const auto dout = grad_outputs[0].to(x.scalar_type()).contiguous();                  // (N, D)
     const auto w_sorted = weights.reshape({M}).index_select(0, order).to(x.scalar_type());  // (M) expert order
-    auto dy = torch::empty({M, D}, x.options());           // (M, D)
-    auto dw_sorted = torch::empty({M}, x.options());       // (M) expert order
-    auto dh = torch::empty({M, F}, x.options());           // (M, F)
-    auto dgu = torch::empty({M, 2 * F}, x.options());      // (M, 2F): [dg | du]
-    auto dx_sorted = torch::empty({M, D}, x.options());    // (M, D)
-    auto d_down = torch::zeros_like(experts.down);         // (E, D, F)
-    auto d_gate_up = torch::zeros_like(experts.gate_up);   // (E, 2F, D)
+    auto dy = torch::empty({M, D}, x.options());      // (M, D)
+    auto dw_sorted = torch::empty({M}, x.options());  // (M) expert order
+    auto grads = experts.grads();                     // grads.dx: (M, D) in expert order
     auto dx = torch::empty({N, D}, dout.options().dtype(x_dtype));  // (N, D)
     auto dw = torch::empty({M}, x.options());                        // (N k) token order
     const int64_t threads = expert_threads_for(x);
     const auto parts = expert_parts_of(experts.group_sizes, M, threads);
     const auto tokens = row_ranges_of(N, threads);
-    auto compute = [&] {
-      // In expert order (row i holds pair order[i] of token token_of[i]):
-      //   dy_i = w_{order[i]} dout_{token_of[i]},   dw_{order[i]} = dout_{token_of[i]} . y_i
-      run_parts(parts, [&](const ExpertPart& part) {
-        const auto dout_rows = dout.index_select(0, token_of.narrow(0, part.first_row, part.rows));  // (rows, D)
-        auto dy_rows = dy.narrow(0, part.first_row, part.rows);
-        auto dw_rows = dw_sorted.narrow(0, part.first_row, part.rows);
-        at::mul_out(dy_rows, dout_rows, w_sorted.narrow(0, part.first_row, part.rows).unsqueeze(1));
-        at::sum_out(dw_rows, dout_rows * y.narrow(0, part.first_row, part.rows), 1);
-        experts.backward_part(part, dy, dh, dgu, dx_sorted, d_gate_up, d_down);
-      });
-      // Back to tokens: dx_t = sum_j dx_sorted_{row_of(t k + j)}, and dw in token order.
-      run_parts(tokens, [&](const RowRange& r) {
-        const auto rows_of_tokens = row_of.narrow(0, r.first * k, r.rows * k);
-        auto dx_rows = dx.narrow(0, r.first, r.rows);
-        at::sum_out(dx_rows, dx_sorted.index_select(0, rows_of_tokens).to(x_dtype).view({r.rows, k, D}), 1);
-        auto dw_rows = dw.narrow(0, r.first * k, r.rows * k);
-        at::index_select_out(dw_rows, dw_sorted, 0, rows_of_tokens);
-      });
-    };
-    if (parts.size() > 1 || tokens.size() > 1) {
-      BlasThreadsLent lent;
-      compute();
-    } else {
-      compute();
-    }
+    std::optional<BlasThreadsLent> lent;
+    if (parts.size() > 1 || tokens.size() > 1) lent.emplace();
+    // In expert order (row i holds pair order[i] of token token_of[i]):
+    //   dy_i = w_{order[i]} dout_{token_of[i]},   dw_{order[i]} = dout_{token_of[i]} . y_i
+    run_parts(parts, [&](const ExpertPart& part) {
+      const auto dout_rows = dout.index_select(0, token_of.narrow(0, part.first_row, part.rows));  // (rows, D)
+      auto dy_rows = dy.narrow(0, part.first_row, part.rows);
+      auto dw_rows = dw_sorted.narrow(0, part.first_row, part.rows);
+      at::mul_out(dy_rows, dout_rows, w_sorted.narrow(0, part.first_row, part.rows).unsqueeze(1));
+      at::sum_out(dw_rows, dout_rows * y.narrow(0, part.first_row, part.rows), 1);
+      experts.backward_part(part, dy, grads);
+    });
+    // Back to tokens: dx_t = sum_j grads.dx_{row_of(t k + j)}, and dw in token order.
+    run_parts(tokens, [&](const RowRange& r) {
+      const auto rows_of_tokens = row_of.narrow(0, r.first * k, r.rows * k);
+      auto dx_rows = dx.narrow(0, r.first, r.rows);
+      at::sum_out(dx_rows, grads.dx.index_select(0, rows_of_tokens).to(x_dtype).view({r.rows, k, D}), 1);
+      auto dw_rows = dw.narrow(0, r.first * k, r.rows * k);
+      at::index_select_out(dw_rows, dw_sorted, 0, rows_of_tokens);
+    });
+    lent.reset();
     const auto weight_dtype = ctx->saved_data["weight_dtype"].toScalarType();
     return {dx,
             dw.view({N, k}).to(weights.scalar_type()),
-            d_gate_up.to(weight_dtype),
-            d_down.to(weight_dtype),
+            grads.d_gate_up.to(weight_dtype),
+            grads.d_down.to(weight_dtype),
             torch::Tensor(),
             torch::Tensor(),
             torch::Tensor(),
