@@ -158,11 +158,6 @@ TEST_CASE("block-causal attention: values and gradients equal a per-head float64
   CHECK(torch::allclose(dispatched.to(torch::kFloat64), expected, 1e-5, 1e-5));
 }
 
-// Restores the CPU row loops of RMSNorm and RoPE (on by default) when a test that switched them ends.
-struct CpuRowKernelsRestore {
-  ~CpuRowKernelsRestore() { cpu_row_kernels_set(true); }
-};
-
 TEST_CASE("RMSNorm: the model's and LibTorch's at::rms_norm agree in value and gradients", "[model]") {
   CpuRowKernelsRestore restore;
   for (const bool row_kernel : {true, false}) {

@@ -1012,3 +1012,70 @@ TEST_CASE("a MoE layer equals a per-token float64 computation: output and every 
       CHECK(relative_difference(moe->experts->down_proj.grad(), down.grad()) < 1e-12);
     }
 }
+
+TEST_CASE("the CPU router's row loops equal its ATen kernels: choices and weights and statistics and gradients", "[moe][dispatch]") {
+  // RouterRows (moe.cpp, row_kernels.cpp) against the same layer routed by ATen kernels under
+  // autograd (cpu_row_kernels_set(false)), on the same weights: the output, the load-balancing and
+  // z terms and the score std, the expert counts exactly, and the gradients of a loss that uses
+  // the output and both aux terms. Every score function, renormalization, bias and group setting;
+  // 300 tokens (three row blocks, the last partial) with 37 padding tokens.
+  CpuRowKernelsRestore restore;
+  const int64_t D = 16;
+  for (const auto dtype : {torch::kFloat64, torch::kFloat32})
+    for (const std::string func : {"softmax", "sigmoid"})
+      for (const bool normalize : {true, false})
+        for (const bool bias : {true, false})
+          for (const bool groups : {false, true}) {
+            INFO(c10::toString(dtype) << " " << func << " normalize " << normalize << " bias " << bias << " groups "
+                                      << groups);
+            std::vector<std::string> o = {"override_model_config=true", "base_emb_dim=16", "num_experts=8",
+                                          "num_experts_per_tok=3", "base_moe_mlp_dim=12", "shared_experts=0",
+                                          "routed_score_func=" + func, "routed_scaling_factor=2.5",
+                                          std::string("routed_bias=") + (bias ? "true" : "false"),
+                                          std::string("norm_topk_prob=") + (normalize ? "true" : "false")};
+            if (groups) o.insert(o.end(), {"n_routing_groups=4", "topk_routing_group=2"});
+            torch::manual_seed(21);
+            Moe moe(tiny_config(o));
+            moe->to(dtype);
+            {
+              torch::NoGradGuard no_grad;
+              draw_weights(*moe, 0.2);
+              moe->gate->weight.normal_(0.0, 0.5);
+              moe->gate->e_score_correction_bias.normal_(0.0, 0.1);
+            }
+            const auto x = torch::randn({3, 100, D}, dtype);
+            const auto upstream = torch::randn({3, 100, D}, dtype);
+            auto valid = torch::ones({3, 100}, torch::kBool);
+            valid[2].narrow(0, 63, 37).fill_(false);
+            struct Run {
+              torch::Tensor y, load_balance, router_z, counts, probs_std, dx, dgate, dgate_up, ddown;
+            };
+            const auto run = [&](bool row_kernels) {
+              cpu_row_kernels_set(row_kernels);
+              moe->zero_grad();
+              BlockContext ctx;
+              ctx.valid = valid;
+              std::vector<MoeLayerStats> stats;
+              ctx.moe_stats = &stats;
+              const auto input = x.clone().requires_grad_(true);
+              const auto y = moe->forward(input, ctx);
+              ((y * upstream).sum() + 0.7 * stats[0].load_balance + 0.3 * stats[0].router_z).backward();
+              return Run{y.detach(),          stats[0].load_balance.detach(),   stats[0].router_z.detach(),
+                         stats[0].counts,     stats[0].probs_std.detach(),      input.grad(),
+                         moe->gate->weight.grad().clone(), moe->experts->gate_up_proj.grad().clone(),
+                         moe->experts->down_proj.grad().clone()};
+            };
+            const Run loops = run(true), aten = run(false);
+            const double tolerance = dtype == torch::kFloat64 ? 1e-12 : 2e-6;
+            CHECK(torch::equal(loops.counts, aten.counts));
+            CHECK(loops.counts.sum().item<double>() == 3 * 263);  // k per valid token
+            CHECK(relative_difference(loops.y, aten.y) < tolerance);
+            CHECK(relative_difference(loops.load_balance, aten.load_balance) < tolerance);
+            CHECK(relative_difference(loops.router_z, aten.router_z) < tolerance);
+            CHECK(relative_difference(loops.probs_std, aten.probs_std) < 10 * tolerance);
+            CHECK(relative_difference(loops.dx, aten.dx) < 10 * tolerance);
+            CHECK(relative_difference(loops.dgate, aten.dgate) < 10 * tolerance);
+            CHECK(relative_difference(loops.dgate_up, aten.dgate_up) < tolerance);
+            CHECK(relative_difference(loops.ddown, aten.ddown) < tolerance);
+          }
+}

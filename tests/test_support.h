@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include "trainer/config/config.h"
+#include "trainer/model/model.h"
 
 namespace trainer::testing {
 
@@ -51,7 +52,6 @@ inline std::string source_path(const std::string& relative) {
   return std::string(TRAINER_SOURCE_DIR) + "/" + relative;
 }
 
-// configs/base.yml + the test-tiny model + overrides; the process environment is ignored.
 // Modules are built undrawn (model.h: model_build draws); a test that builds one directly draws
 // its weights here, from the global generator.
 inline void draw_weights(torch::nn::Module& module, double std) {
@@ -59,6 +59,12 @@ inline void draw_weights(torch::nn::Module& module, double std) {
   for (auto& p : module.parameters()) p.normal_(0.0, std);
 }
 
+// Restores the CPU row loops (cpu_row_kernels_set, on by default) when a test that switched them ends.
+struct CpuRowKernelsRestore {
+  ~CpuRowKernelsRestore() { cpu_row_kernels_set(true); }
+};
+
+// configs/base.yml + the test-tiny model + overrides; the process environment is ignored.
 inline Config tiny_config(std::vector<std::string> overrides = {}) {
   std::vector<std::string> all = {"model_name=test-tiny", "max_target_length=16", "run_name=test",
                                   "dataset_type=synthetic", "pad_id=0", "data_shuffle_seed=0",

@@ -227,6 +227,11 @@ class RopeFunction : public torch::autograd::Function<RopeFunction> {
   }
 };
 
+bool router_row_kernel_applies(const torch::Tensor& logits) {
+  return cpu_row_kernels_enabled && logits.device().is_cpu() && logits.dim() == 2 &&
+         (logits.scalar_type() == torch::kFloat32 || logits.scalar_type() == torch::kFloat64);
+}
+
 bool swiglu_row_kernel_applies(const torch::Tensor& gate_up) {
   return cpu_row_kernels_enabled && gate_up.device().is_cpu() && gate_up.is_contiguous() &&
          (gate_up.scalar_type() == torch::kFloat32 || gate_up.scalar_type() == torch::kBFloat16);

@@ -265,9 +265,9 @@ torch::Tensor moe_top_k_experts(const torch::Tensor& scores, int64_t k);
 // count. For tests: results do not depend on it.
 void moe_expert_parts_set(int parts);
 
-// Whether RMSNorm and RoPE on the CPU (fp32 and fp64) run as one loop per row (row_kernels.h) or
-// as ATen kernels, as on CUDA and for bf16 inputs. On by default. For tests: both compute the same
-// function.
+// Whether RMSNorm, RoPE, SwiGLU and a MoE layer's routing on the CPU run as loops over rows
+// (row_kernels.h) or as ATen kernels, as on CUDA (and, for RMSNorm and RoPE, for bf16 inputs). On
+// by default. For tests: both compute the same function.
 void cpu_row_kernels_set(bool enabled);
 
 // DeepSeek/Ling-style dropless MoE: router -> softmax|sigmoid scores -> top-k (on scores + bias)

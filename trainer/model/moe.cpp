@@ -695,6 +695,151 @@ class ExchangeRows : public torch::autograd::Function<ExchangeRows> {
   }
 };
 
+// The routing of one forward's N tokens: what the dispatch and the balancing statistics need.
+struct MoeRouting {
+  torch::Tensor chosen;     // (N, k) int64 expert ids, best first
+  torch::Tensor weights;    // (N, k) the chosen experts' weights
+  torch::Tensor mean_prob;  // (E) P_e over the valid tokens
+  torch::Tensor lse;        // (N) logsumexp of each token's router logits
+  torch::Tensor counts;     // (E) valid routed slots per expert (no gradient)
+  torch::Tensor n_valid;    // () valid tokens, at least 1
+  torch::Tensor score_std;  // () std of the scores over valid tokens and experts (a statistic)
+};
+
+// The routing as ATen kernels (CUDA, and the CPU reference of RouterRows).
+MoeRouting route_with_aten(const torch::Tensor& logits, const torch::Tensor& bias, const torch::Tensor& valid,
+                           const model_detail::RouterShape& shape) {
+  const int64_t N = logits.size(0), E = shape.experts, k = shape.top_k;
+  MoeRouting r;
+  const auto scores = shape.sigmoid ? torch::sigmoid(logits) : torch::softmax(logits, -1);  // (N, E)
+  auto selection = bias.defined() ? scores + bias : scores;                                  // (N, E)
+  if (shape.groups > 0) {
+    const int64_t G = shape.groups;
+    const auto group_scores = std::get<0>(selection.view({N, G, E / G}).topk(2, -1)).sum(-1);  // (N, G)
+    const auto best_groups = std::get<1>(group_scores.topk(shape.top_groups, -1));             // (N, g)
+    const auto kept = torch::zeros({N, G}, selection.options().dtype(torch::kBool)).scatter_(1, best_groups, true);
+    selection = selection.masked_fill(~kept.unsqueeze(-1).expand({N, G, E / G}).reshape({N, E}),
+                                      -std::numeric_limits<double>::infinity());
+  }
+  r.chosen = moe_top_k_experts(selection, k);
+  r.weights = scores.gather(1, r.chosen);  // (N, k)
+  if (shape.normalize) r.weights = r.weights / (r.weights.sum(-1, true) + 1e-20);
+  r.weights = r.weights * shape.scaling;
+  r.n_valid = valid.sum().clamp_min(1.0);
+  r.counts = torch::zeros({E}, valid.options()).index_add_(0, r.chosen.reshape({N * k}), valid.repeat_interleave(k));
+  const auto probs = shape.sigmoid ? scores / scores.sum(-1, true) : scores;  // (N, E)
+  r.mean_prob = (probs * valid.unsqueeze(1)).sum(0) / r.n_valid;
+  r.lse = torch::logsumexp(logits, -1);
+  const auto detached = scores.detach();
+  const auto valid_scores = r.n_valid * static_cast<double>(E);
+  const auto score_mean = (detached * valid.unsqueeze(1)).sum() / valid_scores;
+  r.score_std = ((detached - score_mean).square() * valid.unsqueeze(1)).sum().div(valid_scores).sqrt();
+  return r;
+}
+
+// The routing on the CPU as one autograd node over row loops (row_kernels.h): route_with_aten's
+// ~25 kernels each way were ~23% of a MoE layer's main thread at E = 64. The backward, for a token
+// t with scores s (E), chosen experts C (k), valid weight v and n = max(sum_t v, 1), from the
+// gradients gw (k), gP (E) and gz (1) of its weights, of P and of its lse:
+//   weights w_j = c r_j / (R + eps) with r_j = s_{C_j}, R = sum_j r_j (normalize; else w = c r):
+//     d/dr_i = c / (R + eps) (gw_i - sum_j gw_j r_j / (R + eps))          (else c gw_i), added at C_i
+//   P_e = (1/n) sum_t v p_e with p = s (softmax), or p = s / S, S = sum_e s (sigmoid), gp = v gP / n:
+//     d/ds_e = gp_e (softmax),  (gp_e - sum_j gp_j p_j) / S (sigmoid)
+//   and to the logits, with g = d/ds: softmax s (g - g . s) + gz s; sigmoid g s (1 - s) + gz softmax(l)
+// (d lse / dl = softmax(l)). Rows go in blocks of 128 whose sums are added in block order, so the
+// results do not depend on the thread count.
+class RouterRows : public torch::autograd::Function<RouterRows> {
+ public:
+  static constexpr int64_t kBlock = 128;
+
+  // logits (N, E), bias (E) or empty, valid (N): contiguous CPU tensors of one floating type.
+  // Returns weights (N, k), mean_prob (E), lse (N) and, without gradients, chosen (N, k), counts
+  // (E), n_valid () and score_std ().
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& logits,
+                                                const torch::Tensor& bias, const torch::Tensor& valid,
+                                                const model_detail::RouterShape& shape) {
+    const int64_t N = logits.size(0), E = shape.experts, k = shape.top_k, blocks = (N + kBlock - 1) / kBlock;
+    const int64_t stride = 3 + 2 * E;  // per block: sums (3), prob_sum (E), counts (E)
+    auto scores = torch::empty_like(logits);                                    // (N, E)
+    auto chosen = torch::empty({N, k}, logits.options().dtype(torch::kInt64));  // (N, k)
+    auto weights = torch::empty({N, k}, logits.options());                      // (N, k)
+    auto lse = torch::empty({N}, logits.options());                             // (N)
+    std::vector<double> partial(static_cast<size_t>(blocks * stride), 0.0);
+    AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "router_rows_forward", [&] {
+      const scalar_t* bias_data = bias.numel() > 0 ? bias.data_ptr<scalar_t>() : nullptr;
+      at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+        for (int64_t b = first; b < last; ++b) {
+          const int64_t row = b * kBlock, rows = std::min(kBlock, N - row);
+          double* sums = partial.data() + b * stride;
+          model_detail::router_rows_forward(logits.data_ptr<scalar_t>() + row * E, bias_data,
+                                            valid.data_ptr<scalar_t>() + row, rows, shape,
+                                            scores.data_ptr<scalar_t>() + row * E, chosen.data_ptr<int64_t>() + row * k,
+                                            weights.data_ptr<scalar_t>() + row * k, lse.data_ptr<scalar_t>() + row,
+                                            sums, sums + 3, sums + 3 + E);
+        }
+      });
+    });
+    std::vector<double> total(static_cast<size_t>(stride), 0.0);
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t i = 0; i < stride; ++i) total[static_cast<size_t>(i)] += partial[static_cast<size_t>(b * stride + i)];
+    const double n = std::max(total[0], 1.0);
+    const auto sums64 = torch::from_blob(total.data(), {stride}, torch::kFloat64);
+    auto mean_prob = (sums64.narrow(0, 3, E) / n).to(logits.scalar_type());  // (E)
+    auto counts = sums64.narrow(0, 3 + E, E).to(logits.scalar_type());       // (E)
+    const double cells = n * static_cast<double>(E), mean = total[1] / cells;
+    auto n_valid = torch::scalar_tensor(n, logits.options());
+    auto score_std = torch::scalar_tensor(std::sqrt(std::max(total[2] / cells - mean * mean, 0.0)), logits.options());
+    ctx->save_for_backward({logits, scores, lse, chosen, valid});
+    ctx->saved_data["n"] = n;
+    ctx->saved_data["top_k"] = k;
+    ctx->saved_data["sigmoid"] = shape.sigmoid;
+    ctx->saved_data["normalize"] = shape.normalize;
+    ctx->saved_data["scaling"] = shape.scaling;
+    ctx->mark_non_differentiable({chosen, counts, n_valid, score_std});
+    return {weights, mean_prob, lse, chosen, counts, n_valid, score_std};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &logits = saved[0], &scores = saved[1], &lse = saved[2], &chosen = saved[3], &valid = saved[4];
+    const int64_t N = logits.size(0), E = logits.size(1);
+    model_detail::RouterShape shape;
+    shape.experts = E;
+    shape.top_k = ctx->saved_data["top_k"].toInt();
+    shape.sigmoid = ctx->saved_data["sigmoid"].toBool();
+    shape.normalize = ctx->saved_data["normalize"].toBool();
+    shape.scaling = ctx->saved_data["scaling"].toDouble();
+    const auto dweights = grads[0].defined() ? grads[0].contiguous() : grads[0];                          // (N, k)
+    const auto dprob_sum = grads[1].defined() ? (grads[1] / ctx->saved_data["n"].toDouble()).contiguous() : grads[1];  // (E)
+    const auto dlse = grads[2].defined() ? grads[2].contiguous() : grads[2];                               // (N)
+    auto dlogits = torch::empty_like(logits);  // (N, E)
+    AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "router_rows_backward", [&] {
+      // Where row `row` of t (rows of `width` values) starts; null for a missing gradient.
+      const auto row_of = [](const torch::Tensor& t, int64_t row, int64_t width) -> const scalar_t* {
+        return t.defined() ? t.data_ptr<scalar_t>() + row * width : nullptr;
+      };
+      at::parallel_for(0, N, kBlock, [&](int64_t first, int64_t last) {
+        model_detail::router_rows_backward(row_of(logits, first, E), row_of(scores, first, E), row_of(lse, first, 1),
+                                           chosen.data_ptr<int64_t>() + first * shape.top_k, row_of(valid, first, 1),
+                                           row_of(dweights, first, shape.top_k), row_of(dprob_sum, 0, 0),
+                                           row_of(dlse, first, 1), last - first, shape,
+                                           dlogits.data_ptr<scalar_t>() + first * E);
+      });
+    });
+    return {dlogits, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+MoeRouting route(const torch::Tensor& logits, const torch::Tensor& bias, const torch::Tensor& valid,
+                 const model_detail::RouterShape& shape) {
+  if (!model_detail::router_row_kernel_applies(logits)) return route_with_aten(logits, bias, valid, shape);
+  // No bias: an empty tensor (LibTorch 1.13's Function::apply takes no undefined inputs).
+  const auto out = RouterRows::apply(logits.contiguous(), bias.defined() ? bias.contiguous() : logits.new_empty({0}),
+                                     valid.contiguous(), shape);
+  return {out[3], out[0], out[1], out[2], out[4], out[5], out[6]};
+}
+
 }  // namespace
 
 MoeExpertsImpl::MoeExpertsImpl(int64_t num_experts, int64_t dim, int64_t hidden) {
@@ -783,38 +928,24 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x, const BlockContext& ctx) 
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     router_logits = F::linear(xf.to(wide), gate->weight.to(wide));
   }
-  const auto scores = sigmoid_ ? torch::sigmoid(router_logits) : torch::softmax(router_logits, -1);  // (N, E)
-  auto selection = use_bias_ ? scores + gate->e_score_correction_bias.to(wide) : scores;  // (N, E)
-  if (routing_groups_ > 0) {
-    const int64_t G = routing_groups_;
-    const auto group_scores = std::get<0>(selection.view({N, G, E / G}).topk(2, -1)).sum(-1);  // (N, G)
-    const auto best_groups = std::get<1>(group_scores.topk(topk_routing_group_, -1));         // (N, g)
-    const auto kept = torch::zeros({N, G}, selection.options().dtype(torch::kBool)).scatter_(1, best_groups, true);
-    selection = selection.masked_fill(~kept.unsqueeze(-1).expand({N, G, E / G}).reshape({N, E}),
-                                      -std::numeric_limits<double>::infinity());
-  }
-  const auto chosen = moe_top_k_experts(selection, k);  // (N, k) expert ids
-  auto weights = scores.gather(1, chosen);                  // (N, k)
-  if (norm_topk_prob_) weights = weights / (weights.sum(-1, true) + 1e-20);
-  weights = weights * scaling_;
-
-  // Balancing statistics over valid tokens.
+  model_detail::RouterShape shape;
+  shape.experts = E;
+  shape.top_k = k;
+  shape.sigmoid = sigmoid_;
+  shape.normalize = norm_topk_prob_;
+  shape.scaling = scaling_;
+  shape.groups = std::max<int64_t>(routing_groups_, 0);
+  shape.top_groups = topk_routing_group_;
   const auto valid = ctx.valid.reshape({N}).to(wide);  // (N)
-  const auto n_valid = valid.sum().clamp_min(1.0);
-  const auto counts = torch::zeros({E}, valid.options())
-                          .index_add_(0, chosen.reshape({N * k}), valid.repeat_interleave(k));  // (E)
-  const auto probs = sigmoid_ ? scores / scores.sum(-1, true) : scores;                        // (N, E)
-  const auto mean_prob = (probs * valid.unsqueeze(1)).sum(0) / n_valid;                        // (E) P_e
-  const auto fraction = counts / (static_cast<double>(k) * n_valid);                           // (E) f_e
-  if (ctx.moe_stats) {
-    const auto lse = torch::logsumexp(router_logits, -1);
-    // A statistic only: computed from detached scores (the LB and z terms above stay differentiable).
-    const auto detached = scores.detach();
-    const auto valid_scores = n_valid * static_cast<double>(E);
-    const auto score_mean = (detached * valid.unsqueeze(1)).sum() / valid_scores;
-    const auto score_std = ((detached - score_mean).square() * valid.unsqueeze(1)).sum().div(valid_scores).sqrt();
-    ctx.moe_stats->push_back({static_cast<double>(E) * (fraction * mean_prob).sum(),
-                              (lse.square() * valid).sum() / n_valid, counts.to(torch::kFloat32), score_std});
+  const auto routing = route(router_logits, use_bias_ ? gate->e_score_correction_bias.to(wide) : torch::Tensor(),
+                             valid, shape);
+  const auto& chosen = routing.chosen;    // (N, k) expert ids
+  const auto& weights = routing.weights;  // (N, k)
+  if (ctx.moe_stats) {  // the balancing statistics over valid tokens
+    const auto fraction = routing.counts / (static_cast<double>(k) * routing.n_valid);  // (E) f_e
+    ctx.moe_stats->push_back({static_cast<double>(E) * (fraction * routing.mean_prob).sum(),
+                              (routing.lse.square() * valid).sum() / routing.n_valid,
+                              routing.counts.to(torch::kFloat32), routing.score_std});
   }
 
   // Dispatch: the N*k (token, slot) pairs in expert order, the experts on their rows, and back:

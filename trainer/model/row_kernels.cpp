@@ -6,8 +6,10 @@
 #include "trainer/model/row_kernels.h"
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define TRAINER_ROW_KERNEL __attribute__((target_clones("avx2", "default")))
@@ -212,6 +214,164 @@ inline __attribute__((always_inline)) void top_k_impl(const T* scores, int64_t r
   }
 }
 
+// The router's row loops (row_kernels.h; moe.cpp derives them). fp32 takes its exponentials from
+// exp_negative, which vectorizes; fp64 from libm.
+inline __attribute__((always_inline)) float exp_neg(float a) { return exp_negative(a); }
+inline __attribute__((always_inline)) double exp_neg(double a) { return std::exp(-a); }
+inline __attribute__((always_inline)) float sigmoid_of(float g) { return sigmoid(g); }
+inline __attribute__((always_inline)) double sigmoid_of(double g) { return 1.0 / (1.0 + std::exp(-g)); }
+
+// max over one row in kLanes lanes (an elementwise select GCC vectorizes, where a running max is
+// a reduction it will not reorder); NaN is skipped, and a row of NaN or -inf gives -inf.
+template <typename T>
+inline __attribute__((always_inline)) T row_max(const T* __restrict__ x, int64_t dim) {
+  T lanes[kLanes];
+  for (int64_t k = 0; k < kLanes; ++k) lanes[k] = -std::numeric_limits<T>::infinity();
+  int64_t j = 0;
+  for (; j + kLanes <= dim; j += kLanes)
+    for (int64_t k = 0; k < kLanes; ++k) lanes[k] = x[j + k] > lanes[k] ? x[j + k] : lanes[k];
+  T best = -std::numeric_limits<T>::infinity();
+  for (; j < dim; ++j) best = x[j] > best ? x[j] : best;
+  for (int64_t k = 0; k < kLanes; ++k) best = lanes[k] > best ? lanes[k] : best;
+  return best;
+}
+
+// Group-limited routing on one row of selection scores: every expert outside the best top_groups
+// groups (a group's score: the sum of its two largest) becomes -inf, so top-k passes it over.
+template <typename T>
+inline __attribute__((always_inline)) void keep_best_groups(T* selection, const RouterShape& shape, T* group_score,
+                                                            char* kept) {
+  const int64_t groups = shape.groups, per_group = shape.experts / shape.groups;
+  constexpr T kNone = -std::numeric_limits<T>::infinity();
+  for (int64_t g = 0; g < groups; ++g) {
+    T first = kNone, second = kNone;
+    for (int64_t i = 0; i < per_group; ++i) {
+      const T v = selection[g * per_group + i];
+      if (v > first) {
+        second = first;
+        first = v;
+      } else if (v > second) {
+        second = v;
+      }
+    }
+    group_score[g] = first + second;
+    kept[g] = false;
+  }
+  for (int64_t pick = 0; pick < shape.top_groups; ++pick) {
+    int64_t best = -1;
+    for (int64_t g = 0; g < groups; ++g)
+      if (!kept[g] && (best < 0 || group_score[g] > group_score[best])) best = g;
+    if (best < 0) break;  // top_groups > groups: every group kept
+    kept[best] = true;
+  }
+  for (int64_t g = 0; g < groups; ++g)
+    if (!kept[g])
+      for (int64_t i = 0; i < per_group; ++i) selection[g * per_group + i] = kNone;
+}
+
+template <typename T, typename Key>
+inline __attribute__((always_inline)) void router_forward_impl(const T* logits, const T* bias, const T* valid,
+                                                               int64_t rows, const RouterShape& shape, T* scores,
+                                                               int64_t* chosen, T* weights, T* lse, double* sums,
+                                                               double* prob_sum, double* counts) {
+  const int64_t E = shape.experts, k = shape.top_k;
+  std::vector<T> selection(static_cast<size_t>(E)), group_score(static_cast<size_t>(std::max<int64_t>(shape.groups, 1)));
+  std::vector<Key> keys(static_cast<size_t>(E));
+  std::vector<char> kept(static_cast<size_t>(std::max<int64_t>(shape.groups, 1)));
+  for (int64_t t = 0; t < rows; ++t) {
+    const T* __restrict__ l = logits + t * E;
+    T* __restrict__ s = scores + t * E;
+    T* __restrict__ sel = selection.data();
+    const T m = row_max(l, E);
+    T sum_exp;
+    if (shape.sigmoid) {
+      sum_exp = row_sum<T>(E, [&](int64_t e) { return exp_neg(m - l[e]); });
+      for (int64_t e = 0; e < E; ++e) s[e] = sigmoid_of(l[e]);
+    } else {
+      for (int64_t e = 0; e < E; ++e) s[e] = exp_neg(m - l[e]);
+      sum_exp = row_sum<T>(E, [&](int64_t e) { return s[e]; });
+      const T inverse = T(1) / sum_exp;
+      for (int64_t e = 0; e < E; ++e) s[e] *= inverse;
+    }
+    lse[t] = m + std::log(sum_exp);
+
+    if (bias) {
+      for (int64_t e = 0; e < E; ++e) sel[e] = s[e] + bias[e];
+    } else {
+      for (int64_t e = 0; e < E; ++e) sel[e] = s[e];
+    }
+    if (shape.groups > 0) keep_best_groups(sel, shape, group_score.data(), kept.data());
+    int64_t* c = chosen + t * k;
+    top_k_impl(sel, 1, E, k, keys.data(), c);
+    T* w = weights + t * k;
+    T chosen_sum = 0;
+    for (int64_t j = 0; j < k; ++j) chosen_sum += s[c[j]];
+    for (int64_t j = 0; j < k; ++j)
+      w[j] = shape.normalize ? s[c[j]] / (chosen_sum + T(1e-20)) * T(shape.scaling) : s[c[j]] * T(shape.scaling);
+
+    const double v = static_cast<double>(valid[t]);
+    const double score_sum = row_sum<double>(E, [&](int64_t e) { return static_cast<double>(s[e]); });
+    sums[0] += v;
+    sums[1] += v * score_sum;
+    sums[2] += v * row_sum<double>(E, [&](int64_t e) { return static_cast<double>(s[e]) * static_cast<double>(s[e]); });
+    if (shape.sigmoid) {
+      const T total = row_sum<T>(E, [&](int64_t e) { return s[e]; });
+      for (int64_t e = 0; e < E; ++e) prob_sum[e] += v * static_cast<double>(s[e] / total);
+    } else {
+      for (int64_t e = 0; e < E; ++e) prob_sum[e] += v * static_cast<double>(s[e]);
+    }
+    for (int64_t j = 0; j < k; ++j) counts[c[j]] += v;
+  }
+}
+
+template <typename T>
+inline __attribute__((always_inline)) void router_backward_impl(const T* logits, const T* scores, const T* lse,
+                                                                const int64_t* chosen, const T* valid,
+                                                                const T* dweights, const T* dprob_sum, const T* dlse,
+                                                                int64_t rows, const RouterShape& shape, T* dlogits) {
+  const int64_t E = shape.experts, k = shape.top_k;
+  const T scaling = T(shape.scaling);
+  std::vector<T> grad(static_cast<size_t>(E));  // d/ds of the row
+  for (int64_t t = 0; t < rows; ++t) {
+    const T* __restrict__ l = logits + t * E;
+    const T* __restrict__ s = scores + t * E;
+    T* __restrict__ dl = dlogits + t * E;
+    T* __restrict__ g = grad.data();
+    const T v = valid[t];
+    if (!dprob_sum) {
+      for (int64_t e = 0; e < E; ++e) g[e] = 0;
+    } else if (shape.sigmoid) {  // p = s / S:  dp/ds^T gp = (gp - gp . p) / S
+      const T total = row_sum<T>(E, [&](int64_t e) { return s[e]; });
+      const T dot = v * row_sum<T>(E, [&](int64_t e) { return dprob_sum[e] * s[e]; }) / total;
+      for (int64_t e = 0; e < E; ++e) g[e] = (v * dprob_sum[e] - dot) / total;
+    } else {
+      for (int64_t e = 0; e < E; ++e) g[e] = v * dprob_sum[e];
+    }
+    if (dweights) {
+      const int64_t* c = chosen + t * k;
+      const T* gw = dweights + t * k;
+      if (shape.normalize) {  // w_j = c r_j / (R + eps):  dr_i = c / (R + eps) (gw_i - gw . r / (R + eps))
+        T chosen_sum = 0, dot = 0;
+        for (int64_t j = 0; j < k; ++j) chosen_sum += s[c[j]];
+        for (int64_t j = 0; j < k; ++j) dot += gw[j] * s[c[j]];
+        const T inverse = T(1) / (chosen_sum + T(1e-20));
+        for (int64_t j = 0; j < k; ++j) g[c[j]] += scaling * inverse * (gw[j] - dot * inverse);
+      } else {
+        for (int64_t j = 0; j < k; ++j) g[c[j]] += scaling * gw[j];
+      }
+    }
+    const T dz = dlse ? dlse[t] : T(0);
+    if (shape.sigmoid) {
+      for (int64_t e = 0; e < E; ++e) dl[e] = g[e] * s[e] * (T(1) - s[e]);
+      if (dlse)
+        for (int64_t e = 0; e < E; ++e) dl[e] += dz * exp_neg(lse[t] - l[e]);  // d lse / dl = softmax(l)
+    } else {  // ds/dl^T g = s (g - g . s), and d lse / dl = s
+      const T dot = row_sum<T>(E, [&](int64_t e) { return g[e] * s[e]; });
+      for (int64_t e = 0; e < E; ++e) dl[e] = s[e] * (g[e] - dot) + dz * s[e];
+    }
+  }
+}
+
 }  // namespace
 
 TRAINER_ROW_KERNEL void top_k_rows(const float* scores, int64_t rows, int64_t E, int64_t k, int32_t* key_scratch,
@@ -221,6 +381,32 @@ TRAINER_ROW_KERNEL void top_k_rows(const float* scores, int64_t rows, int64_t E,
 TRAINER_ROW_KERNEL void top_k_rows(const double* scores, int64_t rows, int64_t E, int64_t k, int64_t* key_scratch,
                                    int64_t* chosen) {
   top_k_impl(scores, rows, E, k, key_scratch, chosen);
+}
+
+TRAINER_ROW_KERNEL void router_rows_forward(const float* logits, const float* bias, const float* valid, int64_t rows,
+                                            const RouterShape& shape, float* scores, int64_t* chosen, float* weights,
+                                            float* lse, double* sums, double* prob_sum, double* counts) {
+  router_forward_impl<float, int32_t>(logits, bias, valid, rows, shape, scores, chosen, weights, lse, sums, prob_sum,
+                                      counts);
+}
+TRAINER_ROW_KERNEL void router_rows_forward(const double* logits, const double* bias, const double* valid,
+                                            int64_t rows, const RouterShape& shape, double* scores, int64_t* chosen,
+                                            double* weights, double* lse, double* sums, double* prob_sum,
+                                            double* counts) {
+  router_forward_impl<double, int64_t>(logits, bias, valid, rows, shape, scores, chosen, weights, lse, sums,
+                                       prob_sum, counts);
+}
+TRAINER_ROW_KERNEL void router_rows_backward(const float* logits, const float* scores, const float* lse,
+                                             const int64_t* chosen, const float* valid, const float* dweights,
+                                             const float* dprob_sum, const float* dlse, int64_t rows,
+                                             const RouterShape& shape, float* dlogits) {
+  router_backward_impl(logits, scores, lse, chosen, valid, dweights, dprob_sum, dlse, rows, shape, dlogits);
+}
+TRAINER_ROW_KERNEL void router_rows_backward(const double* logits, const double* scores, const double* lse,
+                                             const int64_t* chosen, const double* valid, const double* dweights,
+                                             const double* dprob_sum, const double* dlse, int64_t rows,
+                                             const RouterShape& shape, double* dlogits) {
+  router_backward_impl(logits, scores, lse, chosen, valid, dweights, dprob_sum, dlse, rows, shape, dlogits);
 }
 
 TRAINER_ROW_KERNEL void swiglu_rows_forward(const float* gate_up, int64_t rows, int64_t F, float* h) {

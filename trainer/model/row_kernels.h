@@ -66,4 +66,36 @@ void swiglu_rows_backward(const uint16_t* gate_up, const uint16_t* dh, int64_t r
 void top_k_rows(const float* scores, int64_t rows, int64_t E, int64_t k, int32_t* key_scratch, int64_t* chosen);
 void top_k_rows(const double* scores, int64_t rows, int64_t E, int64_t k, int64_t* key_scratch, int64_t* chosen);
 
+// The router of a MoE layer over rows of E logits l (moe.cpp derives the math and its backward):
+//   s = softmax(l) or sigmoid(l),  lse = logsumexp(l),
+//   chosen = the top k of s + bias as top_k_rows picks them, among the experts of the best
+//            top_groups groups when groups > 0 (E/groups experts each; a group scores the sum of
+//            its two largest s + bias, ties to the lower group),
+//   weights = s[chosen] / (their sum + 1e-20) when normalize, times scaling.
+// scores (rows, E), chosen and weights (rows, k) and lse (rows) are written; with v = valid[t],
+// sums[0] += v, sums[1] += v sum_e s, sums[2] += v sum_e s^2, prob_sum[e] += v p_e (p = s for
+// softmax, s / sum(s) for sigmoid) and counts[chosen] += v are accumulated, in double.
+struct RouterShape {
+  int64_t experts = 0, top_k = 0;
+  bool sigmoid = false, normalize = false;
+  double scaling = 1.0;
+  int64_t groups = 0, top_groups = 0;  // group-limited routing; groups <= 0: off
+};
+void router_rows_forward(const float* logits, const float* bias, const float* valid, int64_t rows,
+                         const RouterShape& shape, float* scores, int64_t* chosen, float* weights, float* lse,
+                         double* sums, double* prob_sum, double* counts);
+void router_rows_forward(const double* logits, const double* bias, const double* valid, int64_t rows,
+                         const RouterShape& shape, double* scores, int64_t* chosen, double* weights, double* lse,
+                         double* sums, double* prob_sum, double* counts);
+
+// Its backward into dlogits (rows, E), from the forward's logits, scores, lse and chosen and from
+// dweights (rows, k), dprob_sum (E: the gradient of prob_sum) and dlse (rows); any of the three
+// may be null (no gradient).
+void router_rows_backward(const float* logits, const float* scores, const float* lse, const int64_t* chosen,
+                          const float* valid, const float* dweights, const float* dprob_sum, const float* dlse,
+                          int64_t rows, const RouterShape& shape, float* dlogits);
+void router_rows_backward(const double* logits, const double* scores, const double* lse, const int64_t* chosen,
+                          const double* valid, const double* dweights, const double* dprob_sum, const double* dlse,
+                          int64_t rows, const RouterShape& shape, double* dlogits);
+
 }  // namespace trainer::model_detail
