@@ -478,7 +478,6 @@ class SwiGLUFunction : public torch::autograd::Function<SwiGLUFunction> {
     model_detail::swiglu_backward_out(grad.narrow(-1, 0, F), grad.narrow(-1, F, F), dh, g, u, torch::silu(g));
     return {grad};
   }
-
 };
 
 }  // namespace

@@ -952,12 +952,8 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x, const BlockContext& ctx) 
   //   out_t = sum_j weight_{t,j} y_{row_of(t k + j)}.
   auto rows = expert_rows(chosen, E);
   const bool grouped_here = grouped_dispatch_ && !expert_group_;
-  torch::Tensor out;  // (N, D)
-  if (grouped_here && experts->usable_on_device(xf)) {
-    const auto x_sorted = GatherRows::apply(xf, rows.token_of, rows.row_of, k);  // (N*k, D)
-    const auto y = experts->forward_on_device(x_sorted, rows.group_sizes);       // (N*k, D)
-    out = CombineRows::apply(y, weights, rows.order, rows.row_of, rows.token_of, x.scalar_type());
-  } else {
+  const bool sizes_on_device = grouped_here && experts->usable_on_device(xf);
+  if (!sizes_on_device) {
     // Group sizes on the host: the one device->host read of a MoE layer (dynamic shapes; on the
     // CPU the counting sort read the routing instead).
     if (rows.host_sizes.empty()) {
@@ -966,14 +962,22 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x, const BlockContext& ctx) 
       rows.host_sizes.assign(sizes, sizes + E);
     }
     perf_note_host_read();
-    if (grouped_here) {
-      out = DispatchedExperts::apply(xf, weights, experts->gate_up_proj, experts->down_proj, rows.order, rows.row_of,
-                                     rows.token_of, rows.host_sizes);
-    } else {
-      const auto x_sorted = GatherRows::apply(xf, rows.token_of, rows.row_of, k);  // (N*k, D)
-      const auto y = run_experts(x_sorted, rows.host_sizes);                        // (N*k, D)
-      out = CombineRows::apply(y, weights, rows.order, rows.row_of, rows.token_of, x.scalar_type());
-    }
+  }
+  // The gather, `experts_of` on the rows in expert order and the combine, as three nodes.
+  const auto gather_experts_combine = [&](const std::function<torch::Tensor(const torch::Tensor&)>& experts_of) {
+    const auto x_sorted = GatherRows::apply(xf, rows.token_of, rows.row_of, k);  // (N*k, D)
+    return CombineRows::apply(experts_of(x_sorted), weights, rows.order, rows.row_of, rows.token_of, x.scalar_type());
+  };
+  torch::Tensor out;  // (N, D)
+  if (sizes_on_device) {
+    out = gather_experts_combine([&](const torch::Tensor& x_sorted) {
+      return experts->forward_on_device(x_sorted, rows.group_sizes);
+    });
+  } else if (grouped_here) {
+    out = DispatchedExperts::apply(xf, weights, experts->gate_up_proj, experts->down_proj, rows.order, rows.row_of,
+                                   rows.token_of, rows.host_sizes);
+  } else {
+    out = gather_experts_combine([&](const torch::Tensor& x_sorted) { return run_experts(x_sorted, rows.host_sizes); });
   }
   if (shared_experts) out = out + shared_experts->forward(xf).to(out.scalar_type());
   return out.view({B, L, D});
