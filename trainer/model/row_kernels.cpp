@@ -236,11 +236,14 @@ inline __attribute__((always_inline)) T row_max(const T* __restrict__ x, int64_t
   return best;
 }
 
-// Group-limited routing on one row of selection scores: every expert outside the best top_groups
-// groups (a group's score: the sum of its two largest) becomes -inf, so top-k passes it over.
+// Group-limited routing on one row of selection scores: the best top_groups groups (a group's
+// score: the sum of its two largest; ties to the lower group) have their experts moved, in group
+// order, to the front of selection, and their indices written, ascending, to kept_groups. Returns
+// how many groups were kept. The top-k then reads only those experts (half the row for Ling's 4 of
+// 8 groups), in expert order, so ties still go to the lower expert.
 template <typename T>
-inline __attribute__((always_inline)) void keep_best_groups(T* selection, const RouterShape& shape, T* group_score,
-                                                            char* kept) {
+inline __attribute__((always_inline)) int64_t keep_best_groups(T* selection, const RouterShape& shape, T* group_score,
+                                                               char* kept, int64_t* kept_groups) {
   const int64_t groups = shape.groups, per_group = shape.experts / shape.groups;
   constexpr T kNone = -std::numeric_limits<T>::infinity();
   for (int64_t g = 0; g < groups; ++g) {
@@ -264,9 +267,14 @@ inline __attribute__((always_inline)) void keep_best_groups(T* selection, const 
     if (best < 0) break;  // top_groups > groups: every group kept
     kept[best] = true;
   }
-  for (int64_t g = 0; g < groups; ++g)
-    if (!kept[g])
-      for (int64_t i = 0; i < per_group; ++i) selection[g * per_group + i] = kNone;
+  int64_t count = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    if (!kept[g]) continue;
+    if (count < g)  // moves forward: the ranges do not overlap
+      std::copy(selection + g * per_group, selection + (g + 1) * per_group, selection + count * per_group);
+    kept_groups[count++] = g;
+  }
+  return count;
 }
 
 template <typename T, typename Key>
@@ -278,6 +286,7 @@ inline __attribute__((always_inline)) void router_forward_impl(const T* logits, 
   std::vector<T> selection(static_cast<size_t>(E)), group_score(static_cast<size_t>(std::max<int64_t>(shape.groups, 1)));
   std::vector<Key> keys(static_cast<size_t>(E));
   std::vector<char> kept(static_cast<size_t>(std::max<int64_t>(shape.groups, 1)));
+  std::vector<int64_t> kept_groups(kept.size());
   for (int64_t t = 0; t < rows; ++t) {
     const T* __restrict__ l = logits + t * E;
     T* __restrict__ s = scores + t * E;
@@ -300,9 +309,16 @@ inline __attribute__((always_inline)) void router_forward_impl(const T* logits, 
     } else {
       for (int64_t e = 0; e < E; ++e) sel[e] = s[e];
     }
-    if (shape.groups > 0) keep_best_groups(sel, shape, group_score.data(), kept.data());
     int64_t* c = chosen + t * k;
-    top_k_impl(sel, 1, E, k, keys.data(), c);
+    if (shape.groups > 0) {
+      const int64_t per_group = E / shape.groups;
+      const int64_t candidates = per_group * keep_best_groups(sel, shape, group_score.data(), kept.data(),
+                                                              kept_groups.data());
+      top_k_impl(sel, 1, candidates, k, keys.data(), c);
+      for (int64_t j = 0; j < k; ++j) c[j] = kept_groups[c[j] / per_group] * per_group + c[j] % per_group;
+    } else {
+      top_k_impl(sel, 1, E, k, keys.data(), c);
+    }
     T* w = weights + t * k;
     T chosen_sum = 0;
     for (int64_t j = 0; j < k; ++j) chosen_sum += s[c[j]];
