@@ -1017,23 +1017,33 @@ TEST_CASE("the CPU router's row loops equal its ATen kernels: choices and weight
   // RouterRows (moe.cpp, row_kernels.cpp) against the same layer routed by ATen kernels under
   // autograd (cpu_row_kernels_set(false)), on the same weights: the output, the load-balancing and
   // z terms and the score std, the expert counts exactly, and the gradients of a loss that uses
-  // the output and both aux terms. Every score function, renormalization, bias and group setting;
-  // 300 tokens (three row blocks, the last partial) with 37 padding tokens.
+  // the output and both aux terms, and of one that uses the output only (no statistics asked for:
+  // the node gets no gradient for them). Every score function, renormalization and bias; E = 8
+  // (one row of the loops' 8 lanes) and E = 12 (a tail), without groups, in 4 groups of 2 keeping
+  // 2, and in 3 groups of 4 keeping 2 and all 3; 300 tokens (three row blocks, the last partial)
+  // with 37 padding tokens.
   CpuRowKernelsRestore restore;
   const int64_t D = 16;
+  struct Routing {
+    int64_t experts, groups, kept;
+  };
   for (const auto dtype : {torch::kFloat64, torch::kFloat32})
     for (const std::string func : {"softmax", "sigmoid"})
       for (const bool normalize : {true, false})
         for (const bool bias : {true, false})
-          for (const bool groups : {false, true}) {
-            INFO(c10::toString(dtype) << " " << func << " normalize " << normalize << " bias " << bias << " groups "
-                                      << groups);
-            std::vector<std::string> o = {"override_model_config=true", "base_emb_dim=16", "num_experts=8",
-                                          "num_experts_per_tok=3", "base_moe_mlp_dim=12", "shared_experts=0",
-                                          "routed_score_func=" + func, "routed_scaling_factor=2.5",
+          for (const Routing routing : {Routing{8, 0, 0}, Routing{8, 4, 2}, Routing{12, 0, 0}, Routing{12, 3, 2},
+                                        Routing{12, 3, 3}}) {
+            INFO(c10::toString(dtype) << " " << func << " normalize " << normalize << " bias " << bias << " E "
+                                      << routing.experts << " groups " << routing.groups << " keep " << routing.kept);
+            std::vector<std::string> o = {"override_model_config=true", "base_emb_dim=16",
+                                          "num_experts=" + std::to_string(routing.experts), "num_experts_per_tok=3",
+                                          "base_moe_mlp_dim=12", "shared_experts=0", "routed_score_func=" + func,
+                                          "routed_scaling_factor=2.5",
                                           std::string("routed_bias=") + (bias ? "true" : "false"),
                                           std::string("norm_topk_prob=") + (normalize ? "true" : "false")};
-            if (groups) o.insert(o.end(), {"n_routing_groups=4", "topk_routing_group=2"});
+            if (routing.groups > 0)
+              o.insert(o.end(), {"n_routing_groups=" + std::to_string(routing.groups),
+                                 "topk_routing_group=" + std::to_string(routing.kept)});
             torch::manual_seed(21);
             Moe moe(tiny_config(o));
             moe->to(dtype);
@@ -1050,23 +1060,30 @@ TEST_CASE("the CPU router's row loops equal its ATen kernels: choices and weight
             struct Run {
               torch::Tensor y, load_balance, router_z, counts, probs_std, dx, dgate, dgate_up, ddown;
             };
-            const auto run = [&](bool row_kernels) {
+            const auto run = [&](bool row_kernels, bool statistics) {
               cpu_row_kernels_set(row_kernels);
               moe->zero_grad();
               BlockContext ctx;
               ctx.valid = valid;
               std::vector<MoeLayerStats> stats;
-              ctx.moe_stats = &stats;
+              if (statistics) ctx.moe_stats = &stats;
               const auto input = x.clone().requires_grad_(true);
               const auto y = moe->forward(input, ctx);
-              ((y * upstream).sum() + 0.7 * stats[0].load_balance + 0.3 * stats[0].router_z).backward();
-              return Run{y.detach(),          stats[0].load_balance.detach(),   stats[0].router_z.detach(),
-                         stats[0].counts,     stats[0].probs_std.detach(),      input.grad(),
-                         moe->gate->weight.grad().clone(), moe->experts->gate_up_proj.grad().clone(),
-                         moe->experts->down_proj.grad().clone()};
+              auto loss = (y * upstream).sum();
+              if (statistics) loss = loss + 0.7 * stats[0].load_balance + 0.3 * stats[0].router_z;
+              loss.backward();
+              Run r{y.detach(), {}, {}, {}, {}, input.grad(), moe->gate->weight.grad().clone(),
+                    moe->experts->gate_up_proj.grad().clone(), moe->experts->down_proj.grad().clone()};
+              if (statistics) {
+                r.load_balance = stats[0].load_balance.detach();
+                r.router_z = stats[0].router_z.detach();
+                r.counts = stats[0].counts;
+                r.probs_std = stats[0].probs_std.detach();
+              }
+              return r;
             };
-            const Run loops = run(true), aten = run(false);
             const double tolerance = dtype == torch::kFloat64 ? 1e-12 : 2e-6;
+            const Run loops = run(true, true), aten = run(false, true);
             CHECK(torch::equal(loops.counts, aten.counts));
             CHECK(loops.counts.sum().item<double>() == 3 * 263);  // k per valid token
             CHECK(relative_difference(loops.y, aten.y) < tolerance);
@@ -1077,5 +1094,10 @@ TEST_CASE("the CPU router's row loops equal its ATen kernels: choices and weight
             CHECK(relative_difference(loops.dgate, aten.dgate) < 10 * tolerance);
             CHECK(relative_difference(loops.dgate_up, aten.dgate_up) < tolerance);
             CHECK(relative_difference(loops.ddown, aten.ddown) < tolerance);
+            const Run loops_plain = run(true, false), aten_plain = run(false, false);
+            CHECK(relative_difference(loops_plain.y, loops.y) == 0);
+            CHECK(relative_difference(loops_plain.dgate, aten_plain.dgate) < 10 * tolerance);
+            CHECK(relative_difference(loops_plain.dx, aten_plain.dx) < 10 * tolerance);
+            CHECK(relative_difference(loops_plain.dgate, loops.dgate) > 1e-6);  // the aux terms had a gradient
           }
 }

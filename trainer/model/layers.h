@@ -28,12 +28,12 @@ void swiglu_backward_out(torch::Tensor dg, torch::Tensor du, const torch::Tensor
 // SwiGLU's CPU row loops (row_kernels.h) on tensors: whether they apply (the CPU, fp32 or bf16,
 // contiguous (.., 2F) gate_up; cpu_row_kernels_set), h (.., F) = silu(g) u, and [dg | du] from dh.
 bool swiglu_row_kernel_applies(const torch::Tensor& gate_up);
+void swiglu_rows_forward_into(const torch::Tensor& gate_up, torch::Tensor& h);
+void swiglu_rows_backward_into(const torch::Tensor& gate_up, const torch::Tensor& dh, torch::Tensor& dgate_up);
 
 // Whether a MoE layer's routing runs as RouterRows (moe.cpp) over the router's row loops
 // (row_kernels.h): the CPU, fp32 or fp64 logits (N, E); cpu_row_kernels_set.
 bool router_row_kernel_applies(const torch::Tensor& logits);
-void swiglu_rows_forward_into(const torch::Tensor& gate_up, torch::Tensor& h);
-void swiglu_rows_backward_into(const torch::Tensor& gate_up, const torch::Tensor& dh, torch::Tensor& dgate_up);
 
 // norm(x), recomputed in backward when recompute_elementwise (remat_policy=minimal).
 torch::Tensor norm_forward(RMSNorm& norm, const torch::Tensor& x, bool recompute_elementwise);

@@ -783,7 +783,8 @@ class RouterRows : public torch::autograd::Function<RouterRows> {
     for (int64_t b = 0; b < blocks; ++b)
       for (int64_t i = 0; i < stride; ++i) total[static_cast<size_t>(i)] += partial[static_cast<size_t>(b * stride + i)];
     const double n = std::max(total[0], 1.0);
-    const auto sums64 = torch::from_blob(total.data(), {stride}, torch::kFloat64);
+    // A copy: in fp64 the .to() below would return views of `total`, which dies with this call.
+    const auto sums64 = torch::from_blob(total.data(), {stride}, torch::kFloat64).clone();
     auto mean_prob = (sums64.narrow(0, 3, E) / n).to(logits.scalar_type());  // (E)
     auto counts = sums64.narrow(0, 3 + E, E).to(logits.scalar_type());       // (E)
     const double cells = n * static_cast<double>(E), mean = total[1] / cells;
@@ -796,6 +797,7 @@ class RouterRows : public torch::autograd::Function<RouterRows> {
     ctx->saved_data["normalize"] = shape.normalize;
     ctx->saved_data["scaling"] = shape.scaling;
     ctx->mark_non_differentiable({chosen, counts, n_valid, score_std});
+    ctx->set_materialize_grads(false);  // an output nothing used (no aux terms) skips its terms
     return {weights, mean_prob, lse, chosen, counts, n_valid, score_std};
   }
 
@@ -816,14 +818,14 @@ class RouterRows : public torch::autograd::Function<RouterRows> {
     auto dlogits = torch::empty_like(logits);  // (N, E)
     AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "router_rows_backward", [&] {
       // Where row `row` of t (rows of `width` values) starts; null for a missing gradient.
-      const auto row_of = [](const torch::Tensor& t, int64_t row, int64_t width) -> const scalar_t* {
+      const auto row_ptr = [](const torch::Tensor& t, int64_t row, int64_t width) -> const scalar_t* {
         return t.defined() ? t.data_ptr<scalar_t>() + row * width : nullptr;
       };
       at::parallel_for(0, N, kBlock, [&](int64_t first, int64_t last) {
-        model_detail::router_rows_backward(row_of(logits, first, E), row_of(scores, first, E), row_of(lse, first, 1),
-                                           chosen.data_ptr<int64_t>() + first * shape.top_k, row_of(valid, first, 1),
-                                           row_of(dweights, first, shape.top_k), row_of(dprob_sum, 0, 0),
-                                           row_of(dlse, first, 1), last - first, shape,
+        model_detail::router_rows_backward(row_ptr(logits, first, E), row_ptr(scores, first, E),
+                                           row_ptr(lse, first, 1), chosen.data_ptr<int64_t>() + first * shape.top_k,
+                                           row_ptr(valid, first, 1), row_ptr(dweights, first, shape.top_k),
+                                           row_ptr(dprob_sum, 0, 0), row_ptr(dlse, first, 1), last - first, shape,
                                            dlogits.data_ptr<scalar_t>() + first * E);
       });
     });
@@ -835,9 +837,19 @@ MoeRouting route(const torch::Tensor& logits, const torch::Tensor& bias, const t
                  const model_detail::RouterShape& shape) {
   if (!model_detail::router_row_kernel_applies(logits)) return route_with_aten(logits, bias, valid, shape);
   // No bias: an empty tensor (LibTorch 1.13's Function::apply takes no undefined inputs).
+  TORCH_CHECK(shape.groups <= 0 || std::min(shape.top_groups, shape.groups) * (shape.experts / shape.groups) >= shape.top_k,
+              "group-limited routing must keep at least top_k experts");
   const auto out = RouterRows::apply(logits.contiguous(), bias.defined() ? bias.contiguous() : logits.new_empty({0}),
                                      valid.contiguous(), shape);
-  return {out[3], out[0], out[1], out[2], out[4], out[5], out[6]};
+  MoeRouting r;
+  r.weights = out[0];
+  r.mean_prob = out[1];
+  r.lse = out[2];
+  r.chosen = out[3];
+  r.counts = out[4];
+  r.n_valid = out[5];
+  r.score_std = out[6];
+  return r;
 }
 
 }  // namespace

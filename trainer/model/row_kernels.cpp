@@ -5,8 +5,8 @@
 // variant, so both variants round alike.
 #include "trainer/model/row_kernels.h"
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -302,7 +302,7 @@ inline __attribute__((always_inline)) void router_forward_impl(const T* logits, 
       const T inverse = T(1) / sum_exp;
       for (int64_t e = 0; e < E; ++e) s[e] *= inverse;
     }
-    lse[t] = m + std::log(sum_exp);
+    lse[t] = std::isinf(m) ? m : m + std::log(sum_exp);  // +-inf as logsumexp gives, not inf - inf
 
     if (bias) {
       for (int64_t e = 0; e < E; ++e) sel[e] = s[e] + bias[e];
