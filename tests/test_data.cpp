@@ -415,14 +415,8 @@ TEST_CASE("preprocess_data: JSON lines to .bin/.idx, same bytes for any --worker
       jsonl << nlohmann::json({{"text", "document " + std::to_string(i) + " \xc3\xa9t\xc3\xa9"}, {"id", i}}).dump() << "\n";
   }
   auto run = [&](const std::string& args) {
-    const std::string cmd = std::string(PREPROCESS_BINARY) + " --input " + kDir + "/docs.jsonl " + args + " 2>&1";
-    FILE* pipe = popen(cmd.c_str(), "r");
-    std::string out;
-    char buf[4096];
-    size_t n;
-    while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) out.append(buf, n);
-    const int status = pclose(pipe);
-    return std::make_pair(WEXITSTATUS(status), out);
+    const auto r = run_command(std::string(PREPROCESS_BINARY) + " --input " + kDir + "/docs.jsonl " + args);
+    return std::make_pair(r.exit_code, r.output);
   };
   REQUIRE(run("--output-prefix " + kDir + "/w1 --append-eod --workers 1").first == 0);
   const auto [code, log] = run("--output-prefix " + kDir + "/w3 --append-eod --workers 3");
@@ -478,14 +472,9 @@ std::string uint16_bytes(const std::vector<int>& tokens) {
 std::pair<int, std::string> preprocess(const std::string& name, const std::string& jsonl, const std::string& args) {
   fs::create_directories(kDir);
   std::ofstream(kDir + "/" + name + ".jsonl", std::ios::binary) << jsonl;
-  const std::string cmd = std::string(PREPROCESS_BINARY) + " --input " + kDir + "/" + name + ".jsonl --output-prefix " +
-                          kDir + "/" + name + " " + args + " 2>&1";
-  FILE* pipe = popen(cmd.c_str(), "r");
-  std::string out;
-  char buf[4096];
-  for (size_t n; (n = fread(buf, 1, sizeof buf, pipe)) > 0;) out.append(buf, n);
-  const int status = pclose(pipe);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+  const auto r = run_command(std::string(PREPROCESS_BINARY) + " --input " + kDir + "/" + name + ".jsonl --output-prefix " +
+                             kDir + "/" + name + " " + args);
+  return {r.exit_code, r.output};
 }
 }  // namespace
 

@@ -34,17 +34,6 @@ namespace {
 
 const std::string kOut = test_root() + "/dist";
 
-CommandResult run_command(const std::string& command) {
-  CommandResult result;
-  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) result.output.append(buf, n);
-  const int status = pclose(pipe);
-  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return result;
-}
-
 CommandResult mpirun(int np, const std::string& args) {
   return run_command("mpirun --allow-run-as-root --oversubscribe --bind-to none -np " + std::to_string(np) + " " +
                      TRAINER_BINARY + " " + source_path("configs/base.yml") + " " + kSyntheticData + " " + args);

@@ -81,13 +81,11 @@ struct CommandResult {
 // Tests run on synthetic data unless they name a dataset_type (base.yml's default is the corpus).
 constexpr const char* kSyntheticData = "dataset_type=synthetic pad_id=0 data_shuffle_seed=0";
 
-// Runs `build/trainer <args>` through the shell, with `env` prepended (e.g. "M_STEPS=3").
-inline CommandResult run_trainer(const std::string& args, const std::string& env = "") {
-  const std::string data = args.find("dataset_type=") == std::string::npos ? kSyntheticData : "";
-  const std::string command =
-      env + " " + TRAINER_BINARY + " " + source_path("configs/base.yml") + " " + data + " " + args + " 2>&1";
+// Runs a shell command line and waits for it: its exit code (-1 if it did not exit) and its
+// stdout and stderr together.
+inline CommandResult run_command(const std::string& command) {
   CommandResult result;
-  FILE* pipe = popen(command.c_str(), "r");
+  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
   if (!pipe) return result;
   std::array<char, 4096> buf{};
   size_t n;
@@ -95,6 +93,12 @@ inline CommandResult run_trainer(const std::string& args, const std::string& env
   const int status = pclose(pipe);
   result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return result;
+}
+
+// Runs `build/trainer <args>` through the shell, with `env` prepended (e.g. "M_STEPS=3").
+inline CommandResult run_trainer(const std::string& args, const std::string& env = "") {
+  const std::string data = args.find("dataset_type=") == std::string::npos ? kSyntheticData : "";
+  return run_command(env + " " + TRAINER_BINARY + " " + source_path("configs/base.yml") + " " + data + " " + args);
 }
 
 inline std::vector<std::string> read_lines(const std::string& path) {
