@@ -497,8 +497,9 @@ TEST_CASE("weights drawn unit by unit (optim_grads_params) equal model_build's, 
     double bytes = 0;
     for (const auto& p : model->parameters()) bytes += 4.0 * static_cast<double>(p.numel());
     REQUIRE(bytes > 300e6);
+    // RSS here, not the weights' pages: after a Trainer kept freed heap memory in the same process,
+    // construction may reuse resident pages without touching them.
     CHECK(built - before < 0.05 * bytes);
-    CHECK(resident_fraction(model->parameters()) < 0.05);
     ModelInitializer(c, 0).draw([&] {
       NamedTensors all;
       for (const auto& item : model->named_parameters()) all.emplace_back(item.key(), item.value());
