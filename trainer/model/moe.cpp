@@ -790,7 +790,8 @@ class RouterRows : public torch::autograd::Function<RouterRows> {
     const double cells = n * static_cast<double>(E), mean = total[1] / cells;
     auto n_valid = torch::scalar_tensor(n, logits.options());
     auto score_std = torch::scalar_tensor(std::sqrt(std::max(total[2] / cells - mean * mean, 0.0)), logits.options());
-    ctx->save_for_backward({logits, scores, lse, chosen, valid});
+    // The logits are read back only by sigmoid's z-loss term (softmax's lse gradient is the scores).
+    ctx->save_for_backward({shape.sigmoid ? logits : torch::Tensor(), scores, lse, chosen, valid});
     ctx->saved_data["n"] = n;
     ctx->saved_data["top_k"] = k;
     ctx->saved_data["sigmoid"] = shape.sigmoid;
@@ -805,7 +806,7 @@ class RouterRows : public torch::autograd::Function<RouterRows> {
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto &logits = saved[0], &scores = saved[1], &lse = saved[2], &chosen = saved[3], &valid = saved[4];
-    const int64_t N = logits.size(0), E = logits.size(1);
+    const int64_t N = scores.size(0), E = scores.size(1);
     model_detail::RouterShape shape;
     shape.experts = E;
     shape.top_k = ctx->saved_data["top_k"].toInt();
@@ -815,8 +816,8 @@ class RouterRows : public torch::autograd::Function<RouterRows> {
     const auto dweights = grads[0].defined() ? grads[0].contiguous() : grads[0];                          // (N, k)
     const auto dprob_sum = grads[1].defined() ? (grads[1] / ctx->saved_data["n"].toDouble()).contiguous() : grads[1];  // (E)
     const auto dlse = grads[2].defined() ? grads[2].contiguous() : grads[2];                               // (N)
-    auto dlogits = torch::empty_like(logits);  // (N, E)
-    AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "router_rows_backward", [&] {
+    auto dlogits = torch::empty_like(scores);  // (N, E)
+    AT_DISPATCH_FLOATING_TYPES(scores.scalar_type(), "router_rows_backward", [&] {
       // Where row `row` of t (rows of `width` values) starts; null for a missing gradient.
       const auto row_ptr = [](const torch::Tensor& t, int64_t row, int64_t width) -> const scalar_t* {
         return t.defined() ? t.data_ptr<scalar_t>() + row * width : nullptr;
@@ -976,7 +977,7 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x, const BlockContext& ctx) 
     perf_note_host_read();
   }
   // The gather, `experts_of` on the rows in expert order and the combine, as three nodes.
-  const auto gather_experts_combine = [&](const std::function<torch::Tensor(const torch::Tensor&)>& experts_of) {
+  const auto gather_experts_combine = [&](auto&& experts_of) {
     const auto x_sorted = GatherRows::apply(xf, rows.token_of, rows.row_of, k);  // (N*k, D)
     return CombineRows::apply(experts_of(x_sorted), weights, rows.order, rows.row_of, rows.token_of, x.scalar_type());
   };

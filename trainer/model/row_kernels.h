@@ -90,7 +90,8 @@ void router_rows_forward(const double* logits, const double* bias, const double*
 
 // Its backward into dlogits (rows, E), from the forward's logits, scores, lse and chosen and from
 // dweights (rows, k), dprob_sum (E: the gradient of prob_sum) and dlse (rows); any of the three
-// may be null (no gradient).
+// may be null (no gradient). The logits are read only for sigmoid scores with a dlse (softmax's
+// lse gradient is its scores), and may be null otherwise.
 void router_rows_backward(const float* logits, const float* scores, const float* lse, const int64_t* chosen,
                           const float* valid, const float* dweights, const float* dprob_sum, const float* dlse,
                           int64_t rows, const RouterShape& shape, float* dlogits);
