@@ -4,11 +4,12 @@
 // --workers.
 #include <algorithm>
 #include <atomic>
-#include <limits>
-#include <mutex>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
+#include <limits>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -72,7 +73,7 @@ int main(int argc, char** argv) {
   app.add_option("--tokenizer-type", tokenizer_type, "byte | sentencepiece");
   app.add_option("--tokenizer-model", tokenizer_model, "SentencePiece .model file");
   app.add_flag("--append-eod", append_eod, "append <eod> to every document");
-  app.add_option("--workers", workers, "tokenizer threads")->check(CLI::PositiveNumber);
+  app.add_option("--workers", workers, "tokenizer threads (1 to 1024)")->check(CLI::Range(1, 1024));
   app.add_flag("--split-sentences", split_sentences, "not implemented (Megatron splits with NLTK punkt)");
   try {
     app.parse(argc, argv);
@@ -88,11 +89,13 @@ int main(int argc, char** argv) {
   }
   try {
     const auto tokenizer = trainer::tokenizer_create(tokenizer_type, tokenizer_model);
+    if (std::filesystem::is_directory(input)) throw trainer::Error(trainer::kExitData, "--input " + input + " is a directory");
     std::ifstream in(input);
     if (!in) throw trainer::Error(trainer::kExitData, "cannot open --input " + input);
     // Every line is a document, a blank one too: Megatron's json.loads fails on it, and so do we.
     std::vector<std::string> lines;
     for (std::string line; std::getline(in, line);) lines.push_back(std::move(line));
+    if (in.bad()) throw trainer::Error(trainer::kExitData, "cannot read --input " + input);
     const auto start = std::chrono::steady_clock::now();
     // One output per key; documents keep input order because each worker fills its own slots.
     std::vector<std::vector<trainer::IndexedDocument>> docs(json_keys.size(), std::vector<trainer::IndexedDocument>(lines.size()));

@@ -5,6 +5,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <string>
@@ -143,7 +144,8 @@ int main(int argc, char** argv) {
   app.add_flag("--print-config", print_config, "print the resolved config and exit");
   app.add_flag("--dry-run", dry_run, "validate, print parameter count and FLOPs per step, exit");
   app.add_option("--dump-samples", dump_samples,
-                 "write the first N training samples in global order as JSON lines {\"index\", \"tokens\"} and exit");
+                 "write the first N training samples in global order as JSON lines {\"index\", \"tokens\"} and exit")
+      ->check(CLI::Range(int64_t{1}, std::numeric_limits<int64_t>::max()));
   app.add_option("--export-safetensors", export_path,
                  "write the model weights (newest checkpoint of run_dir, or load_*_path) to PATH and exit");
   std::string export_hf_dir, export_hf_dtype = "float32", dump_logits_path, dump_logits_tokens;
@@ -152,7 +154,8 @@ int main(int argc, char** argv) {
                  "write those weights as a Hugging Face model directory DIR (config.json, safetensors) and exit");
   app.add_option("--export-hf-dtype", export_hf_dtype, "dtype of the exported tensors")
       ->check(CLI::IsMember({"float32", "bfloat16"}));
-  app.add_option("--export-hf-max-shard-mb", export_hf_max_shard_mb, "largest safetensors file of --export-hf (MB)");
+  app.add_option("--export-hf-max-shard-mb", export_hf_max_shard_mb, "largest safetensors file of --export-hf (MB)")
+      ->check(CLI::Range(int64_t{1}, std::numeric_limits<int64_t>::max()));
   app.add_option("--dump-logits", dump_logits_path,
                  "write the model's fp32 logits for --dump-logits-tokens to PATH (safetensors) and exit");
   app.add_option("--dump-logits-tokens", dump_logits_tokens, "token ids for --dump-logits, e.g. 1,5,9");

@@ -21,6 +21,7 @@
 #include "trainer/config/hf_config.h"
 #include "trainer/data/indexed_dataset.h"
 #include "trainer/train/train.h"
+#include "trainer/util/crc32c.h"
 #include "trainer/util/error.h"
 
 using namespace trainer;
@@ -251,6 +252,90 @@ TEST_CASE("a flipped byte in model.safetensors is detected and the previous chec
   CHECK(r.exit_code == 0);
   CHECK_THAT(r.output, Catch::Contains("checksum mismatch") && Catch::Contains("falling back") &&
                            Catch::Contains("resumed from checkpoint " + kOut + "/flip/checkpoints/2"));
+}
+
+TEST_CASE("damaged checkpoints: none usable stops the run with exit 3 and overwrites none; a forged state.json is named",
+          "[checkpoint]") {
+  const std::string args = "model_name=test-tiny max_target_length=16 checkpoint_period=1 async_checkpointing=false "
+                           "base_output_directory=" + kOut + " run_name=damaged ";
+  const std::string checkpoints = kOut + "/damaged/checkpoints";
+  fs::remove_all(kOut + "/damaged");
+  REQUIRE(train_in_process(args + "steps=2") == 0);
+  // The trainer's error for a run, in this process (its message, not only its exit code).
+  const auto error_of = [&](const std::string& more) -> Error {
+    std::vector<std::string> overrides;
+    std::istringstream words(std::string(kSyntheticData) + " " + args + more);
+    for (std::string word; words >> word;) overrides.push_back(word);
+    try {
+      Trainer trainer(config_load(source_path("configs/base.yml"), overrides, {}));
+      trainer.train();
+    } catch (const Error& e) {
+      return e;
+    }
+    FAIL("the run with " << more << " succeeded");
+    return Error(kExitOk, "");
+  };
+  SECTION("a directory that is not a checkpoint name (too large for a step, or not canonical) is left alone") {
+    fs::create_directories(checkpoints + "/99999999999999999999999");
+    fs::create_directories(checkpoints + "/007");
+    REQUIRE(train_in_process(args + "steps=3") == 0);
+    CHECK(fs::exists(checkpoints + "/3/manifest.json"));
+    CHECK(fs::exists(checkpoints + "/99999999999999999999999"));
+  }
+  SECTION("state.json counters that contradict each other or the directory's step") {
+    const std::string state_path = checkpoints + "/2/state.json";
+    const std::string state = read_file(state_path);
+    const auto with = [&](const std::string& from, const std::string& to) {
+      std::string text = state;
+      REQUIRE(text.find(from) != std::string::npos);
+      text.replace(text.find(from), from.size(), to);
+      std::ofstream(state_path, std::ios::binary | std::ios::trunc) << text;
+    };
+    const auto load_error = [&]() -> std::string {
+      try {
+        checkpoint_load_state(checkpoints + "/2");
+      } catch (const Error& e) {
+        CHECK(e.exit_code() == kExitUsage);
+        return e.what();
+      }
+      FAIL("state.json was accepted");
+      return "";
+    };
+    with("\"step\": 2", "\"step\": 99");
+    CHECK_THAT(load_error(), Catch::Contains("/2: state.json is malformed: step 99 in the checkpoint of step 2"));
+    with("\"consumed_samples\": ", "\"consumed_samples\": -");
+    CHECK_THAT(load_error(), Catch::Contains("consumed_samples -") && Catch::Contains("consumed_samples >= 0"));
+    // A generator state of the wrong size, with the manifest made to match: the resume names the field.
+    nlohmann::json j = nlohmann::json::parse(state);
+    j["rng"]["torch_cpu"] = "00ff";
+    const std::string forged = j.dump(2);
+    std::ofstream(state_path, std::ios::binary | std::ios::trunc) << forged;
+    nlohmann::json manifest = nlohmann::json::parse(read_file(checkpoints + "/2/manifest.json"));
+    char crc[16];
+    std::snprintf(crc, sizeof crc, "%08x", crc32c(forged));
+    manifest["files"]["state.json"] = {{"bytes", forged.size()}, {"crc32c", crc}};
+    std::ofstream(checkpoints + "/2/manifest.json", std::ios::binary | std::ios::trunc) << manifest.dump(2);
+    const Error e = error_of("steps=3");
+    CHECK(e.exit_code() == kExitUsage);
+    CHECK_THAT(e.what(), Catch::Contains("checkpoints/2") && Catch::Contains("rng.torch_cpu"));
+  }
+  SECTION("every checkpoint damaged: exit 3 naming each, and both are still there, unchanged") {
+    for (const std::string step : {"1", "2"}) fs::resize_file(checkpoints + "/" + step + "/model.safetensors", 5000);
+    const auto before = read_file(checkpoints + "/1/model.safetensors") + read_file(checkpoints + "/2/model.safetensors");
+    const auto lines = read_lines(kOut + "/damaged/metrics.jsonl").size();
+    const Error e = error_of("steps=3");
+    CHECK(e.exit_code() == kExitData);
+    CHECK_THAT(e.what(), Catch::Contains("no usable checkpoint in " + checkpoints) &&
+                             Catch::Contains(checkpoints + "/2: model.safetensors has 5000 bytes") &&
+                             Catch::Contains(checkpoints + "/1: model.safetensors has 5000 bytes"));
+    CHECK(read_file(checkpoints + "/1/model.safetensors") + read_file(checkpoints + "/2/model.safetensors") == before);
+    CHECK_FALSE(fs::exists(checkpoints + "/3"));
+    CHECK(read_lines(kOut + "/damaged/metrics.jsonl").size() == lines);  // no step ran
+  }
+  SECTION("load_full_state_path that does not exist says so") {
+    const Error e = error_of("run_name=damaged-fresh load_full_state_path=" + kOut + "/nowhere steps=1");
+    CHECK_THAT(e.what(), Catch::Contains(kOut + "/nowhere is not usable: it does not exist"));
+  }
 }
 
 TEST_CASE("enable_checkpointing=false writes no checkpoint directory", "[checkpoint]") {

@@ -139,6 +139,28 @@ TEST_CASE("config errors name the key and exit with code 2", "[config]") {
   SECTION("unknown model") {
     CHECK_THAT(load_error({"model_name=llama9"}).what(), Catch::Contains("llama9") && Catch::Contains("qwen3-0.6b"));
   }
+  SECTION("range rules found by a bad-input sweep: each names its key and its bound") {
+    CHECK(tiny_config({"data_shuffle_seed=4294967295"}).data_shuffle_seed == 4294967295LL);  // numpy's largest
+    for (const std::string seed : {"4294967296", "5000000000", "-1"})
+      CHECK_THAT(load_error({"data_shuffle_seed=" + seed}).what(),
+                 Catch::Contains("data_shuffle_seed (" + seed + ") must be in [0, 2^32)"));
+    CHECK_THAT(load_error({"adam_eps=0"}).what(), Catch::Contains("adam_eps must be > 0"));
+    CHECK(tiny_config({"num_threads=1024"}).num_threads == 1024);
+    CHECK_THAT(load_error({"num_threads=100000"}).what(), Catch::Contains("num_threads must be in [0, 1024]"));
+    CHECK_THAT(load_error({"mtp_num_layers=16", "max_target_length=16"}).what(),
+               Catch::Contains("mtp_num_layers (16) must be in [0, max_target_length (16))"));
+    CHECK_THAT(load_error({"model_name=ling2-tiny", "override_model_config=true", "inhomogeneous_layer_cycle_interval=9"}).what(),
+               Catch::Contains("inhomogeneous_layer_cycle_interval (9) must be <= base_num_decoder_layers (5)"));
+    // 2^58-wide MLP: the parameter count would wrap int64 (the dry run printed negative counts).
+    CHECK_THAT(load_error({"model_name=test-tiny", "override_model_config=true", "base_mlp_dim=288230376151711744"}).what(),
+               Catch::Contains("over 1e17 parameters"));
+    // The largest real shapes stay far below the ceiling.
+    for (const std::string model : {"llama3.1-8b", "ling-flash-2.0", "ling2"}) CHECK_NOTHROW(tiny_config({"model_name=" + model}));
+    // A non-positive steps is named as such, not as "unset".
+    const std::string steps = load_error({"steps=-5"}).what();
+    CHECK_THAT(steps, Catch::Contains("steps must be > 0, or -1"));
+    CHECK_THAT(steps, !Catch::Contains("both unset"));
+  }
 }
 
 TEST_CASE("base_config chains, YAML syntax and malformed overrides are errors naming the file or argument", "[config]") {
@@ -175,6 +197,15 @@ TEST_CASE("base_config chains, YAML syntax and malformed overrides are errors na
   CHECK_THAT(error_of(write("broken.yml", "base_config: middle.yml\nsteps: [1, 2\n")),
              Catch::Contains("cannot parse config file") && Catch::Contains("broken.yml"));
   CHECK_THAT(error_of(write("list.yml", "- a\n- b\n")), Catch::Contains("is not a key: value map"));
+  // A key twice in one file (YAML forbids it; the parser keeps both), a directory, a list as base_config.
+  CHECK_THAT(error_of(write("twice.yml", "base_config: middle.yml\nsteps: 2\nsteps: 3\n")),
+             Catch::Contains("twice.yml") && Catch::Contains("key 'steps' appears twice"));
+  std::filesystem::create_directories(dir + "/folder.yml");
+  CHECK_THAT(error_of(dir + "/folder.yml"), Catch::Contains("folder.yml is a directory"));
+  CHECK_THAT(error_of(write("listbase.yml", "base_config: [a]\n")),
+             Catch::Contains("listbase.yml") && Catch::Contains("base_config must be a file name"));
+  // On the command line the last of a repeated key wins (scripts append the user's overrides).
+  CHECK(config_load(child, {"model_name=", "dataset_type=synthetic", "pad_id=0", "steps=1", "steps=2"}, {}).steps == 2);
   // Command-line overrides that are not key=value, or whose value is not a YAML scalar.
   CHECK_THAT(error_of(child, {"model_name=", "steps"}), Catch::Contains("override 'steps' is not of the form key=value"));
   CHECK_THAT(error_of(child, {"model_name=", "steps=[1"}), Catch::Contains("'steps'") && Catch::Contains("not valid YAML"));
@@ -199,6 +230,9 @@ TEST_CASE("the binary exits 2 on config errors and 0 on --print-config / --dry-r
   CHECK_THAT(r.output, Catch::Contains("parameters: 6738415616"));
   r = run_trainer("--no-such-flag");
   CHECK(r.exit_code == 2);
+  r = run_trainer("--dump-samples -3");  // not a count: refused, where it used to start a training run
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.output, Catch::Contains("--dump-samples") && Catch::Contains("not in range"));
 }
 
 TEST_CASE("parameter counts from the config alone", "[config][model]") {

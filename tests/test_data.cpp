@@ -148,6 +148,20 @@ TEST_CASE("corrupt .idx/.bin files fail with exit code 3 naming the problem", "[
   const int64_t far = 1000;
   std::memcpy(pointer.data() + 34 + 12 + 8, &far, 8);  // sequence 1's pointer (S = 3: pointers at 46)
   CHECK_THAT(open_with(pointer, bin).what(), Catch::Contains("sequence 1") && Catch::Contains("past the end"));
+  // A pointer inside the file but between two tokens: Megatron's writer never makes one.
+  std::string odd = idx;
+  const int64_t one_byte_in = 1;
+  std::memcpy(odd.data() + 34 + 12 + 8, &one_byte_in, 8);
+  CHECK_THAT(open_with(odd, bin).what(),
+             Catch::Contains("sequence 1 starts at byte 1") && Catch::Contains("not a multiple of the 2-byte token size"));
+  // Float token files (codes 6 and 7) would be cut to integers: refused.
+  for (const auto& [code, name] : {std::pair<char, std::string>{6, "float64"}, {7, "float32"}}) {
+    std::string floats = idx;
+    floats[17] = code;
+    const Error e = open_with(floats, bin + bin + bin + bin);
+    CHECK(e.exit_code() == kExitData);
+    CHECK_THAT(e.what(), Catch::Contains("(" + name + ") at offset 17") && Catch::Contains("token files hold integers"));
+  }
   std::string docs = idx;
   const int64_t two = 2;
   std::memcpy(docs.data() + idx.size() - 8, &two, 8);  // document index must end at S = 3
@@ -563,6 +577,16 @@ TEST_CASE("preprocess_data fails with exit 3 naming the line where Megatron's sc
     const auto [code, log] = preprocess("bad" + std::to_string(i), cases[i].jsonl, cases[i].args + " --workers 2");
     CHECK(code == 3);
     CHECK_THAT(log, Catch::Contains(cases[i].message));
+  }
+  // A directory as --input (it opens as a stream that reads nothing) and a thread count out of range.
+  const auto dir = run_command(std::string(PREPROCESS_BINARY) + " --input " + kDir + " --output-prefix " + kDir + "/fromdir");
+  CHECK(dir.exit_code == 3);
+  CHECK_THAT(dir.output, Catch::Contains("--input " + kDir + " is a directory"));
+  CHECK_FALSE(fs::exists(kDir + "/fromdir_text_document.idx"));
+  for (const std::string workers : {"0", "100000"}) {
+    const auto [code, log] = preprocess("workers" + workers, "{\"text\": \"a\"}\n", "--workers " + workers);
+    CHECK(code == 2);
+    CHECK_THAT(log, Catch::Contains("--workers") && Catch::Contains("not in range 1 to 1024"));
   }
 }
 

@@ -34,6 +34,21 @@ std::string hex32(uint32_t v) {
   return buf;
 }
 
+// The steps of the checkpoint directories under `root`, newest first. A checkpoint directory is
+// named by its step in canonical decimal; any other entry (.tmp-*, "00", a step too large for
+// int64) is not a checkpoint and is left alone.
+std::vector<int64_t> checkpoint_steps(const fs::path& root) {
+  std::vector<int64_t> steps;
+  for (const auto& entry : fs::directory_iterator(root)) {
+    const auto n = entry.path().filename().string();
+    if (!entry.is_directory() || n.empty() || n.size() > 18 || !std::all_of(n.begin(), n.end(), ::isdigit)) continue;
+    const int64_t step = std::stoll(n);
+    if (std::to_string(step) == n) steps.push_back(step);
+  }
+  std::sort(steps.rbegin(), steps.rend());
+  return steps;
+}
+
 // The tensor files of a checkpoint written by `shards` ranks (1: one writer): (model, optimizer).
 std::pair<std::vector<std::string>, std::vector<std::string>> checkpoint_tensor_files(int64_t shards) {
   if (shards <= 1) return {{"model.safetensors"}, {"optimizer.safetensors"}};
@@ -103,6 +118,21 @@ CheckpointState state_from_json(const std::string& text, const std::string& path
     s.cpu_rng_state = j.at("rng").at("torch_cpu").get<std::string>();
     s.world_size = j.at("world_size").get<int64_t>();
     s.config_hash = j.at("config_hash").get<std::string>();
+    // A checkpoint directory is named by its step; the counters cannot be negative or disagree.
+    const auto malformed = [&](const std::string& what) {
+      return config_error("checkpoint " + path + ": state.json is malformed: " + what);
+    };
+    auto dir = fs::path(path).lexically_normal();
+    if (!dir.has_filename()) dir = dir.parent_path();  // "ckpt/12/"
+    const std::string name = dir.filename().string();
+    if (s.step < 0 || s.updates_applied < 0 || s.updates_applied > s.step || s.consumed_samples < 0)
+      throw malformed("step " + std::to_string(s.step) + ", updates_applied " + std::to_string(s.updates_applied) +
+                      ", consumed_samples " + std::to_string(s.consumed_samples) +
+                      " (need 0 <= updates_applied <= step, consumed_samples >= 0)");
+    if (!name.empty() && std::all_of(name.begin(), name.end(), ::isdigit) && name != std::to_string(s.step))
+      throw malformed("step " + std::to_string(s.step) + " in the checkpoint of step " + name);
+    if (s.cpu_rng_state.size() % 2 != 0 || !std::all_of(s.cpu_rng_state.begin(), s.cpu_rng_state.end(), ::isxdigit))
+      throw malformed("rng.torch_cpu is not a string of hex byte pairs");
     return s;
   } catch (const nlohmann::json::exception& e) {
     throw config_error("checkpoint " + path + ": state.json is malformed: " + e.what());
@@ -122,12 +152,7 @@ void commit_directory(const fs::path& root, const fs::path& tmp, const std::stri
   directory_sync(root.string());
 
   if (keep > 0) {
-    std::vector<int64_t> steps;
-    for (const auto& entry : fs::directory_iterator(root)) {
-      const auto n = entry.path().filename().string();
-      if (entry.is_directory() && !n.empty() && std::all_of(n.begin(), n.end(), ::isdigit)) steps.push_back(std::stoll(n));
-    }
-    std::sort(steps.rbegin(), steps.rend());
+    const auto steps = checkpoint_steps(root);
     for (size_t i = static_cast<size_t>(keep); i < steps.size(); ++i) fs::remove_all(root / std::to_string(steps[i]));
   }
 }
@@ -332,6 +357,8 @@ torch::Tensor CheckpointReader::read(const std::string& name) const {
 std::string checkpoint_verify(const std::string& checkpoint_dir) {
   const fs::path dir(checkpoint_dir);
   const fs::path manifest_path = dir / "manifest.json";
+  if (!fs::exists(dir)) return "it does not exist";
+  if (!fs::is_directory(dir)) return "it is not a directory";
   if (!fs::exists(manifest_path)) return "no manifest.json (incomplete save)";
   nlohmann::json manifest;
   try {
@@ -358,18 +385,21 @@ std::string checkpoint_verify(const std::string& checkpoint_dir) {
 std::optional<std::string> checkpoint_find_latest(const std::string& checkpoints_dir) {
   const fs::path root(checkpoints_dir);
   if (!fs::is_directory(root)) return std::nullopt;
-  std::vector<int64_t> steps;
-  for (const auto& entry : fs::directory_iterator(root)) {
-    const auto n = entry.path().filename().string();  // .tmp-* and other names are never candidates
-    if (entry.is_directory() && !n.empty() && std::all_of(n.begin(), n.end(), ::isdigit)) steps.push_back(std::stoll(n));
-  }
-  std::sort(steps.rbegin(), steps.rend());
-  for (int64_t step : steps) {
-    const std::string dir = (root / std::to_string(step)).string();
+  const auto steps = checkpoint_steps(root);
+  std::string problems;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const std::string dir = (root / std::to_string(steps[i])).string();
     const std::string problem = checkpoint_verify(dir);
     if (problem.empty()) return dir;
-    spdlog::warn("checkpoint {} is not usable: {}; falling back to an earlier checkpoint", dir, problem);
+    spdlog::warn("checkpoint {} is not usable: {}{}", dir, problem,
+                 i + 1 < steps.size() ? "; falling back to an earlier checkpoint" : "");
+    problems += "\n  " + dir + ": " + problem;
   }
+  // Starting over would overwrite them: a run whose every checkpoint is damaged stops instead.
+  if (!steps.empty())
+    throw Error(kExitData, "no usable checkpoint in " + checkpoints_dir + ", and the run does not start over on top of " +
+                               "them (that would overwrite them):" + problems +
+                               "\nrepair or move the checkpoints directory away, or use another run_name");
   return std::nullopt;
 }
 

@@ -40,10 +40,13 @@ using RawLayer = std::map<std::string, RawValue>;
 
 YAML::Node load_yaml_file(const fs::path& path) {
   if (!fs::exists(path)) throw config_error("config file not found: " + path.string());
+  if (fs::is_directory(path)) throw config_error("config file " + path.string() + " is a directory");
   try {
     return YAML::LoadFile(path.string());
   } catch (const YAML::Exception& e) {
     throw config_error("cannot parse config file " + path.string() + ": " + e.what());
+  } catch (const std::exception& e) {  // unreadable (permissions, I/O)
+    throw config_error("cannot read config file " + path.string() + ": " + e.what());
   }
 }
 
@@ -56,10 +59,14 @@ RawLayer load_file_layer(const fs::path& path, int depth = 0) {
   if (root.IsNull()) return layer;
   if (!root.IsMap()) throw config_error("config file " + path.string() + " is not a key: value map");
   if (const YAML::Node base = root["base_config"]) {
+    if (!base.IsScalar()) throw config_error("config file " + path.string() + ": base_config must be a file name");
     layer = load_file_layer(path.parent_path() / base.as<std::string>(), depth + 1);
   }
+  std::set<std::string> seen;  // YAML forbids a key twice in a map; yaml-cpp keeps both
   for (const auto& item : root) {
+    if (!item.first.IsScalar()) throw config_error("config file " + path.string() + ": a key that is not a name");
     const std::string key = item.first.as<std::string>();
+    if (!seen.insert(key).second) throw config_error("config file " + path.string() + ": key '" + key + "' appears twice");
     if (key == "base_config") continue;
     if (!find_key(key)) unknown_key(key, path.string());
     layer[key] = {item.second, path.string()};
@@ -124,6 +131,9 @@ std::string timestamp() {
   return buf;
 }
 
+// More would only starve each other; an absurd count (a typo) would start them all before failing.
+constexpr int64_t kMaxThreads = 1024;
+
 // Cross-field and range rules. Every violation is collected; each message names all its fields.
 std::vector<std::string> validation_errors(const Config& c) {
   std::vector<std::string> errors;
@@ -149,7 +159,9 @@ std::vector<std::string> validation_errors(const Config& c) {
   require(c.max_num_checkpoints_to_keep >= 0, "max_num_checkpoints_to_keep must be >= 0 (0 = keep all)");
   require(c.load_parameters_path.empty() || c.load_full_state_path.empty(),
           "load_parameters_path and load_full_state_path are both set: choose one");
-  require(c.num_threads >= 0, "num_threads must be >= 0 (0 = LibTorch default)");
+  require(c.num_threads >= 0 && c.num_threads <= kMaxThreads,
+          "num_threads must be in [0, " + std::to_string(kMaxThreads) + "] (0 = LibTorch default; got " +
+              std::to_string(c.num_threads) + ")");
   if (c.base_num_query_heads > 0 && c.base_num_kv_heads > 0)
     require(c.base_num_query_heads % c.base_num_kv_heads == 0,
             "base_num_kv_heads (" + std::to_string(c.base_num_kv_heads) +
@@ -263,7 +275,7 @@ std::vector<std::string> validation_errors(const Config& c) {
             "lr_schedule_type=wsd");
   require(c.adam_b1 >= 0 && c.adam_b1 < 1, "adam_b1 must be in [0, 1)");
   require(c.adam_b2 >= 0 && c.adam_b2 < 1, "adam_b2 must be in [0, 1)");
-  require(c.adam_eps >= 0, "adam_eps must be >= 0");
+  require(c.adam_eps > 0, "adam_eps must be > 0 (with 0, a parameter whose gradient is exactly 0 gets 0/0 = NaN)");
   require(c.adam_weight_decay >= 0, "adam_weight_decay must be >= 0");
   require(c.gradient_clipping_threshold >= 0,
           "gradient_clipping_threshold must be >= 0 (0 disables clipping)");
@@ -296,14 +308,36 @@ std::vector<std::string> validation_errors(const Config& c) {
                 c.topk_routing_group * (c.num_experts / groups) >= c.num_experts_per_tok,
             "topk_routing_group (" + std::to_string(c.topk_routing_group) + ") must be in [1, n_routing_groups (" +
                 std::to_string(groups) + ")] and keep at least num_experts_per_tok (" +
-                std::to_string(c.num_experts_per_tok) + ") experts; -1 = off");
+                std::to_string(c.num_experts_per_tok) + ") experts (both keys -1 = no group limit)");
   }
   require(c.load_balance_loss_weight >= 0, "load_balance_loss_weight must be >= 0");
   require(c.router_z_loss_weight >= 0, "router_z_loss_weight must be >= 0");
   require(c.routed_bias_update_rate >= 0, "routed_bias_update_rate must be >= 0");
-  require(c.mtp_num_layers >= 0, "mtp_num_layers must be >= 0");
+  require(c.mtp_num_layers >= 0 && c.mtp_num_layers < c.max_target_length,
+          "mtp_num_layers (" + std::to_string(c.mtp_num_layers) + ") must be in [0, max_target_length (" +
+              std::to_string(c.max_target_length) + ")): depth d predicts the token d + 1 ahead");
+  // numpy.random.RandomState, which Megatron shuffles with, takes seeds in [0, 2^32).
+  require(c.data_shuffle_seed >= 0 && c.data_shuffle_seed <= 0xffffffffLL,
+          "data_shuffle_seed (" + std::to_string(c.data_shuffle_seed) + ") must be in [0, 2^32), as numpy's RandomState");
+  require(c.inhomogeneous_layer_cycle_interval <= c.base_num_decoder_layers,
+          "inhomogeneous_layer_cycle_interval (" + std::to_string(c.inhomogeneous_layer_cycle_interval) +
+              ") must be <= base_num_decoder_layers (" + std::to_string(c.base_num_decoder_layers) +
+              "): with more, no layer would use attention_type=" + c.attention_type);
+  // A ceiling far above any real model, so that no parameter or FLOP count overflows int64: an
+  // upper bound of the parameters, every width taken as the widest.
+  {
+    const long double widest = std::max<long double>(
+        {1.0L * c.base_emb_dim, 1.0L * c.base_mlp_dim, 1.0L * c.base_moe_mlp_dim, 1.0L * c.moe_shared_expert_dim,
+         1.0L * c.base_num_query_heads * c.head_dim, 1.0L * c.base_num_query_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim),
+         1.0L * c.q_lora_rank, 1.0L * c.kv_lora_rank});
+    const long double bound = 8.0L * widest * widest * (c.base_num_decoder_layers + c.mtp_num_layers + 1.0L) *
+                                  (std::max<int64_t>(c.num_experts, 1) + std::max<int64_t>(c.shared_experts, 0) + 1.0L) +
+                              2.0L * c.vocab_size * c.base_emb_dim;
+    require(bound < 1e17L, "the model's dimensions allow over 1e17 parameters (base_emb_dim, base_mlp_dim, base_moe_mlp_dim, "
+                           "vocab_size, heads x head_dim, base_num_decoder_layers, num_experts): check them for a typo");
+  }
   require(c.mtp_loss_scaling_factor >= 0, "mtp_loss_scaling_factor must be >= 0");
-  require(c.steps > 0 || c.learning_rate_schedule_steps > 0,
+  require(c.steps != -1 || c.learning_rate_schedule_steps != -1,
           "steps and learning_rate_schedule_steps are both unset (-1): set at least one");
   if (c.steps > 0 && c.learning_rate_schedule_steps > 0)
     require(c.learning_rate_schedule_steps >= c.steps,

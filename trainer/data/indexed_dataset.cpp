@@ -77,6 +77,9 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
     item_size_ = indexed_dtype_size(dtype_code_);
     if (item_size_ == 0)
       throw data_error(idx_path + ": unknown dtype code " + std::to_string(dtype_code_) + " at offset 17 (expected 1-8)");
+    if (dtype_code_ == 6 || dtype_code_ == 7)
+      throw data_error(idx_path + ": dtype code " + std::to_string(dtype_code_) + (dtype_code_ == 6 ? " (float64)" : " (float32)") +
+                       " at offset 17: token files hold integers (Megatron's preprocess_data writes uint16 or int32)");
     const uint64_t S = read_le<uint64_t>(p + 18), D = read_le<uint64_t>(p + 26);
     // Sizes first, with overflow-safe arithmetic, so a hostile S or D cannot wrap around.
     if (S > n / 4 || D > n / 8 || kHeaderSize + 12 * S + 8 * D != n)
@@ -98,6 +101,10 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
         throw data_error(idx_path + ": sequence " + std::to_string(i) + " (length " + std::to_string(lengths_[i]) +
                          " at byte " + std::to_string(pointer) + ") points past the end of " + bin_path + " (" +
                          std::to_string(bin_size) + " bytes)");
+      if (pointer % item_size_ != 0)
+        throw data_error(idx_path + ": sequence " + std::to_string(i) + " starts at byte " + std::to_string(pointer) +
+                         " of " + bin_path + ", not a multiple of the " + std::to_string(item_size_) +
+                         "-byte token size (a Megatron writer never does that: the index is corrupt)");
     }
     int64_t previous = 0;
     for (uint64_t i = 0; i < D; ++i) {
@@ -141,8 +148,6 @@ void IndexedDataset::read(int64_t sequence, int64_t offset, int64_t length, std:
       case 3: out.push_back(read_le<int16_t>(p)); break;
       case 4: out.push_back(read_le<int32_t>(p)); break;
       case 5: out.push_back(read_le<int64_t>(p)); break;
-      case 6: out.push_back(static_cast<int64_t>(read_le<double>(p))); break;
-      case 7: out.push_back(static_cast<int64_t>(read_le<float>(p))); break;
       case 8: out.push_back(read_le<uint16_t>(p)); break;
     }
   }

@@ -3,7 +3,8 @@
 //         index entries = documents + 1) | int32[S] lengths | int64[S] byte offsets into .bin |
 //         int64[D] document index. Little-endian, unaligned (the int64 arrays start at 34 + 4S).
 //   .bin: the concatenated token arrays.
-// dtype codes: 1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16.
+// dtype codes: 1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16; the
+// float codes are refused on reading (tokens are integers).
 #pragma once
 #include <cstdint>
 #include <string>

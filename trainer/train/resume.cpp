@@ -367,7 +367,12 @@ void Trainer::restore_state(const CheckpointState& state, const std::string& con
     for (int64_t i = 0; i < rng.numel(); ++i)
       rng.data_ptr<uint8_t>()[i] = static_cast<uint8_t>(std::stoi(state.cpu_rng_state.substr(2 * i, 2), nullptr, 16));
     auto generator = at::detail::getDefaultCPUGenerator();
-    generator.set_state(rng);
+    try {
+      generator.set_state(rng);
+    } catch (const c10::Error& e) {
+      throw config_error(source + ": state.json's rng.torch_cpu is not a CPU generator state this LibTorch reads: " +
+                         e.what_without_backtrace());
+    }
   }
   const std::string current_yaml = config_to_yaml(config_);
   if (checkpoint_hash_text(current_yaml) != state.config_hash) {

@@ -2,6 +2,7 @@
 // stop signals) and metric readout. The step is in step.cpp, the optimizer phase in
 // optimizer.cpp, resume and export in resume.cpp.
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -80,6 +81,20 @@ std::string index_ranges(const std::vector<int64_t>& indices) {
   return out;
 }
 
+// Before the model is built (minutes for a large one): the run directory exists as a directory
+// or can be created under its nearest existing ancestor. Nothing is created here.
+void check_run_dir_writable(const std::string& run_dir) {
+  namespace fs = std::filesystem;
+  fs::path existing = fs::absolute(run_dir);
+  std::error_code ec;
+  while (!fs::exists(existing, ec) && existing.has_parent_path() && existing != existing.parent_path())
+    existing = existing.parent_path();
+  const bool is_dir = fs::is_directory(existing, ec);
+  if (!is_dir || ::access(existing.c_str(), W_OK | X_OK) != 0)
+    throw Error(kExitFailure, "cannot write the run directory " + run_dir + " (base_output_directory/run_name): " +
+                                  existing.string() + (is_dir ? " is not writable" : " is not a directory"));
+}
+
 }  // namespace
 
 Trainer::Trainer(Config config)
@@ -101,6 +116,7 @@ Trainer::Trainer(Config config)
     throw config_error("expert_parallelism=" + std::to_string(N) + " must divide the number of ranks (" +
                        std::to_string(comm_->world_size()) + ")");
   expert_rank_ = comm_->rank() % N;
+  if (dist_.rank == 0) check_run_dir_writable(config_.run_dir);
   check_memory_plan();
   // optim_grads_params draws the weights unit by unit as it shards them: no rank ever holds the
   // whole model. Every level moves the parameters to the device as it copies them into its flat
@@ -426,7 +442,12 @@ void Trainer::train() {
   }
   const bool writer = dist_.rank == 0;  // only rank 0 writes files
   if (writer) {
-    std::filesystem::create_directories(c.run_dir);
+    try {
+      std::filesystem::create_directories(c.run_dir);
+    } catch (const std::filesystem::filesystem_error& e) {
+      throw Error(kExitFailure, "cannot create the run directory " + c.run_dir + " (base_output_directory/run_name): " +
+                                    e.code().message());
+    }
     std::ofstream(std::filesystem::path(c.run_dir) / "config.yml") << config_to_yaml(c);
     logger_ = std::make_unique<MetricsLogger>(c, start_step);
   }

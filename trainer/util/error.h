@@ -1,4 +1,4 @@
-// Error types that carry the process exit code documented in docs/config.md (DESIGN section 10).
+// Error types that carry the process exit code documented in docs/config.md (DESIGN section 11).
 #pragma once
 #include <stdexcept>
 #include <string>
