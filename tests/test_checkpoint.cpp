@@ -254,7 +254,7 @@ TEST_CASE("a flipped byte in model.safetensors is detected and the previous chec
                            Catch::Contains("resumed from checkpoint " + kOut + "/flip/checkpoints/2"));
 }
 
-TEST_CASE("damaged checkpoints: none usable stops the run with exit 3 and overwrites none; a forged state.json is named",
+TEST_CASE("damaged checkpoints: none usable stops the run with exit 3 and overwrites none and a forged state.json is named",
           "[checkpoint]") {
   const std::string args = "model_name=test-tiny max_target_length=16 checkpoint_period=1 async_checkpointing=false "
                            "base_output_directory=" + kOut + " run_name=damaged ";
