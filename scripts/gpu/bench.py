@@ -19,15 +19,16 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAINER = os.path.join(ROOT, "build-gpu", "trainer")
 OUT = "/tmp/trainer-gpu-bench"
+ARM_SECONDS = int(os.environ.get("ARM_SECONDS", "150"))  # one arm's limit: a hang costs this, not the whole call
 
 
 def trainer_arm(name, overrides, warmup):
     cmd = [TRAINER, os.path.join(ROOT, "configs", "base.yml"), f"base_output_directory={OUT}", f"run_name={name}",
            "save_checkpoint_on_start=false", "enable_checkpointing=false"] + overrides
     start = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"trainer arm failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=ARM_SECONDS)
+    if proc.returncode != 0:  # the trainer's errors go to stdout (spdlog)
+        sys.exit(f"trainer arm failed: {' '.join(cmd)}\n{(proc.stdout + proc.stderr)[-3000:]}")
     rows = [json.loads(l) for l in open(os.path.join(OUT, name, "metrics.jsonl")) if '"learning/loss"' in l]
     timed = rows[warmup:]
     times = [r["perf/step_time_seconds"] for r in timed]
@@ -44,7 +45,7 @@ def peer_arm(name, warmup):
     start = time.time()
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench", "peer.py"), os.path.join(OUT, name),
                            "--device", "cuda", "--random-init", "--trainer", TRAINER, "--warmup", str(warmup)],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, timeout=ARM_SECONDS)
     if proc.returncode != 0:
         sys.exit(f"peer arm failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     r = json.loads(proc.stdout.strip().splitlines()[-1])

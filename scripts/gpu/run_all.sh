@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# The whole GPU session as one command (device time is scarce: one prepared script per call):
-# build against the wheel's LibTorch, the GPU checks, the benchmark against the PyTorch peer,
-# then the CPU test suite under this LibTorch (minus the mpirun tests: no MPI there) for the
-# time that is left of TOTAL_SECONDS (default 480). Logs go to $OUT (the device tool's folder) or ./gpu-logs.
-#   scripts/gpu/run_all.sh            needs .gpu-deps/ (scripts/gpu/prepare_deps.sh) beside it
+# The GPU session in two calls of the device tool (each call may run 600 s at most; the build
+# of the first stays on the machine while it is warm): part 1 builds against the wheel's LibTorch
+# and runs the GPU checks and the resume-crash tests; part 2 the benchmark against the PyTorch
+# peer, GLA against SDPA, the memory plan, the profile, then the CPU test suite under this
+# LibTorch (minus the mpirun tests: no MPI there) for the time that is left of TOTAL_SECONDS
+# (default 480). Part 2 builds first if build-gpu/ is missing (a cold machine).
+# Logs go to $OUT (the device tool's folder) or ./gpu-logs.
+#   scripts/gpu/run_all.sh 1 | 2 | all    needs .gpu-deps/ (scripts/gpu/prepare_deps.sh) beside it
+#   (all: both parts in one call, when the call's limit allows)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 log=${OUT:-$PWD/gpu-logs}
@@ -11,23 +15,31 @@ mkdir -p "$log" data
 cp -n .gpu-deps/data/* data/ 2>/dev/null
 export LD_LIBRARY_PATH="$PWD/.gpu-deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 phase() { echo "=== $1 ($(date +%T), ${SECONDS}s)"; }
+part=${1:-all}
+case "$part" in 1|2|all) ;; *) echo "usage: scripts/gpu/run_all.sh 1|2|all" >&2; exit 2 ;; esac
+shift $(( $# > 0 ? 1 : 0 ))
 
 phase "device"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$log/device.txt"
 g++ --version | head -1 | tee -a "$log/device.txt"
-phase "build"
-if ! scripts/gpu/build.sh > "$log/build.log" 2>&1; then
-  grep -E "error|Error|CMake Error" "$log/build.log" | head -60
-  tail -40 "$log/build.log"
-  exit 1
+if [[ $part != 2 || ! -x build-gpu/trainer ]]; then
+  phase "build"
+  if ! scripts/gpu/build.sh > "$log/build.log" 2>&1; then
+    grep -E "error|Error|CMake Error" "$log/build.log" | head -60
+    tail -40 "$log/build.log"
+    exit 1
+  fi
+  tail -3 "$log/build.log"
 fi
-tail -3 "$log/build.log"
+if [[ $part != 2 ]]; then
 phase "checks"
 python3 scripts/gpu/check.py 2>&1 | tee "$log/check.log"
 phase "the 2.11 resume crash (docs/checkpoints.md, known issue): the two tests, native stack on a crash"
 (cd build-gpu && timeout 120 ./trainer_tests "a flipped byte in model.safetensors*" \
    "kill -9 at random moments never leaves a checkpoint that is taken for complete" > "$log/resume_crash.log" 2>&1)
 grep -E "fatal signal|^/|libtorch|trainer\(|test cases|assertions" "$log/resume_crash.log" | head -80
+fi
+[[ $part == 1 ]] && { phase "done (part 1)"; exit 0; }
 phase "benchmark"
 timeout "${BENCH_SECONDS:-240}" python3 scripts/gpu/bench.py "$@" 2>&1 | tee "$log/bench.log"
 phase "one GLA layer against one SDPA (GQA) layer at 4096 tokens, bf16 (issue 17; docs/benchmarks.md)"

@@ -146,8 +146,12 @@ torch::Tensor block_causal_attention(const torch::Tensor& q, const torch::Tensor
 
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const torch::Tensor& segment_mask) {
+  // With a segment mask no fused kernel takes grouped heads (flash takes no mask, efficient
+  // attention no grouped heads), so enable_gqa would choose the math kernel, which repeats k and v
+  // itself: repeat them here and keep the efficient kernel.
   if (compat::kFusedCausalAttention)
-    return compat::grouped_attention(q, k, v, segment_mask, compat::native_gqa_attention(q.device()));
+    return compat::grouped_attention(q, k, v, segment_mask,
+                                     compat::native_gqa_attention(q.device()) && !segment_mask.defined());
   return block_causal_attention(q, k, v, segment_mask, kAttentionBlock);
 }
 

@@ -135,6 +135,15 @@ void device_sync_errors_set(const torch::Device& device, bool on) {
 #endif
 }
 
+bool device_sync_errors_get(const torch::Device& device) {
+#if TRAINER_WITH_CUDA
+  return device.is_cuda() && c10::cuda::warning_state().get_sync_debug_mode() == c10::cuda::SyncDebugMode::L_ERROR;
+#else
+  (void)device;
+  return false;
+#endif
+}
+
 double device_free_memory_bytes(const torch::Device& device) {
 #if TRAINER_WITH_CUDA
   size_t free_bytes = 0, total_bytes = 0;

@@ -32,6 +32,8 @@ DeviceMemoryPeaks device_memory_peaks(const torch::Device& device);
 // any operation that makes the host wait for the device (a device->host copy, .item(), a stream
 // synchronize) throws. A no-op on the CPU. For debug_cuda_sync_check.
 void device_sync_errors_set(const torch::Device& device, bool on);
+// Whether that mode is on (false on the CPU).
+bool device_sync_errors_get(const torch::Device& device);
 // Free memory of the current CUDA device (cudaMemGetInfo: what other processes and the CUDA
 // context left); -1 on the CPU.
 double device_free_memory_bytes(const torch::Device& device);

@@ -100,7 +100,8 @@ double attention_saved_bytes(const Shapes& s, double m, double cast, AttentionCo
     for (double start = 0; start < s.L; start += b) kept_columns += (std::min(s.L, start + b) - start) * std::min(s.L, start + b);
     return m * s.T * (s.q + 2 * s.kv) + m * s.B * s.H * kept_columns;
   }
-  double bytes = (s.q > s.kv && !native_gqa) ? 2 * m * s.T * s.q : 0.0;  // repeated k and v
+  // Repeated k and v, unless read natively: only without segment masks (see causal_attention).
+  double bytes = (s.q > s.kv && !(native_gqa && !segment_masks)) ? 2 * m * s.T * s.q : 0.0;
   return bytes + (segment_masks ? (4 + cast) * s.B * s.H * s.L * s.L : m * s.T * s.q + 4 * s.B * s.H * s.L);
 }
 

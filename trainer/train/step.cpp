@@ -265,10 +265,24 @@ StepOutput Trainer::forward_backward(int64_t step) {
     if (expert_counts.defined()) device_parts.push_back(expert_counts.to(torch::kFloat64).reshape({-1}));
     auto device_stats = torch::cat(device_parts);  // (10 + depths + MoE layers * E) on the device
     Communicator& host_group = comm_->host_group();
-    if (&host_group == comm_.get() && device_stats.device() == host_stats.device()) {
-      auto stats = torch::cat({host_stats, device_stats});
+    if (&host_group == comm_.get()) {
+      // One group for both. Under NCCL without a Gloo host group (the PyTorch wheel ships no Gloo
+      // headers) the host values ride along on the device, copied there without a wait, and
+      // come back in the step's one host read, counted and allowed under debug_cuda_sync_check.
+      const bool on_host = device_stats.device() == host_stats.device();
+      auto stats = torch::cat({on_host ? host_stats : host_stats.pin_memory().to(device_stats.device(), /*non_blocking=*/true),
+                               device_stats});
       comm_->all_reduce_sum(stats, "the step's token count, loss sums and expert load");
-      host_stats = stats.narrow(0, 0, 2), device_stats = stats.narrow(0, 2, device_stats.numel());
+      device_stats = stats.narrow(0, 2, device_stats.numel());
+      if (on_host) {
+        host_stats = stats.narrow(0, 0, 2);
+      } else {
+        const bool checking = device_sync_errors_get(device_);
+        device_sync_errors_set(device_, false);
+        host_stats = stats.narrow(0, 0, 2).cpu();
+        device_sync_errors_set(device_, checking);
+        perf_note_host_read();
+      }
     } else {
       host_group.all_reduce_sum(host_stats, "the step's token count and stop vote");
       comm_->all_reduce_sum(device_stats, "the step's loss sums and expert load");

@@ -144,8 +144,8 @@ inline torch::Tensor grouped_attention(const torch::Tensor& q, const torch::Tens
 #if TRAINER_TORCH_AT_LEAST(2, 5)
   if (native) {
     if (!allowed.defined())
-      return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, /*scale=*/c10::nullopt, /*enable_gqa=*/true);
-    return at::scaled_dot_product_attention(q, k, v, allowed, 0.0, false, c10::nullopt, /*enable_gqa=*/true);
+      return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, /*scale=*/std::nullopt, /*enable_gqa=*/true);
+    return at::scaled_dot_product_attention(q, k, v, allowed, 0.0, false, std::nullopt, /*enable_gqa=*/true);
   }
 #else
   TORCH_CHECK(!native, "grouped_attention: native GQA needs LibTorch >= 2.5");
@@ -164,8 +164,8 @@ inline std::string attention_kernel_name(const torch::Tensor& q, const torch::Te
 #if TRAINER_TORCH_AT_LEAST(2, 5)
   const auto group = q.size(1) / k.size(1);
   const auto kk = native || group == 1 ? k : k.repeat_interleave(group, 1), vv = native || group == 1 ? v : v.repeat_interleave(group, 1);
-  const int64_t choice = allowed.defined() ? at::_fused_sdp_choice(q, kk, vv, allowed, 0.0, false, c10::nullopt, native)
-                                           : at::_fused_sdp_choice(q, kk, vv, {}, 0.0, true, c10::nullopt, native);
+  const int64_t choice = allowed.defined() ? at::_fused_sdp_choice(q, kk, vv, allowed, 0.0, false, std::nullopt, native)
+                                           : at::_fused_sdp_choice(q, kk, vv, {}, 0.0, true, std::nullopt, native);
   switch (choice) {  // sdp::SDPBackend
     case 0: return "math";
     case 1: return "flash";
