@@ -5,6 +5,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <map>
 #include <sstream>
@@ -155,7 +156,7 @@ int main(int argc, char** argv) {
   app.add_option("--export-hf-dtype", export_hf_dtype, "dtype of the exported tensors")
       ->check(CLI::IsMember({"float32", "bfloat16"}));
   app.add_option("--export-hf-max-shard-mb", export_hf_max_shard_mb, "largest safetensors file of --export-hf (MB)")
-      ->check(CLI::Range(int64_t{1}, std::numeric_limits<int64_t>::max()));
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));  // shifted to bytes below: no overflow
   app.add_option("--dump-logits", dump_logits_path,
                  "write the model's fp32 logits for --dump-logits-tokens to PATH (safetensors) and exit");
   app.add_option("--dump-logits-tokens", dump_logits_tokens, "token ids for --dump-logits, e.g. 1,5,9");
@@ -192,6 +193,21 @@ int main(int argc, char** argv) {
       }
       return trainer::kExitOk;
     }
+    // A flag given with an empty value (an unset shell variable) or without the flag it belongs
+    // to would otherwise fall through to a training run.
+    for (const char* flag : {"--export-hf", "--export-safetensors", "--dump-logits", "--dump-logits-tokens"})
+      if (app.count(flag) > 0 && app.get_option(flag)->as<std::string>().empty())
+        throw trainer::config_error(std::string(flag) + " was given an empty value");
+    if (app.count("--dump-logits-tokens") > 0 && dump_logits_path.empty())
+      throw trainer::config_error("--dump-logits-tokens needs --dump-logits PATH");
+    if ((app.count("--export-hf-dtype") > 0 || app.count("--export-hf-max-shard-mb") > 0) && export_hf_dir.empty())
+      throw trainer::config_error("--export-hf-dtype and --export-hf-max-shard-mb need --export-hf DIR");
+    // An export of a run that has no checkpoint and loads nothing would write the random initialization.
+    if ((!export_hf_dir.empty() || !export_path.empty()) && config.load_parameters_path.empty() &&
+        config.load_full_state_path.empty() &&
+        !trainer::checkpoint_find_latest((std::filesystem::path(config.run_dir) / "checkpoints").string()))
+      throw trainer::config_error("nothing to export: " + config.run_dir + " has no checkpoint, and neither "
+                                  "load_parameters_path nor load_full_state_path is set (check run_name)");
     std::vector<int64_t> logits_tokens;
     if (!dump_logits_path.empty()) logits_tokens = parse_token_list(dump_logits_tokens, config.vocab_size);
     if (dump_gradients && dump_logits_path.empty()) throw trainer::config_error("--dump-gradients needs --dump-logits PATH");

@@ -189,6 +189,11 @@ TEST_CASE("kill -9 inside a save: the half-written checkpoint is never used, and
                                                  dir + ".log"));
     INFO("trainer log:\n" << read_file(dir + ".log"));
     REQUIRE(wait_until([&] { return fs::exists(dir + "/checkpoints/.tmp-3/PAUSED"); }, 60));
+    // A second trainer on the same run_dir meanwhile is refused (it would resume from checkpoints
+    // being written and overwrite them), naming the holder.
+    const auto second = run_trainer(common + " steps=6 checkpoint_period=1 run_name=paused");
+    CHECK(second.exit_code == 2);
+    CHECK_THAT(second.output, Catch::Contains("run_dir " + dir + " is in use by another trainer (pid " + std::to_string(pid)));
     kill(pid, SIGKILL);
     CHECK(children.wait(pid) == 128 + SIGKILL);
   }
@@ -331,6 +336,22 @@ TEST_CASE("damaged checkpoints: none usable stops the run with exit 3 and overwr
     CHECK(read_file(checkpoints + "/1/model.safetensors") + read_file(checkpoints + "/2/model.safetensors") == before);
     CHECK_FALSE(fs::exists(checkpoints + "/3"));
     CHECK(read_lines(kOut + "/damaged/metrics.jsonl").size() == lines);  // no step ran
+  }
+  SECTION("a resume with another global batch is refused (the data position is step x global batch)") {
+    const Error e = error_of("steps=3 per_device_batch_size=4");
+    CHECK(e.exit_code() == kExitUsage);
+    CHECK_THAT(e.what(), Catch::Contains("consumed 16 samples in 2 steps, but this run's global_batch_size is 4") &&
+                             Catch::Contains("keep the product at 8"));
+    CHECK_FALSE(fs::exists(checkpoints + "/3"));
+    // The same global batch in another split resumes.
+    CHECK(train_in_process(args + "steps=3 per_device_batch_size=4 gradient_accumulation_steps=2") == 0);
+    CHECK(fs::exists(checkpoints + "/3/manifest.json"));
+  }
+  SECTION("a metrics file whose step is not a number is named on resume") {
+    std::ofstream(kOut + "/damaged/metrics.jsonl", std::ios::app) << "{\"step\": \"abc\"}\n";
+    const Error e = error_of("steps=3");
+    CHECK(e.exit_code() == kExitFailure);
+    CHECK_THAT(e.what(), Catch::Contains("metrics.jsonl line 3: \"step\" is not an integer step"));
   }
   SECTION("load_full_state_path that does not exist says so") {
     const Error e = error_of("run_name=damaged-fresh load_full_state_path=" + kOut + "/nowhere steps=1");

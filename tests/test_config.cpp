@@ -230,6 +230,18 @@ TEST_CASE("the binary exits 2 on config errors and 0 on --print-config / --dry-r
   CHECK_THAT(r.output, Catch::Contains("parameters: 6738415616"));
   r = run_trainer("--no-such-flag");
   CHECK(r.exit_code == 2);
+  // Export and dump flags that are empty (an unset shell variable), orphaned, or with nothing to
+  // export: refused, where each used to fall through to a training run or export random weights.
+  const std::string fresh = "model_name=test-tiny base_output_directory=" + test_root() + "/cli-flags run_name=none ";
+  for (const std::string flags : std::vector<std::string>{"--export-hf ''", "--export-safetensors ''", "--dump-logits ''",
+                                  "--dump-logits-tokens 1,2", "--export-hf-dtype bfloat16", "--export-hf " + test_root() + "/x"}) {
+    r = run_trainer(fresh + flags);
+    INFO(flags << ": " << r.output);
+    CHECK(r.exit_code == 2);
+    CHECK_THAT(r.output, Catch::Contains("empty value") || Catch::Contains("need --") || Catch::Contains("needs --") ||
+                             Catch::Contains("nothing to export"));
+  }
+  CHECK_FALSE(std::filesystem::exists(test_root() + "/cli-flags/none/checkpoints"));
   r = run_trainer("--dump-samples -3");  // not a count: refused, where it used to start a training run
   CHECK(r.exit_code == 2);
   CHECK_THAT(r.output, Catch::Contains("--dump-samples") && Catch::Contains("not in range"));

@@ -159,7 +159,16 @@ void indexed_dataset_write(const std::string& prefix, const std::vector<IndexedD
   if (dtype_code != 8 && dtype_code != 4) throw Error(kExitUsage, "indexed_dataset_write: dtype code must be 8 or 4");
   const int64_t lowest = dtype_code == 8 ? 0 : std::numeric_limits<int32_t>::min();
   const int64_t highest = dtype_code == 8 ? std::numeric_limits<uint16_t>::max() : std::numeric_limits<int32_t>::max();
-  std::ofstream bin(prefix + ".bin", std::ios::binary), idx(prefix + ".idx", std::ios::binary);
+  // Written under temporary names and renamed at the end: a trainer that has the old files mapped
+  // keeps reading them (replacing them in place would pull the pages from under it: SIGBUS).
+  const std::string part = ".partial-" + std::to_string(::getpid());
+  struct RemoveOnFailure {
+    std::vector<std::string> paths;
+    ~RemoveOnFailure() {
+      for (const auto& p : paths) std::remove(p.c_str());
+    }
+  } partial{{prefix + ".bin" + part, prefix + ".idx" + part}};
+  std::ofstream bin(partial.paths[0], std::ios::binary), idx(partial.paths[1], std::ios::binary);
   if (!bin || !idx) throw Error(kExitFailure, "cannot create " + prefix + ".bin/.idx");
   // Megatron's builder: lengths and pointers per sequence, and after each document the number of
   // sequences so far (document_indices starts at [0]).
@@ -208,7 +217,12 @@ void indexed_dataset_write(const std::string& prefix, const std::vector<IndexedD
   idx.write(reinterpret_cast<const char*>(lengths.data()), static_cast<std::streamsize>(4 * S));
   idx.write(reinterpret_cast<const char*>(pointers.data()), static_cast<std::streamsize>(8 * S));
   idx.write(reinterpret_cast<const char*>(document_index.data()), static_cast<std::streamsize>(8 * D));
+  bin.close();
+  idx.close();
   if (!bin || !idx) throw Error(kExitFailure, "cannot write " + prefix + ".bin/.idx");
+  if (std::rename(partial.paths[0].c_str(), (prefix + ".bin").c_str()) != 0 ||
+      std::rename(partial.paths[1].c_str(), (prefix + ".idx").c_str()) != 0)
+    throw Error(kExitFailure, "cannot rename " + prefix + ".bin/.idx into place: " + std::strerror(errno));
 }
 
 void indexed_dataset_write(const std::string& prefix, const std::vector<std::vector<int64_t>>& documents,

@@ -3,12 +3,13 @@
 
 #include <unistd.h>
 
-#include <cerrno>
 #include <algorithm>
+#include <cerrno>
+#include <charconv>
 #include <chrono>
-#include <ctime>
 #include <cmath>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 
@@ -42,15 +43,26 @@ std::string metrics_to_json(int64_t step, const MetricValues& values) {
 
 MetricsLogger::MetricsLogger(const Config& config, int64_t first_step) : config_(config) {
   const std::filesystem::path path(config.metrics_file);
-  if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path());
+  std::error_code ec;
+  if (path.has_parent_path() && (std::filesystem::create_directories(path.parent_path(), ec), ec))
+    throw Error(kExitFailure, "cannot create the directory of metrics_file " + path.string() + ": " + ec.message());
   if (first_step > 0 && std::filesystem::exists(path)) {
     // Resuming: keep the lines of steps before first_step. The kept lines go to a temporary
     // file that replaces the old one by rename, so a kill at any moment loses nothing.
     std::string kept;
     std::ifstream in(path);
+    int64_t number = 0;
     for (std::string line; std::getline(in, line);) {
+      ++number;
       const auto at = line.find("\"step\": ");
-      if (at != std::string::npos && !line.empty() && line.back() == '}' && std::stoll(line.substr(at + 8)) < first_step) kept += line + "\n";
+      if (at == std::string::npos || line.empty() || line.back() != '}') continue;  // a torn last line
+      int64_t step = 0;
+      const char* digits = line.c_str() + at + 8;
+      const auto [end, error] = std::from_chars(digits, line.c_str() + line.size(), step);
+      if (error != std::errc() || end == digits)
+        throw Error(kExitFailure, "metrics_file " + path.string() + " line " + std::to_string(number) +
+                                      ": \"step\" is not an integer step; the file is not this trainer's (or was edited)");
+      if (step < first_step) kept += line + "\n";
     }
     const std::string tmp = path.string() + ".tmp";
     std::FILE* out = std::fopen(tmp.c_str(), "w");

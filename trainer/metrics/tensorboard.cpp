@@ -50,7 +50,9 @@ uint32_t tensorboard_masked_crc(const std::string& data) {
 }
 
 TensorBoardWriter::TensorBoardWriter(const std::string& dir) {
-  std::filesystem::create_directories(dir);
+  std::error_code ec;
+  if (std::filesystem::create_directories(dir, ec), ec)
+    throw Error(kExitFailure, "cannot create the TensorBoard directory " + dir + " (enable_tensorboard): " + ec.message());
   char host[256] = {0};
   gethostname(host, sizeof host - 1);
   path_ = dir + "/events.out.tfevents." + std::to_string(static_cast<int64_t>(now_seconds())) + "." + host;

@@ -357,6 +357,8 @@ void Trainer::restore(const CheckpointContents& c, bool full_state, const std::s
 }
 
 void Trainer::restore_state(const CheckpointState& state, const std::string& config_yaml, const std::string& source) {
+  restored_consumed_samples_ = state.consumed_samples;
+  restored_from_ = source;
   if (state.world_size != config_.data_parallel_size)
     spdlog::warn("{} was written with {} ranks, resuming with {}", source, state.world_size, config_.data_parallel_size);
   updates_applied_ = state.updates_applied;

@@ -24,6 +24,8 @@
 
 namespace trainer {
 
+struct RunDirLock;  // trainer.cpp
+
 // Everything one optimizer step produced, still on the device (nothing read back yet),
 // plus the host-side facts the step already knew without a sync.
 struct StepOutput {
@@ -264,6 +266,9 @@ class Trainer {
   int64_t updates_applied_ = 0;
   bool stop_vote_ = false;  // this rank's SIGTERM/SIGINT, agreed on in the step's stats all-reduce
   std::deque<double> spike_losses_, spike_grad_norms_;  // last skip_step_interval accepted steps
+  int64_t restored_consumed_samples_ = -1;  // of the checkpoint restore_state read; -1: none
+  std::string restored_from_;               // and where it came from, for messages
+  std::unique_ptr<RunDirLock> run_dir_lock_;  // rank 0 during train(): one trainer per run_dir
   std::unique_ptr<MetricsLogger> logger_;
   std::unique_ptr<Checkpointer> checkpointer_;
   std::string checkpoint_write_error_;  // this rank's failed shard write, until checkpoint_commit decides

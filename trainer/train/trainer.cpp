@@ -1,13 +1,17 @@
 // Trainer: construction, the training loop (deferred metric readback, evaluation, checkpoints,
 // stop signals) and metric readout. The step is in step.cpp, the optimizer phase in
 // optimizer.cpp, resume and export in resume.cpp.
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -80,6 +84,38 @@ std::string index_ranges(const std::vector<int64_t>& indices) {
   }
   return out;
 }
+
+}  // namespace
+
+// An exclusive flock on <run_dir>/.lock, held for the lifetime of train() on rank 0: a second
+// trainer on the same run_dir would resume from checkpoints still being written and overwrite
+// the first's checkpoints and metrics. The kernel drops the lock when the process dies.
+struct RunDirLock {
+  explicit RunDirLock(const std::string& run_dir) {
+    const std::string path = (std::filesystem::path(run_dir) / ".lock").string();
+    fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) throw Error(kExitFailure, "cannot open the run directory's lock file " + path + ": " + std::strerror(errno));
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      char holder[256] = {};
+      const ssize_t n = ::pread(fd, holder, sizeof holder - 1, 0);
+      ::close(fd);
+      std::string who = n > 0 ? std::string(holder, static_cast<size_t>(n)) : "unknown";
+      while (!who.empty() && who.back() == '\n') who.pop_back();
+      throw config_error("run_dir " + run_dir + " is in use by another trainer (" + who + "; lock file " + path +
+                         "): wait for it to end, or choose another run_name");
+    }
+    char host[256] = {};
+    ::gethostname(host, sizeof host - 1);
+    const std::string me = "pid " + std::to_string(::getpid()) + " on " + host + "\n";
+    if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) < 0) { /* the lock holds without the note */ }
+  }
+  ~RunDirLock() { ::close(fd); }
+  RunDirLock(const RunDirLock&) = delete;
+  RunDirLock& operator=(const RunDirLock&) = delete;
+  int fd = -1;
+};
+
+namespace {
 
 // Before the model is built (minutes for a large one): the run directory exists as a directory
 // or can be created under its nearest existing ancestor. Nothing is created here.
@@ -434,12 +470,6 @@ void install_stop_handlers() {
 
 void Trainer::train() {
   const Config& c = config_;
-  const int64_t start_step = load_initial_state();
-  perf_startup_mark("resume");
-  if (start_step >= c.steps) {
-    spdlog::info("run_dir {} already reached step {} (steps = {}); nothing to do", c.run_dir, start_step, c.steps);
-    return;
-  }
   const bool writer = dist_.rank == 0;  // only rank 0 writes files
   if (writer) {
     try {
@@ -448,6 +478,24 @@ void Trainer::train() {
       throw Error(kExitFailure, "cannot create the run directory " + c.run_dir + " (base_output_directory/run_name): " +
                                     e.code().message());
     }
+    run_dir_lock_ = std::make_unique<RunDirLock>(c.run_dir);
+  }
+  const int64_t start_step = load_initial_state();
+  perf_startup_mark("resume");
+  // The data position is step x global_batch_size (data_first_sample_index): with another global
+  // batch a resumed run would skip or repeat samples, so a changed one is refused, not followed.
+  if (restored_consumed_samples_ >= 0 && restored_consumed_samples_ != start_step * c.global_batch_size)
+    throw config_error(restored_from_ + " consumed " + std::to_string(restored_consumed_samples_) + " samples in " +
+                       std::to_string(start_step) + " steps, but this run's global_batch_size is " +
+                       std::to_string(c.global_batch_size) + " (per_device_batch_size " + std::to_string(c.per_device_batch_size) +
+                       " x " + std::to_string(c.data_parallel_size) + " ranks x gradient_accumulation_steps " +
+                       std::to_string(c.gradient_accumulation_steps) + "): it would skip or repeat samples; keep the product at " +
+                       (start_step > 0 ? std::to_string(restored_consumed_samples_ / start_step) : std::string("the checkpoint's")));
+  if (start_step >= c.steps) {
+    spdlog::info("run_dir {} already reached step {} (steps = {}); nothing to do", c.run_dir, start_step, c.steps);
+    return;
+  }
+  if (writer) {
     std::ofstream(std::filesystem::path(c.run_dir) / "config.yml") << config_to_yaml(c);
     logger_ = std::make_unique<MetricsLogger>(c, start_step);
   }
