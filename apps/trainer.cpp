@@ -5,7 +5,6 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <limits>
 #include <map>
 #include <sstream>
@@ -203,17 +202,20 @@ int main(int argc, char** argv) {
     if ((app.count("--export-hf-dtype") > 0 || app.count("--export-hf-max-shard-mb") > 0) && export_hf_dir.empty())
       throw trainer::config_error("--export-hf-dtype and --export-hf-max-shard-mb need --export-hf DIR");
     // An export of a run that has no checkpoint and loads nothing would write the random initialization.
-    if ((!export_hf_dir.empty() || !export_path.empty()) && config.load_parameters_path.empty() &&
-        config.load_full_state_path.empty() &&
-        !trainer::checkpoint_find_latest((std::filesystem::path(config.run_dir) / "checkpoints").string()))
-      throw trainer::config_error("nothing to export: " + config.run_dir + " has no checkpoint, and neither "
-                                  "load_parameters_path nor load_full_state_path is set (check run_name)");
+    const auto require_weights = [&](const trainer::Trainer& t) {
+      if (!t.restored_checkpoint() && config.load_parameters_path.empty())
+        throw trainer::config_error("nothing to export: " + config.run_dir + " has no checkpoint, and neither "
+                                    "load_parameters_path nor load_full_state_path is set (check run_name)");
+    };
+    const bool training = export_hf_dir.empty() && export_path.empty() && dump_logits_path.empty();
+    if (training) trainer::run_dir_check_writable(config.run_dir);
     std::vector<int64_t> logits_tokens;
     if (!dump_logits_path.empty()) logits_tokens = parse_token_list(dump_logits_tokens, config.vocab_size);
     if (dump_gradients && dump_logits_path.empty()) throw trainer::config_error("--dump-gradients needs --dump-logits PATH");
     trainer::Trainer trainer(config);
     if (!export_hf_dir.empty() || !dump_logits_path.empty()) {
       const int64_t step = trainer.load_initial_state();
+      if (!export_hf_dir.empty()) require_weights(trainer);
       if (!dump_logits_path.empty()) {
         const auto logits = trainer.logits_for(logits_tokens, dump_gradients);
         if (trainer.communicator().rank() == 0) trainer::checkpoint_write_tensors(dump_logits_path, logits);
@@ -228,6 +230,7 @@ int main(int argc, char** argv) {
     }
     if (!export_path.empty()) {
       const int64_t step = trainer.load_initial_state();
+      require_weights(trainer);
       trainer.export_model(export_path);
       spdlog::info("wrote the weights at step {} to {}", step, export_path);
       return trainer::kExitOk;

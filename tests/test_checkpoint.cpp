@@ -347,6 +347,17 @@ TEST_CASE("damaged checkpoints: none usable stops the run with exit 3 and overwr
     CHECK(train_in_process(args + "steps=3 per_device_batch_size=4 gradient_accumulation_steps=2") == 0);
     CHECK(fs::exists(checkpoints + "/3/manifest.json"));
   }
+  SECTION("the run_dir lock lasts as long as train(), not as long as the Trainer") {
+    std::vector<std::string> overrides;
+    std::istringstream words(std::string(kSyntheticData) + " " + args + "steps=2");
+    for (std::string word; words >> word;) overrides.push_back(word);
+    const Config config = config_load(source_path("configs/base.yml"), overrides, {});
+    Trainer first(config);
+    first.train();  // already at step 2: returns at once
+    CHECK(train_in_process(args + "steps=3") == 0);  // while `first` still exists
+    first.train();  // and again: its own earlier lock is gone
+    CHECK(fs::exists(checkpoints + "/3/manifest.json"));
+  }
   SECTION("a metrics file whose step is not a number is named on resume") {
     std::ofstream(kOut + "/damaged/metrics.jsonl", std::ios::app) << "{\"step\": \"abc\"}\n";
     const Error e = error_of("steps=3");

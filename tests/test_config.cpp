@@ -149,8 +149,12 @@ TEST_CASE("config errors name the key and exit with code 2", "[config]") {
     CHECK_THAT(load_error({"num_threads=100000"}).what(), Catch::Contains("num_threads must be in [0, 1024]"));
     CHECK_THAT(load_error({"mtp_num_layers=16", "max_target_length=16"}).what(),
                Catch::Contains("mtp_num_layers (16) must be in [0, max_target_length (16))"));
-    CHECK_THAT(load_error({"model_name=ling2-tiny", "override_model_config=true", "inhomogeneous_layer_cycle_interval=9"}).what(),
+    CHECK_THAT(load_error({"model_name=ling2-tiny", "override_model_config=true", "inhomogeneous_layer_cycle_interval=9",
+                           "mtp_num_layers=0"}).what(),
                Catch::Contains("inhomogeneous_layer_cycle_interval (9) must be <= base_num_decoder_layers (5)"));
+    // With an MTP layer it is the way to a GLA-only decoder whose MTP layer has full attention.
+    CHECK(tiny_config({"model_name=ling2-tiny", "override_model_config=true", "inhomogeneous_layer_cycle_interval=9",
+                       "mtp_num_layers=1"}).inhomogeneous_layer_cycle_interval == 9);
     // 2^58-wide MLP: the parameter count would wrap int64 (the dry run printed negative counts).
     CHECK_THAT(load_error({"model_name=test-tiny", "override_model_config=true", "base_mlp_dim=288230376151711744"}).what(),
                Catch::Contains("over 1e17 parameters"));

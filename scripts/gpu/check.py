@@ -201,8 +201,9 @@ def sync_free_step():
     # Positive control: the loop dispatch reads its group sizes inside the step, so the mode must stop it.
     rows, log = run_status("sync-control", ["dataset_type=synthetic", "pad_id=0", "data_shuffle_seed=0",
                                             "model_name=moe-tiny", "moe_dispatch=loop"] + sync)
-    results["control (must fail)"] = (rows is None and "debug_cuda_sync_check" in log,
-                                      "stopped: " + next((l for l in log.splitlines() if "debug_cuda_sync_check" in l),
+    stopped = "the step made the host wait" in log  # the trainer's own message, not the command line
+    results["control (must fail)"] = (rows is None and stopped,
+                                      "stopped: " + next((l for l in log.splitlines() if "the step made the host wait" in l),
                                                          "no, it ran through" if rows is not None else log[-300:]))
     check("sync_free_step", all(ok for ok, _ in results.values()),
           "; ".join(f"{label}: {detail}" for label, (ok, detail) in results.items()))

@@ -319,10 +319,11 @@ std::vector<std::string> validation_errors(const Config& c) {
   // numpy.random.RandomState, which Megatron shuffles with, takes seeds in [0, 2^32).
   require(c.data_shuffle_seed >= 0 && c.data_shuffle_seed <= 0xffffffffLL,
           "data_shuffle_seed (" + std::to_string(c.data_shuffle_seed) + ") must be in [0, 2^32), as numpy's RandomState");
-  require(c.inhomogeneous_layer_cycle_interval <= c.base_num_decoder_layers,
+  // (With MTP layers a longer cycle is how a decoder of GLA layers only gets full-attention MTP.)
+  require(c.inhomogeneous_layer_cycle_interval <= c.base_num_decoder_layers || c.mtp_num_layers > 0,
           "inhomogeneous_layer_cycle_interval (" + std::to_string(c.inhomogeneous_layer_cycle_interval) +
               ") must be <= base_num_decoder_layers (" + std::to_string(c.base_num_decoder_layers) +
-              "): with more, no layer would use attention_type=" + c.attention_type);
+              ") without MTP layers: with more, no layer would use attention_type=" + c.attention_type);
   // A ceiling far above any real model, so that no parameter or FLOP count overflows int64: an
   // upper bound of the parameters, every width taken as the widest.
   {

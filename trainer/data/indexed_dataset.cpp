@@ -160,7 +160,10 @@ void indexed_dataset_write(const std::string& prefix, const std::vector<IndexedD
   const int64_t lowest = dtype_code == 8 ? 0 : std::numeric_limits<int32_t>::min();
   const int64_t highest = dtype_code == 8 ? std::numeric_limits<uint16_t>::max() : std::numeric_limits<int32_t>::max();
   // Written under temporary names and renamed at the end: a trainer that has the old files mapped
-  // keeps reading them (replacing them in place would pull the pages from under it: SIGBUS).
+  // keeps reading them (replacing them in place would pull the pages from under it: SIGBUS). The
+  // two renames are not one atomic step: a reader opening the pair between them may see the new
+  // .bin with the old .idx (validated against each other; rewriting a corpus under a run that
+  // opens it is still the user's race).
   const std::string part = ".partial-" + std::to_string(::getpid());
   struct RemoveOnFailure {
     std::vector<std::string> paths;

@@ -349,7 +349,7 @@ inline __attribute__((always_inline)) void router_backward_impl(const T* logits,
   const T scaling = T(shape.scaling);
   std::vector<T> grad(static_cast<size_t>(E));  // d/ds of the row
   for (int64_t t = 0; t < rows; ++t) {
-    const T* __restrict__ l = logits + t * E;
+    const T* __restrict__ l = logits ? logits + t * E : nullptr;  // null for softmax scores
     const T* __restrict__ s = scores + t * E;
     T* __restrict__ dl = dlogits + t * E;
     T* __restrict__ g = grad.data();

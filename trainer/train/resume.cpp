@@ -414,6 +414,7 @@ int64_t Trainer::load_initial_state() {
   };
   if (own) {
     const auto state = restore_full(*own, "checkpoint " + *own);
+    restored_own_checkpoint_ = true;
     spdlog::info("resumed from checkpoint {} (step {}, {} updates applied)", *own, state.step, state.updates_applied);
     return state.step;
   }

@@ -266,9 +266,10 @@ StepOutput Trainer::forward_backward(int64_t step) {
     auto device_stats = torch::cat(device_parts);  // (10 + depths + MoE layers * E) on the device
     Communicator& host_group = comm_->host_group();
     if (&host_group == comm_.get()) {
-      // One group for both. Under NCCL without a Gloo host group (the PyTorch wheel ships no Gloo
-      // headers) the host values ride along on the device, copied there without a wait, and
-      // come back in the step's one host read, counted and allowed under debug_cuda_sync_check.
+      // One group for both. Where it reduces device tensors (NCCL in a build without Gloo, whose
+      // PyTorch wheel ships no Gloo headers; or Gloo with hardware=gpu) the host values ride along
+      // on the device, copied there without a wait, and come back in the step's one host read,
+      // counted and allowed under debug_cuda_sync_check.
       const bool on_host = device_stats.device() == host_stats.device();
       auto stats = torch::cat({on_host ? host_stats : host_stats.pin_memory().to(device_stats.device(), /*non_blocking=*/true),
                                device_stats});

@@ -26,6 +26,11 @@ namespace trainer {
 
 struct RunDirLock;  // trainer.cpp
 
+// Before a training run builds its model (minutes for a large one): run_dir exists as a directory
+// or can be created under its nearest existing ancestor; exit 1 naming both otherwise. Creates
+// nothing. Not for exports, which only read run_dir.
+void run_dir_check_writable(const std::string& run_dir);
+
 // Everything one optimizer step produced, still on the device (nothing read back yet),
 // plus the host-side facts the step already knew without a sync.
 struct StepOutput {
@@ -107,6 +112,8 @@ class Trainer {
   // load_full_state_path, else load_parameters_path (weights only), else fresh. Returns the
   // step index to start at. Throws trainer::Error (exit 2) on a model/checkpoint mismatch.
   int64_t load_initial_state();
+  // Whether load_initial_state restored a checkpoint (this run's or load_full_state_path's).
+  bool restored_checkpoint() const { return restored_consumed_samples_ >= 0; }
   // Host-side copy of everything a bit-exact resume needs, after `completed_steps` steps; every
   // rank calls it (a collective with ZeRO-1, sharded levels or expert parallelism). With sharded
   // levels over several ranks each rank keeps its own shard (sharded_checkpoints()); at the other
@@ -268,7 +275,8 @@ class Trainer {
   std::deque<double> spike_losses_, spike_grad_norms_;  // last skip_step_interval accepted steps
   int64_t restored_consumed_samples_ = -1;  // of the checkpoint restore_state read; -1: none
   std::string restored_from_;               // and where it came from, for messages
-  std::unique_ptr<RunDirLock> run_dir_lock_;  // rank 0 during train(): one trainer per run_dir
+  bool restored_own_checkpoint_ = false;    // it was this run_dir's (not load_full_state_path's)
+  std::unique_ptr<RunDirLock> run_dir_lock_;  // rank 0, for the duration of train(): one trainer per run_dir
   std::unique_ptr<MetricsLogger> logger_;
   std::unique_ptr<Checkpointer> checkpointer_;
   std::string checkpoint_write_error_;  // this rank's failed shard write, until checkpoint_commit decides

@@ -95,7 +95,15 @@ struct RunDirLock {
     const std::string path = (std::filesystem::path(run_dir) / ".lock").string();
     fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     if (fd < 0) throw Error(kExitFailure, "cannot open the run directory's lock file " + path + ": " + std::strerror(errno));
-    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const bool held_elsewhere = ::flock(fd, LOCK_EX | LOCK_NB) != 0;
+    if (held_elsewhere && errno != EWOULDBLOCK) {
+      // A filesystem without flock (Lustre without -o flock, some FUSE mounts): train unguarded.
+      spdlog::warn("cannot lock {} ({}): nothing stops a second trainer on this run_dir", path, std::strerror(errno));
+      ::close(fd);
+      fd = -1;
+      return;
+    }
+    if (held_elsewhere) {
       char holder[256] = {};
       const ssize_t n = ::pread(fd, holder, sizeof holder - 1, 0);
       ::close(fd);
@@ -109,17 +117,17 @@ struct RunDirLock {
     const std::string me = "pid " + std::to_string(::getpid()) + " on " + host + "\n";
     if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) < 0) { /* the lock holds without the note */ }
   }
-  ~RunDirLock() { ::close(fd); }
+  ~RunDirLock() {
+    if (fd >= 0) ::close(fd);
+  }
   RunDirLock(const RunDirLock&) = delete;
   RunDirLock& operator=(const RunDirLock&) = delete;
   int fd = -1;
 };
 
-namespace {
-
 // Before the model is built (minutes for a large one): the run directory exists as a directory
 // or can be created under its nearest existing ancestor. Nothing is created here.
-void check_run_dir_writable(const std::string& run_dir) {
+void run_dir_check_writable(const std::string& run_dir) {
   namespace fs = std::filesystem;
   fs::path existing = fs::absolute(run_dir);
   std::error_code ec;
@@ -130,8 +138,6 @@ void check_run_dir_writable(const std::string& run_dir) {
     throw Error(kExitFailure, "cannot write the run directory " + run_dir + " (base_output_directory/run_name): " +
                                   existing.string() + (is_dir ? " is not writable" : " is not a directory"));
 }
-
-}  // namespace
 
 Trainer::Trainer(Config config)
     : config_(std::move(config)),
@@ -152,7 +158,6 @@ Trainer::Trainer(Config config)
     throw config_error("expert_parallelism=" + std::to_string(N) + " must divide the number of ranks (" +
                        std::to_string(comm_->world_size()) + ")");
   expert_rank_ = comm_->rank() % N;
-  if (dist_.rank == 0) check_run_dir_writable(config_.run_dir);
   check_memory_plan();
   // optim_grads_params draws the weights unit by unit as it shards them: no rank ever holds the
   // whole model. Every level moves the parameters to the device as it copies them into its flat
@@ -480,21 +485,26 @@ void Trainer::train() {
     }
     run_dir_lock_ = std::make_unique<RunDirLock>(c.run_dir);
   }
+  struct LockRelease {  // however train() ends
+    std::unique_ptr<RunDirLock>& lock;
+    ~LockRelease() { lock.reset(); }
+  } lock_release{run_dir_lock_};
   const int64_t start_step = load_initial_state();
   perf_startup_mark("resume");
+  if (start_step >= c.steps) {
+    spdlog::info("run_dir {} already reached step {} (steps = {}); nothing to do", c.run_dir, start_step, c.steps);
+    return;
+  }
   // The data position is step x global_batch_size (data_first_sample_index): with another global
   // batch a resumed run would skip or repeat samples, so a changed one is refused, not followed.
-  if (restored_consumed_samples_ >= 0 && restored_consumed_samples_ != start_step * c.global_batch_size)
+  // (A load_full_state_path of another run starts a new data stream: its position is not checked.)
+  if (restored_own_checkpoint_ && restored_consumed_samples_ != start_step * c.global_batch_size)
     throw config_error(restored_from_ + " consumed " + std::to_string(restored_consumed_samples_) + " samples in " +
                        std::to_string(start_step) + " steps, but this run's global_batch_size is " +
                        std::to_string(c.global_batch_size) + " (per_device_batch_size " + std::to_string(c.per_device_batch_size) +
                        " x " + std::to_string(c.data_parallel_size) + " ranks x gradient_accumulation_steps " +
                        std::to_string(c.gradient_accumulation_steps) + "): it would skip or repeat samples; keep the product at " +
                        (start_step > 0 ? std::to_string(restored_consumed_samples_ / start_step) : std::string("the checkpoint's")));
-  if (start_step >= c.steps) {
-    spdlog::info("run_dir {} already reached step {} (steps = {}); nothing to do", c.run_dir, start_step, c.steps);
-    return;
-  }
   if (writer) {
     std::ofstream(std::filesystem::path(c.run_dir) / "config.yml") << config_to_yaml(c);
     logger_ = std::make_unique<MetricsLogger>(c, start_step);
