@@ -602,7 +602,7 @@ TEST_CASE("preprocess_data fails with exit 3 naming the line where Megatron's sc
   for (const std::string workers : {"0", "100000"}) {
     const auto [code, log] = preprocess("workers" + workers, "{\"text\": \"a\"}\n", "--workers " + workers);
     CHECK(code == 2);
-    CHECK_THAT(log, Catch::Contains("--workers") && Catch::Contains("not in range 1 to 1024"));
+    CHECK_THAT(log, Catch::Contains("--workers") && Catch::Contains("not in range") && Catch::Contains("1024"));  // CLI11 words the range by version
   }
 }
 
