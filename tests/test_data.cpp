@@ -388,6 +388,72 @@ TEST_CASE("a re-created loader continues exactly, and the index cache is reused 
   CHECK(read_file(files[0]) == original);
 }
 
+TEST_CASE("ranks meet per index file: rank 0 announces it, the others read it or, not seeing it, build it at once", "[data]") {
+  const auto& g = reference()["gpt"][0];
+  fs::remove_all(kDir + "/cache-sync");
+  const Config c = corpus_config(g, "sync", {"steps=30", "per_device_batch_size=1"});
+  auto cached_files = [&](const std::string& dir) {
+    std::vector<std::string> files;
+    if (fs::exists(dir))
+      for (const auto& e : fs::directory_iterator(dir)) files.push_back(e.path().string());
+    return files;
+  };
+  // Rank 0 announces each file once it is on disk: after building it, and after a cache hit
+  // (another node's rank may still miss it).
+  std::vector<std::string> announced;
+  DataIndexSync rank0 = [&](const std::string& file) {
+    CHECK(fs::exists(file));
+    announced.push_back(file);
+  };
+  const DataLoader built(c, 0, rank0);
+  const auto files = cached_files(kDir + "/cache-sync");
+  REQUIRE(files.size() == 1);
+  REQUIRE(announced == std::vector<std::string>{files[0]});
+  const DataLoader hit(c, 0, rank0);
+  CHECK(announced.size() == 2);
+
+  // Rank 1 that finds the file does not wait for rank 0.
+  int waits = 0;
+  DataIndexSync rank1_shared = [&](const std::string&) { ++waits; };
+  const DataLoader shared(c, 1, rank1_shared);
+  CHECK(waits == 0);
+  CHECK(shared.data_loader_sample(3).inputs == built.data_loader_sample(3).inputs);
+
+  // Rank 1 that misses it waits for rank 0, then reads what rank 0 wrote meanwhile (not rebuilt).
+  const std::string bytes = read_file(files[0]);
+  fs::remove(files[0]);
+  fs::file_time_type stamp;
+  DataIndexSync rank1_waits = [&](const std::string& file) {
+    ++waits;
+    CHECK(file == files[0]);
+    std::ofstream(file, std::ios::binary) << bytes;  // rank 0 finishes during the wait
+    stamp = fs::last_write_time(file);
+  };
+  const DataLoader waited(c, 1, rank1_waits);
+  CHECK(waits == 1);
+  CHECK(fs::last_write_time(files[0]) == stamp);
+  CHECK(waited.data_loader_sample(7).inputs == built.data_loader_sample(7).inputs);
+
+  // Rank 1 on another node (the file never appears in its cache directory) builds it itself as
+  // soon as rank 0 announces, with the same samples.
+  fs::remove(files[0]);
+  const DataLoader node_local(c, 1, rank1_shared);
+  CHECK(waits == 2);
+  CHECK(read_file(files[0]) == bytes);
+  for (int64_t i = 0; i < 30; ++i) CHECK(node_local.data_loader_sample(i).inputs == built.data_loader_sample(i).inputs);
+
+  // Rank 0 never announcing (it failed, or a build outlasting the timeout) is the wait's error.
+  fs::remove(files[0]);
+  DataIndexSync times_out = [](const std::string& file) { throw Error(kExitDistributed, "no news of " + file); };
+  try {
+    DataLoader(c, 1, times_out);
+    FAIL("expected the wait's error");
+  } catch (const Error& e) {
+    CHECK(e.exit_code() == kExitDistributed);
+    CHECK_THAT(e.what(), Catch::Contains("no news of " + files[0]));
+  }
+}
+
 TEST_CASE("Megatron masks: pad targets, eod_mask_loss, reset_position_ids, reset_attention_mask", "[data]") {
   // Documents end with EOD = 9; pad = 8. One sample of L = 9 spans three documents.
   fs::create_directories(kDir);

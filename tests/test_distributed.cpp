@@ -809,7 +809,7 @@ TEST_CASE("a rank killed in a decoder layer's parameter all-gather makes the oth
              Catch::Contains("rank 0 of 2: all_gather of the parameters of model.layers.0 (all-gather at element 0) failed"));
 }
 
-TEST_CASE("evaluation under data parallelism, with EOD masks, equals one process", "[dist][cli]") {
+TEST_CASE("evaluation under data parallelism, with EOD masks, equals one process and rank 1 reads the index files of rank 0", "[dist][cli]") {
   // Documents of uneven length ending in EOD (id 9), masked with eod_mask_loss and split into
   // segments: the validation loss sums over uneven token counts on each rank.
   std::vector<std::vector<int64_t>> docs;
@@ -831,6 +831,12 @@ TEST_CASE("evaluation under data parallelism, with EOD masks, equals one process
                               " per_device_batch_size=1 run_name=eval-r2 data_cache_path=" + kOut + "/eval-cache-2");
   INFO(r2.output);
   REQUIRE(r2.exit_code == 0);
+  // Rank 0 built the train and valid index files and announced them; rank 1 read both (a rank
+  // that cannot see rank 0's file says so and builds its own).
+  size_t index_files = 0;
+  for (const auto& e : fs::directory_iterator(kOut + "/eval-cache-2")) index_files += e.path().extension() == ".gptidx";
+  CHECK(index_files == 2);
+  CHECK(r2.output.find("is not visible here") == std::string::npos);
   REQUIRE(run_command(common + " per_device_batch_size=2 run_name=eval-r1 data_cache_path=" + kOut + "/eval-cache-1")
               .exit_code == 0);
   const auto evals = [&](const std::string& run) {

@@ -4,8 +4,10 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -54,10 +56,15 @@ enum class DataSplit { kTrain = 0, kValid = 1, kTest = 2 };
 
 // Megatron GPTDataset samples of one split (train/valid/test) of a dataset or a blend, with
 // Megatron's masks and positions (eod_mask_loss, reset_position_ids, reset_attention_mask).
-// Index arrays are cached on disk; with several ranks only rank 0 builds them and the others
-// wait for its cache file. Errors in the data throw trainer::Error (exit code 3).
+// Index arrays are cached on disk (docs/data.md, "Index cache"). With several ranks, rank 0 builds
+// each missing file; `sync` is how the ranks meet: rank 0 calls sync(file) once the file is
+// written (or found), and another rank that does not find the file calls sync(file) to wait for
+// rank 0, then reads it, or builds it itself where it cannot see rank 0's (a node-local cache
+// directory). Empty (one process): every miss is built here. Errors in the data throw
+// trainer::Error (exit code 3).
+using DataIndexSync = std::function<void(const std::string& file)>;
 std::unique_ptr<SampleSource> megatron_source(const Config& config, DataSplit split, int64_t num_samples,
-                                              int64_t rank = 0);
+                                              int64_t rank = 0, const DataIndexSync& sync = {});
 
 // Global sample order (DESIGN section 6): micro-batch m of data-parallel rank r in step k holds
 // global samples k*GBS + m*mbs*R + r*mbs + [0, mbs).
@@ -66,7 +73,7 @@ int64_t data_first_sample_index(const Config& config, int64_t step, int64_t micr
 class DataLoader {
  public:
   // The training split (synthetic data or Megatron's train split sized steps * GBS).
-  DataLoader(const Config& config, int64_t rank);
+  DataLoader(const Config& config, int64_t rank, const DataIndexSync& sync = {});
   // An explicit source (e.g. the validation split).
   DataLoader(const Config& config, int64_t rank, std::shared_ptr<SampleSource> source);
   // Micro-batch `micro` (0-based) of optimizer step `step` (0-based) for this rank: a pure

@@ -8,7 +8,6 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
-#include <thread>
 
 #include <spdlog/spdlog.h>
 
@@ -108,8 +107,8 @@ struct Component {
 
 class MegatronSource : public SampleSource {
  public:
-  MegatronSource(const Config& c, DataSplit split, int64_t num_samples, int64_t rank)
-      : rank_(rank), seq_len_(c.max_target_length), vocab_size_(c.vocab_size), eod_(c.eod_id), pad_(c.pad_id),
+  MegatronSource(const Config& c, DataSplit split, int64_t num_samples, int64_t rank, const DataIndexSync& sync)
+      : rank_(rank), sync_(sync), seq_len_(c.max_target_length), vocab_size_(c.vocab_size), eod_(c.eod_id), pad_(c.pad_id),
         eod_mask_loss_(c.eod_mask_loss), reset_positions_(c.reset_position_ids), reset_attention_(c.reset_attention_mask),
         num_samples_(num_samples) {
     const auto blend = parse_dataset_path(c.dataset_path);
@@ -195,21 +194,24 @@ class MegatronSource : public SampleSource {
     const auto start = std::chrono::steady_clock::now();
     auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
     GptIndices ix;
+    // Rank 0 tells the others once the file is there, hit or built, so a rank waits exactly as
+    // long as rank 0 takes, and one that still cannot see the file (a cache directory local to
+    // its node) builds it at once: polling for the file with a timeout instead made such a rank
+    // wait the whole collective timeout, and rank 0 then timed out in the next collective.
+    const bool waits_for_rank0 = rank_ > 0 && sync_;
     if (read_cache(file, ix)) {
       spdlog::info("data index cache hit: {} ({} samples, {:.3f} s)", file, num_samples, elapsed());
+      if (rank_ == 0 && sync_) sync_(file);
       return ix;
     }
-    if (rank_ > 0 && c.data_parallel_size > 1) {
-      // Only rank 0 builds; the others wait for its (atomically renamed) cache file.
-      while (elapsed() < c.collective_timeout_seconds) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
-        if (read_cache(file, ix)) {
-          spdlog::info("data index from rank 0's cache: {} ({:.3f} s)", file, elapsed());
-          return ix;
-        }
+    if (waits_for_rank0) {
+      sync_(file);
+      if (read_cache(file, ix)) {
+        spdlog::info("data index from rank 0's cache: {} ({:.3f} s)", file, elapsed());
+        return ix;
       }
-      spdlog::warn("rank {}: rank 0's data index {} did not appear within {} s; building it here", rank_, file,
-                   c.collective_timeout_seconds);
+      spdlog::warn("rank {}: rank 0's data index {} is not visible here (data_cache_path local to each node?); "
+                   "building it on this rank", rank_, file);
     }
     ix = gpt_build_indices(data.sequence_lengths(), documents, c.max_target_length, num_samples,
                            static_cast<uint32_t>(c.data_shuffle_seed));
@@ -221,10 +223,13 @@ class MegatronSource : public SampleSource {
     } catch (const std::exception& e) {
       spdlog::warn("data index built in {:.3f} s but not cached ({}); it will be rebuilt next time", elapsed(), e.what());
     }
+    if (rank_ == 0 && sync_) sync_(file);  // written or not: the others build what they cannot read
     return ix;
   }
 
-  int64_t rank_, seq_len_, vocab_size_, eod_, pad_;
+  int64_t rank_;
+  DataIndexSync sync_;
+  int64_t seq_len_, vocab_size_, eod_, pad_;
   bool eod_mask_loss_, reset_positions_, reset_attention_;
   int64_t num_samples_;
   std::vector<double> weights_;
@@ -235,8 +240,9 @@ class MegatronSource : public SampleSource {
 
 }  // namespace
 
-std::unique_ptr<SampleSource> megatron_source(const Config& config, DataSplit split, int64_t num_samples, int64_t rank) {
-  return std::make_unique<MegatronSource>(config, split, num_samples, rank);
+std::unique_ptr<SampleSource> megatron_source(const Config& config, DataSplit split, int64_t num_samples, int64_t rank,
+                                              const DataIndexSync& sync) {
+  return std::make_unique<MegatronSource>(config, split, num_samples, rank, sync);
 }
 
 }  // namespace trainer

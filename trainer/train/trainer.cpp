@@ -39,6 +39,22 @@ int64_t ranks_reporting(bool mine, Communicator& comm, const std::string& what) 
   return static_cast<int64_t>(count.item<double>());
 }
 
+// The ranks meet once per data index file through the rendezvous store (DataIndexSync): rank 0
+// publishes the file, the others wait for it as long as a collective may take.
+DataIndexSync data_index_sync(Communicator& comm, double timeout_seconds) {
+  if (comm.world_size() == 1) return {};
+  return [&comm, timeout_seconds](const std::string& file) {
+    try {
+      comm.broadcast_string("data index " + file, "ready");
+    } catch (const Error& e) {
+      throw Error(e.exit_code(), std::string(e.what()) + ": rank 0 did not finish the data index " + file + " within " +
+                                     std::to_string(static_cast<int64_t>(timeout_seconds)) +
+                                     " s (it failed: see its log; or building the index takes longer: raise "
+                                     "collective_timeout_seconds)");
+    }
+  };
+}
+
 // Every rank must train the same config. Rank 0's run name (which may carry a timestamp) is
 // adopted; any other difference is an error naming the first differing key.
 const Config& agree_on_config(Config& c, const DistEnv& env, Communicator& comm) {
@@ -144,7 +160,8 @@ Trainer::Trainer(Config config)
       dist_(dist_env_resolve()),
       device_(device_select(config_, dist_.local_rank)),
       comm_(dist_init(dist_, {config_.collective_timeout_seconds, config_.dist_backend, device_})),
-      data_(agree_on_config(config_, dist_, *comm_), dist_.rank),
+      data_(agree_on_config(config_, dist_, *comm_), dist_.rank,
+            data_index_sync(*comm_, config_.collective_timeout_seconds)),
       size_(model_size(config_)) {
   perf_startup_mark("device, rendezvous, data");
   if (config_.keep_freed_host_memory) host_memory_keep_freed();
@@ -427,7 +444,7 @@ MetricValues Trainer::evaluate(int64_t index) {
       shifted.data_shuffle_seed = c.data_shuffle_seed + 1;  // disjoint from the training samples
       source = std::make_shared<SyntheticDataset>(shifted);
     } else {
-      source = megatron_source(c, DataSplit::kValid, samples, dist_.rank);
+      source = megatron_source(c, DataSplit::kValid, samples, dist_.rank, data_index_sync(*comm_, c.collective_timeout_seconds));
     }
     eval_data_ = std::make_unique<DataLoader>(c, dist_.rank, std::move(source));
   }
