@@ -168,6 +168,13 @@ TEST_CASE("kill -9 at random moments never leaves a checkpoint that is taken for
                             "steps=" + std::to_string(step + 2) + " base_output_directory=" + kOut + " run_name=killed");
   CHECK(finish.exit_code == 0);
   CHECK_THAT(finish.output, Catch::Contains("resumed from checkpoint " + latest));
+  // What the interrupted saves left is deleted (the .tmp- directory of a step this run never
+  // saves again too); the directory without a manifest is not a save's leftover and is kept.
+  CHECK_THAT(finish.output, Catch::Contains("deleted what interrupted checkpoint saves left in " + dir + "/checkpoints: "));
+  CHECK_THAT(finish.output, Catch::Contains(".tmp-" + std::to_string(step + 60)));
+  for (const auto& entry : fs::directory_iterator(dir + "/checkpoints"))
+    CHECK(entry.path().filename().string().rfind(".tmp", 0) == std::string::npos);
+  CHECK(fs::exists(dir + "/checkpoints/" + std::to_string(step + 50)));
   const auto lines = read_lines(dir + "/metrics.jsonl");
   REQUIRE(lines.size() == static_cast<size_t>(step + 2));
   for (size_t i = 0; i < lines.size(); ++i) CHECK(json_metric(lines[i], "step") == static_cast<double>(i));

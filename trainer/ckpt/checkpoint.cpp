@@ -4,7 +4,8 @@
 // manifest.json (size + CRC32C of every other file) written last, the directory fsynced and then
 // renamed to checkpoints/<step>/, and only then checkpoints/latest replaced (write + rename).
 // A reader trusts a directory only if its manifest verifies, so a kill at any moment leaves
-// either the previous checkpoints or a complete new one; .tmp-* directories are never read.
+// either the previous checkpoints or a complete new one; .tmp-* directories are never read, and
+// the next run on the directory deletes them (checkpoint_remove_unfinished).
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -419,6 +420,23 @@ CheckpointContents checkpoint_load(const std::string& checkpoint_dir) {
   c.state = state_from_json(read_text(dir / "state.json"), checkpoint_dir);
   c.config_yaml = read_text(dir / "config.yml");
   return c;
+}
+
+std::vector<std::string> checkpoint_remove_unfinished(const std::string& checkpoints_dir) {
+  std::vector<std::string> removed;
+  std::error_code ec;
+  if (!fs::is_directory(checkpoints_dir, ec)) return removed;
+  for (const auto& entry : fs::directory_iterator(checkpoints_dir)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(".tmp-", 0) != 0 && name != ".latest.tmp") continue;
+    fs::remove_all(entry.path(), ec);
+    if (ec)
+      spdlog::warn("cannot delete {} left by an interrupted save: {}", entry.path().string(), ec.message());
+    else
+      removed.push_back(name);
+  }
+  std::sort(removed.begin(), removed.end());
+  return removed;
 }
 
 Checkpointer::Checkpointer(const Config& config)

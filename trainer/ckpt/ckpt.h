@@ -48,6 +48,11 @@ struct CheckpointContents {
   int64_t shard_rank = 0, shard_count = 1;
 };
 
+// Deletes what interrupted saves left under `checkpoints_dir` (.tmp-<step>/ directories and
+// .latest.tmp: a kill or second signal mid-save) and returns their names. Only while no save can
+// be running: the caller holds the run directory's lock, before its first step.
+std::vector<std::string> checkpoint_remove_unfinished(const std::string& checkpoints_dir);
+
 // Writes checkpoints under <run_dir>/checkpoints/<step>/ (docs/checkpoints.md).
 class Checkpointer {
  public:

@@ -136,6 +136,7 @@ struct RunDirLock {
   ~RunDirLock() {
     if (fd >= 0) ::close(fd);
   }
+  bool held() const { return fd >= 0; }
   RunDirLock(const RunDirLock&) = delete;
   RunDirLock& operator=(const RunDirLock&) = delete;
   int fd = -1;
@@ -501,6 +502,13 @@ void Trainer::train() {
                                     e.code().message());
     }
     run_dir_lock_ = std::make_unique<RunDirLock>(c.run_dir);
+    // Only under the lock: without it another trainer's save could be in flight.
+    if (run_dir_lock_->held()) {
+      std::string removed;
+      for (const auto& name : checkpoint_remove_unfinished((std::filesystem::path(c.run_dir) / "checkpoints").string()))
+        removed += (removed.empty() ? "" : ", ") + name;
+      if (!removed.empty()) spdlog::info("deleted what interrupted checkpoint saves left in {}/checkpoints: {}", c.run_dir, removed);
+    }
   }
   struct LockRelease {  // however train() ends
     std::unique_ptr<RunDirLock>& lock;
