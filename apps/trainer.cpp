@@ -5,6 +5,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <map>
 #include <sstream>
@@ -127,6 +128,99 @@ void install_fatal_signal_handlers() {
   std::signal(SIGPIPE, SIG_IGN);
 }
 
+// What the command line asks for besides training (the config and its overrides aside).
+struct CommandLine {
+  std::string config_path;
+  std::vector<std::string> overrides;
+  bool print_config = false, dry_run = false, dump_gradients = false;
+  int64_t dump_samples = 0;
+  std::string export_path, export_hf_dir, export_hf_dtype = "float32", dump_logits_path, dump_logits_tokens;
+  int64_t export_hf_max_shard_mb = 5000;
+  bool exports() const { return !export_path.empty() || !export_hf_dir.empty() || !dump_logits_path.empty(); }
+};
+
+void command_line_declare(CLI::App& app, CommandLine& cl) {
+  app.add_option("config", cl.config_path, "base config file, e.g. configs/base.yml")->required();
+  app.add_option("overrides", cl.overrides, "key=value overrides (YAML scalars)");
+  app.add_flag("--print-config", cl.print_config, "print the resolved config and exit");
+  app.add_flag("--dry-run", cl.dry_run, "validate, print parameter count and FLOPs per step, exit");
+  app.add_option("--dump-samples", cl.dump_samples,
+                 "write the first N training samples in global order as JSON lines {\"index\", \"tokens\"} and exit")
+      ->check(CLI::Range(int64_t{1}, std::numeric_limits<int64_t>::max()));
+  app.add_option("--export-safetensors", cl.export_path,
+                 "write the model weights (newest checkpoint of run_dir, or load_*_path) to PATH (a new file) and exit");
+  app.add_option("--export-hf", cl.export_hf_dir,
+                 "write those weights as a Hugging Face model directory DIR (config.json, safetensors) and exit");
+  app.add_option("--export-hf-dtype", cl.export_hf_dtype, "dtype of the exported tensors")
+      ->check(CLI::IsMember({"float32", "bfloat16"}));
+  app.add_option("--export-hf-max-shard-mb", cl.export_hf_max_shard_mb, "largest safetensors file of --export-hf (MB)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));  // shifted to bytes below: no overflow
+  app.add_option("--dump-logits", cl.dump_logits_path,
+                 "write the model's fp32 logits for --dump-logits-tokens to PATH (safetensors) and exit");
+  app.add_option("--dump-logits-tokens", cl.dump_logits_tokens, "token ids for --dump-logits, e.g. 1,5,9");
+  app.add_flag("--dump-gradients", cl.dump_gradients,
+               "with --dump-logits: also write \"loss\" (next-token cross-entropy of those tokens, main head) and "
+               "\"grad.<name>\", its gradient for every weight (one process)");
+}
+
+// Flags that would otherwise fall through to a training run or fail after the model is loaded:
+// an empty value (an unset shell variable), a flag without the one it belongs to, an export
+// target that exists. Exit 2 naming the flag.
+void command_line_check(const CLI::App& app, const CommandLine& cl) {
+  for (const char* flag : {"--export-hf", "--export-safetensors", "--dump-logits", "--dump-logits-tokens"})
+    if (app.count(flag) > 0 && app.get_option(flag)->as<std::string>().empty())
+      throw trainer::config_error(std::string(flag) + " was given an empty value");
+  if (app.count("--dump-logits-tokens") > 0 && cl.dump_logits_path.empty())
+    throw trainer::config_error("--dump-logits-tokens needs --dump-logits PATH");
+  if (cl.dump_gradients && cl.dump_logits_path.empty()) throw trainer::config_error("--dump-gradients needs --dump-logits PATH");
+  if ((app.count("--export-hf-dtype") > 0 || app.count("--export-hf-max-shard-mb") > 0) && cl.export_hf_dir.empty())
+    throw trainer::config_error("--export-hf-dtype and --export-hf-max-shard-mb need --export-hf DIR");
+  std::error_code ec;
+  if (!cl.export_path.empty() && std::filesystem::exists(cl.export_path, ec))
+    throw trainer::config_error("--export-safetensors " + cl.export_path +
+                                ": the path exists; remove it or choose another (an export never replaces a file)");
+  if (!cl.export_hf_dir.empty() && std::filesystem::exists(cl.export_hf_dir, ec) &&
+      !(std::filesystem::is_directory(cl.export_hf_dir, ec) && std::filesystem::is_empty(cl.export_hf_dir, ec)))
+    throw trainer::config_error("--export-hf " + cl.export_hf_dir +
+                                ": the path exists and is not an empty directory; remove it or choose another");
+}
+
+void print_samples(const trainer::Config& config, int64_t count) {
+  const trainer::DataLoader loader(config, /*rank=*/0);
+  for (int64_t i = 0; i < count; ++i) {
+    const auto b = loader.data_loader_sample(i);
+    std::string line = "{\"index\": " + std::to_string(i) + ", \"tokens\": [";
+    for (int64_t t = 0; t < b.seq_len; ++t) line += std::to_string(b.inputs[t]) + ", ";
+    line += std::to_string(b.targets[b.seq_len - 1]) + "]}\n";  // L + 1 tokens, as Megatron's sample
+    std::fputs(line.c_str(), stdout);
+  }
+}
+
+// --dump-logits, --export-hf, --export-safetensors: from the newest checkpoint or load_*_path.
+void run_exports(trainer::Trainer& trainer, const trainer::Config& config, const CommandLine& cl,
+                 const std::vector<int64_t>& logits_tokens) {
+  const int64_t step = trainer.load_initial_state();
+  // An export of a run that has no checkpoint and loads nothing would write the random initialization.
+  if ((!cl.export_hf_dir.empty() || !cl.export_path.empty()) && !trainer.restored_checkpoint() &&
+      config.load_parameters_path.empty())
+    throw trainer::config_error("nothing to export: " + config.run_dir + " has no checkpoint, and neither "
+                                "load_parameters_path nor load_full_state_path is set (check run_name)");
+  if (!cl.dump_logits_path.empty()) {
+    const auto logits = trainer.logits_for(logits_tokens, cl.dump_gradients);
+    if (trainer.communicator().rank() == 0) trainer::checkpoint_write_tensors(cl.dump_logits_path, logits);
+    spdlog::info("wrote the logits of {} tokens at step {} to {}", logits_tokens.size(), step, cl.dump_logits_path);
+  }
+  if (!cl.export_hf_dir.empty()) {
+    trainer.export_hf(cl.export_hf_dir, cl.export_hf_max_shard_mb << 20,
+                      cl.export_hf_dtype == "bfloat16" ? torch::kBFloat16 : torch::kFloat32);
+    spdlog::info("wrote the weights at step {} as a Hugging Face directory {}", step, cl.export_hf_dir);
+  }
+  if (!cl.export_path.empty()) {
+    trainer.export_model(cl.export_path);
+    spdlog::info("wrote the weights at step {} to {}", step, cl.export_path);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -134,35 +228,8 @@ int main(int argc, char** argv) {
   install_fatal_signal_handlers();  // and SIGPIPE ignored
   CLI::App app{"trainer: pretrain decoder-only language models (MaxText-style config)"};
   app.set_version_flag("--version", std::string("trainer ") + TRAINER_VERSION);
-  std::string config_path;
-  std::vector<std::string> overrides;
-  bool print_config = false, dry_run = false;
-  std::string export_path;
-  int64_t dump_samples = 0;
-  app.add_option("config", config_path, "base config file, e.g. configs/base.yml")->required();
-  app.add_option("overrides", overrides, "key=value overrides (YAML scalars)");
-  app.add_flag("--print-config", print_config, "print the resolved config and exit");
-  app.add_flag("--dry-run", dry_run, "validate, print parameter count and FLOPs per step, exit");
-  app.add_option("--dump-samples", dump_samples,
-                 "write the first N training samples in global order as JSON lines {\"index\", \"tokens\"} and exit")
-      ->check(CLI::Range(int64_t{1}, std::numeric_limits<int64_t>::max()));
-  app.add_option("--export-safetensors", export_path,
-                 "write the model weights (newest checkpoint of run_dir, or load_*_path) to PATH and exit");
-  std::string export_hf_dir, export_hf_dtype = "float32", dump_logits_path, dump_logits_tokens;
-  int64_t export_hf_max_shard_mb = 5000;
-  app.add_option("--export-hf", export_hf_dir,
-                 "write those weights as a Hugging Face model directory DIR (config.json, safetensors) and exit");
-  app.add_option("--export-hf-dtype", export_hf_dtype, "dtype of the exported tensors")
-      ->check(CLI::IsMember({"float32", "bfloat16"}));
-  app.add_option("--export-hf-max-shard-mb", export_hf_max_shard_mb, "largest safetensors file of --export-hf (MB)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));  // shifted to bytes below: no overflow
-  app.add_option("--dump-logits", dump_logits_path,
-                 "write the model's fp32 logits for --dump-logits-tokens to PATH (safetensors) and exit");
-  app.add_option("--dump-logits-tokens", dump_logits_tokens, "token ids for --dump-logits, e.g. 1,5,9");
-  bool dump_gradients = false;
-  app.add_flag("--dump-gradients", dump_gradients,
-               "with --dump-logits: also write \"loss\" (next-token cross-entropy of those tokens, main head) and "
-               "\"grad.<name>\", its gradient for every weight (one process)");
+  CommandLine cl;
+  command_line_declare(app, cl);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -171,71 +238,30 @@ int main(int argc, char** argv) {
   }
 
   try {
-    const trainer::Config config = trainer::config_load(config_path, overrides);
+    const trainer::Config config = trainer::config_load(cl.config_path, cl.overrides);
     trainer::perf_startup_mark("config");
-    if (print_config) {
+    command_line_check(app, cl);
+    if (cl.print_config) {
       std::fputs(trainer::config_to_yaml(config).c_str(), stdout);
       return trainer::kExitOk;
     }
-    if (dry_run) {
+    if (cl.dry_run) {
       print_dry_run(config);
       return trainer::kExitOk;
     }
-    if (dump_samples > 0) {
-      const trainer::DataLoader loader(config, /*rank=*/0);
-      for (int64_t i = 0; i < dump_samples; ++i) {
-        const auto b = loader.data_loader_sample(i);
-        std::string line = "{\"index\": " + std::to_string(i) + ", \"tokens\": [";
-        for (int64_t t = 0; t < b.seq_len; ++t) line += std::to_string(b.inputs[t]) + ", ";
-        line += std::to_string(b.targets[b.seq_len - 1]) + "]}\n";  // L + 1 tokens, as Megatron's sample
-        std::fputs(line.c_str(), stdout);
-      }
+    if (cl.dump_samples > 0) {
+      print_samples(config, cl.dump_samples);
       return trainer::kExitOk;
     }
-    // A flag given with an empty value (an unset shell variable) or without the flag it belongs
-    // to would otherwise fall through to a training run.
-    for (const char* flag : {"--export-hf", "--export-safetensors", "--dump-logits", "--dump-logits-tokens"})
-      if (app.count(flag) > 0 && app.get_option(flag)->as<std::string>().empty())
-        throw trainer::config_error(std::string(flag) + " was given an empty value");
-    if (app.count("--dump-logits-tokens") > 0 && dump_logits_path.empty())
-      throw trainer::config_error("--dump-logits-tokens needs --dump-logits PATH");
-    if ((app.count("--export-hf-dtype") > 0 || app.count("--export-hf-max-shard-mb") > 0) && export_hf_dir.empty())
-      throw trainer::config_error("--export-hf-dtype and --export-hf-max-shard-mb need --export-hf DIR");
-    // An export of a run that has no checkpoint and loads nothing would write the random initialization.
-    const auto require_weights = [&](const trainer::Trainer& t) {
-      if (!t.restored_checkpoint() && config.load_parameters_path.empty())
-        throw trainer::config_error("nothing to export: " + config.run_dir + " has no checkpoint, and neither "
-                                    "load_parameters_path nor load_full_state_path is set (check run_name)");
-    };
-    const bool training = export_hf_dir.empty() && export_path.empty() && dump_logits_path.empty();
-    if (training) trainer::run_dir_check_writable(config.run_dir);
-    std::vector<int64_t> logits_tokens;
-    if (!dump_logits_path.empty()) logits_tokens = parse_token_list(dump_logits_tokens, config.vocab_size);
-    if (dump_gradients && dump_logits_path.empty()) throw trainer::config_error("--dump-gradients needs --dump-logits PATH");
+    // Checked before the model is built (minutes for a large one).
+    const std::vector<int64_t> logits_tokens =
+        cl.dump_logits_path.empty() ? std::vector<int64_t>{} : parse_token_list(cl.dump_logits_tokens, config.vocab_size);
+    if (!cl.exports()) trainer::run_dir_check_writable(config.run_dir);
     trainer::Trainer trainer(config);
-    if (!export_hf_dir.empty() || !dump_logits_path.empty()) {
-      const int64_t step = trainer.load_initial_state();
-      if (!export_hf_dir.empty()) require_weights(trainer);
-      if (!dump_logits_path.empty()) {
-        const auto logits = trainer.logits_for(logits_tokens, dump_gradients);
-        if (trainer.communicator().rank() == 0) trainer::checkpoint_write_tensors(dump_logits_path, logits);
-        spdlog::info("wrote the logits of {} tokens at step {} to {}", logits_tokens.size(), step, dump_logits_path);
-      }
-      if (!export_hf_dir.empty()) {
-        trainer.export_hf(export_hf_dir, export_hf_max_shard_mb << 20,
-                          export_hf_dtype == "bfloat16" ? torch::kBFloat16 : torch::kFloat32);
-        spdlog::info("wrote the weights at step {} as a Hugging Face directory {}", step, export_hf_dir);
-      }
-      return trainer::kExitOk;
-    }
-    if (!export_path.empty()) {
-      const int64_t step = trainer.load_initial_state();
-      require_weights(trainer);
-      trainer.export_model(export_path);
-      spdlog::info("wrote the weights at step {} to {}", step, export_path);
-      return trainer::kExitOk;
-    }
-    trainer.train();
+    if (cl.exports())
+      run_exports(trainer, config, cl, logits_tokens);
+    else
+      trainer.train();
     return trainer::kExitOk;
   } catch (const trainer::Error& e) {
     spdlog::error("{}", e.what());

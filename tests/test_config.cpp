@@ -246,6 +246,17 @@ TEST_CASE("the binary exits 2 on config errors and 0 on --print-config / --dry-r
                              Catch::Contains("nothing to export"));
   }
   CHECK_FALSE(std::filesystem::exists(test_root() + "/cli-flags/none/checkpoints"));
+  // An export target that exists is refused before the model is built, and left as it was
+  // (--export-safetensors used to replace the file).
+  const std::string existing = test_root() + "/cli-flags-existing.safetensors";
+  { std::ofstream(existing) << "keep me"; }
+  r = run_trainer(fresh + "--export-safetensors " + existing);
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.output, Catch::Contains("--export-safetensors " + existing + ": the path exists"));
+  CHECK(read_file(existing) == "keep me");
+  r = run_trainer(fresh + "--export-hf " + test_root());  // a directory that is not empty
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.output, Catch::Contains("--export-hf " + test_root() + ": the path exists and is not an empty directory"));
   r = run_trainer("--dump-samples -3");  // not a count: refused, where it used to start a training run
   CHECK(r.exit_code == 2);
   CHECK_THAT(r.output, Catch::Contains("--dump-samples") && Catch::Contains("not in range"));
