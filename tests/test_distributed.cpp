@@ -1,6 +1,10 @@
 // Data parallelism under mpirun (2 processes on this machine) and torchrun-style launches:
 // R=2 equals R=1 with the same samples, one gradient all-reduce per bucket per step, a dead rank
 // makes the other exit 5, resume across world sizes, and scripts/pretrain_ling2.sh.
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -216,10 +220,14 @@ TEST_CASE("a named backend builds a real process group even for one process, and
 
 // Two ranks launched torchrun-style (mpirun would take the other rank down itself) with `args`;
 // rank r logs to <kOut>-<run>-r.log. With `kill_rank1_when_training`, rank 1 is SIGKILLed once
-// rank 0 has logged 3 steps (else the args make a rank end itself). Returns rank 0's exit code.
-// The port is drawn at random and the launch retried when rank 0's store finds it taken.
-int launch_two_ranks_and_lose_one(const std::string& run, const std::vector<std::string>& args,
-                                  bool kill_rank1_when_training) {
+// rank 0 has logged 3 steps (else the args make a rank end itself). `prepare` runs after the run
+// directory is removed, before the ranks start. Returns both exit codes. The port is drawn at
+// random and the launch retried when rank 0's store finds it taken.
+struct TwoRankExits {
+  int rank0 = -1, rank1 = -1;
+};
+TwoRankExits launch_two_ranks(const std::string& run, const std::vector<std::string>& args, bool kill_rank1_when_training,
+                              const std::function<void()>& prepare = {}) {
   std::random_device entropy;
   int port = 0;
   const auto log_of = [&](int rank) { return kOut + "-" + run + "-" + std::to_string(rank) + ".log"; };
@@ -246,10 +254,14 @@ int launch_two_ranks_and_lose_one(const std::string& run, const std::vector<std:
   };
   for (int attempt = 0;; ++attempt) {
     fs::remove_all(kOut + "/" + run);
+    if (prepare) prepare();
     port = 20000 + static_cast<int>(entropy() % 40000);
     ChildProcesses children;
     const pid_t rank0 = children.add(spawn_rank(0)), rank1 = children.add(spawn_rank(1));
-    const auto port_taken = [&] { return attempt < 3 && read_file(log_of(0)).find("in use") != std::string::npos; };
+    const auto port_taken = [&] {
+      const std::string log = read_file(log_of(0));
+      return attempt < 3 && log.find("rendezvous at") != std::string::npos && log.find("in use") != std::string::npos;
+    };
     if (kill_rank1_when_training) {
       const bool training = wait_until([&] { return read_lines(kOut + "/" + run + "/metrics.jsonl").size() >= 3; }, 60);
       if (!training && port_taken()) continue;
@@ -258,11 +270,15 @@ int launch_two_ranks_and_lose_one(const std::string& run, const std::vector<std:
       kill(rank1, SIGKILL);
     }
     // rank 0 must notice within collective_timeout_seconds; the ctest TIMEOUT bounds a hang.
-    const int code = children.wait(rank0);
-    children.wait(rank1);
+    const int code = children.wait(rank0), code1 = children.wait(rank1);
     if (code != 0 && !kill_rank1_when_training && port_taken()) continue;
-    return code;
+    return {code, code1};
   }
+}
+
+int launch_two_ranks_and_lose_one(const std::string& run, const std::vector<std::string>& args,
+                                  bool kill_rank1_when_training) {
+  return launch_two_ranks(run, args, kill_rank1_when_training).rank0;
 }
 
 TEST_CASE("a rank that dies makes the other exit 5 naming the operation", "[dist][cli]") {
@@ -270,6 +286,34 @@ TEST_CASE("a rank that dies makes the other exit 5 naming the operation", "[dist
       "dead", {"model_name=test-tiny", "max_target_length=16", "steps=100000", "checkpoint_period=100000"}, true);
   CHECK(code == 5);
   CHECK_THAT(read_file(kOut + "-dead-0.log"), Catch::Contains("rank 0 of 2: all_reduce of"));
+}
+
+TEST_CASE("a failure only rank 0 sees at the start (run directory lock and metrics file) makes every rank exit with its code at once", "[dist][cli]") {
+  // Rank 1 has nothing of its own to fail; it used to wait out collective_timeout_seconds in its
+  // first collective and exit 5. The timeout here is 20 s: an exit 5 would be that wait.
+  const std::string locked_dir = kOut + "/locked";
+  int holder = -1;
+  const auto locked = launch_two_ranks("locked", {"model_name=test-tiny", "max_target_length=16", "steps=2"}, false, [&] {
+    fs::create_directories(locked_dir);
+    if (holder >= 0) close(holder);
+    holder = open((locked_dir + "/.lock").c_str(), O_RDWR | O_CREAT, 0644);
+    REQUIRE(flock(holder, LOCK_EX | LOCK_NB) == 0);  // another trainer on this run_dir
+  });
+  close(holder);
+  INFO("rank 0:\n" << read_file(kOut + "-locked-0.log") << "\nrank 1:\n" << read_file(kOut + "-locked-1.log"));
+  CHECK(locked.rank0 == 2);
+  CHECK(locked.rank1 == 2);
+  CHECK_THAT(read_file(kOut + "-locked-0.log"), Catch::Contains("is in use by another trainer"));
+  CHECK_THAT(read_file(kOut + "-locked-1.log"), Catch::Contains("rank 0 failed creating or locking the run directory (exit code 2"));
+
+  { std::ofstream(kOut + "/not-a-directory") << "a file"; }
+  const auto metrics = launch_two_ranks("blocked-metrics", {"model_name=test-tiny", "max_target_length=16", "steps=2",
+                                                            "metrics_file=" + kOut + "/not-a-directory/metrics.jsonl"}, false);
+  INFO("rank 0:\n" << read_file(kOut + "-blocked-metrics-0.log") << "\nrank 1:\n" << read_file(kOut + "-blocked-metrics-1.log"));
+  CHECK(metrics.rank0 == 1);
+  CHECK(metrics.rank1 == 1);
+  CHECK_THAT(read_file(kOut + "-blocked-metrics-0.log"), Catch::Contains("metrics_file"));
+  CHECK_THAT(read_file(kOut + "-blocked-metrics-1.log"), Catch::Contains("rank 0 failed opening the run's files"));
 }
 
 TEST_CASE("a rank killed before the ZeRO-1 parameter all-gather makes the other exit 5 naming it", "[dist][cli]") {
@@ -720,8 +764,7 @@ TEST_CASE("sharded checkpoints: bit-exact resume at the same R, a corrupt shard 
 
   // Rank 1 cannot write its shard of the final checkpoint (a directory stands where its file
   // goes): both ranks exit 1 naming rank 1, and checkpoint 2 is not there.
-  fs::create_directories(kOut + "/shardckpt-fail/checkpoints/.tmp-2/model-00002-of-00002.safetensors/blocked");
-  const auto fail = mpirun(2, common + "steps=2 run_name=shardckpt-fail");
+  const auto fail = mpirun(2, common + "steps=2 run_name=shardckpt-fail debug_block_checkpoint_shard_rank=1");
   INFO(fail.output);
   CHECK(fail.exit_code == 1);
   CHECK_THAT(fail.output, Catch::Contains("checkpoint 2 was not saved: rank(s) 1 could not write their shard"));

@@ -205,12 +205,17 @@ std::string shard_record_name(int64_t rank, int64_t count) {
 // a record of their sizes, checksums and tensor names (rank 0 also writes state.json and
 // config.yml). The temporary directory is shared, so no rank clears it; rank 0's commit
 // (checkpoint_commit_shards) turns the records into the manifest.
-void write_checkpoint_shard(const std::string& checkpoints_dir, const CheckpointContents& c, int64_t pause_at_step) {
+// `block_shard_rank` (testing, debug_block_checkpoint_shard_rank): that rank first makes a
+// directory where its model shard goes, so its write fails as on a broken filesystem. (A test
+// cannot plant it beforehand: the run deletes leftover .tmp- directories when it starts.)
+void write_checkpoint_shard(const std::string& checkpoints_dir, const CheckpointContents& c, int64_t pause_at_step,
+                            int64_t block_shard_rank) {
   const fs::path tmp = fs::path(checkpoints_dir) / (".tmp-" + std::to_string(c.state.step));
   fs::create_directories(tmp);
   nlohmann::ordered_json record;
   const std::string model = checkpoint_shard_file_name("model", c.shard_rank, c.shard_count, ".safetensors");
   const std::string optimizer = checkpoint_shard_file_name("optimizer", c.shard_rank, c.shard_count, ".safetensors");
+  if (c.shard_rank == block_shard_rank) fs::create_directories(tmp / model / "blocked");
   const uint32_t model_crc = checkpoint_write_tensors((tmp / model).string(), c.model);
   record["files"][model] = manifest_entry(fs::file_size(tmp / model), model_crc);
   if (c.shard_rank == 0) pause_if_asked(tmp, c.state.step, pause_at_step);
@@ -442,7 +447,8 @@ std::vector<std::string> checkpoint_remove_unfinished(const std::string& checkpo
 Checkpointer::Checkpointer(const Config& config)
     : checkpoints_dir_((fs::path(config.run_dir) / "checkpoints").string()),
       keep_(config.max_num_checkpoints_to_keep),
-      pause_at_step_(config.debug_pause_checkpoint_save_step) {}
+      pause_at_step_(config.debug_pause_checkpoint_save_step),
+      block_shard_rank_(config.debug_block_checkpoint_shard_rank) {}
 
 Checkpointer::~Checkpointer() {
   const std::string error = wait();
@@ -472,7 +478,7 @@ void Checkpointer::save(CheckpointContents contents, bool async) {
     const auto start = std::chrono::steady_clock::now();
     try {
       if (sharded)
-        write_checkpoint_shard(checkpoints_dir_, c, pause_at_step_);
+        write_checkpoint_shard(checkpoints_dir_, c, pause_at_step_, block_shard_rank_);
       else
         write_checkpoint(checkpoints_dir_, c, keep_, pause_at_step_);
     } catch (const std::exception& e) {

@@ -78,6 +78,7 @@ class Checkpointer {
   std::string checkpoints_dir_;
   int64_t keep_;
   int64_t pause_at_step_ = -1;  // debug_pause_checkpoint_save_step
+  int64_t block_shard_rank_ = -1;  // debug_block_checkpoint_shard_rank
   std::thread worker_;
   std::exception_ptr worker_error_;
   std::atomic<bool> writing_{false};

@@ -155,6 +155,7 @@ using StringList = std::vector<std::string>;
   X(bool, debug_drop_aux_token_weighting)         \
   X(int64_t, debug_kill_rank_before_parameter_gather) \
   X(int64_t, debug_kill_rank_in_expert_dispatch)  \
+  X(int64_t, debug_block_checkpoint_shard_rank)   \
   X(bool, debug_cuda_sync_check)                  \
   X(bool, debug_emulate_reduce_scatter)
 

@@ -162,8 +162,8 @@ void indexed_dataset_write(const std::string& prefix, const std::vector<IndexedD
   // Written under temporary names and renamed at the end: a trainer that has the old files mapped
   // keeps reading them (replacing them in place would pull the pages from under it: SIGBUS). The
   // two renames are not one atomic step: a reader opening the pair between them may see the new
-  // .bin with the old .idx (validated against each other; rewriting a corpus under a run that
-  // opens it is still the user's race).
+  // .bin with the old .idx (a .bin shorter than the .idx says is caught; a longer one is not:
+  // rewriting a corpus while a run opens it is still the user's race).
   const std::string part = ".partial-" + std::to_string(::getpid());
   struct RemoveOnFailure {
     std::vector<std::string> paths;
@@ -223,6 +223,17 @@ void indexed_dataset_write(const std::string& prefix, const std::vector<IndexedD
   bin.close();
   idx.close();
   if (!bin || !idx) throw Error(kExitFailure, "cannot write " + prefix + ".bin/.idx");
+  // On disk before the names point at them: after a power loss the names hold the old files or
+  // the complete new ones, never empty or short ones.
+  for (const auto& path : partial.paths) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0 || ::fsync(fd) != 0) {
+      const std::string reason = std::strerror(errno);
+      if (fd >= 0) ::close(fd);
+      throw Error(kExitFailure, "cannot write " + path + " to disk: " + reason);
+    }
+    ::close(fd);
+  }
   if (std::rename(partial.paths[0].c_str(), (prefix + ".bin").c_str()) != 0 ||
       std::rename(partial.paths[1].c_str(), (prefix + ".idx").c_str()) != 0)
     throw Error(kExitFailure, "cannot rename " + prefix + ".bin/.idx into place: " + std::strerror(errno));

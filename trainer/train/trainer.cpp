@@ -39,6 +39,34 @@ int64_t ranks_reporting(bool mine, Communicator& comm, const std::string& what) 
   return static_cast<int64_t>(count.item<double>());
 }
 
+// Runs `setup`, in which only some ranks have work, and makes a failure there every rank's: one
+// all-reduce of the ranks' exit codes. The failing rank rethrows its own error; the others throw
+// its exit code, naming it, at once, instead of waiting out collective_timeout_seconds in their
+// next collective and exiting 5 (a torchrun-style launch has no mpirun to take them down).
+void ranks_share_failure(Communicator& comm, const std::string& what, const std::function<void()>& setup) {
+  if (comm.is_local()) return setup();
+  std::exception_ptr failure;
+  double code = 0;
+  try {
+    setup();
+  } catch (const Error& e) {
+    failure = std::current_exception();
+    code = e.exit_code();
+  } catch (...) {
+    failure = std::current_exception();
+    code = kExitFailure;
+  }
+  std::vector<double> codes(static_cast<size_t>(comm.world_size()), 0.0);
+  codes[static_cast<size_t>(comm.rank())] = code;
+  auto reduced = torch::tensor(codes, torch::kFloat64);
+  comm.all_reduce_sum(reduced, "the outcome of " + what);
+  if (failure) std::rethrow_exception(failure);
+  for (int64_t r = 0; r < comm.world_size(); ++r)
+    if (const auto other = static_cast<int>(reduced[r].item<double>()); other != 0)
+      throw Error(static_cast<ExitCode>(other), "rank " + std::to_string(r) + " failed " + what + " (exit code " +
+                                                    std::to_string(other) + "; its log says why)");
+}
+
 // The ranks meet once per data index file through the rendezvous store (DataIndexSync): rank 0
 // publishes the file, the others wait for it as long as a collective may take.
 DataIndexSync data_index_sync(Communicator& comm, double timeout_seconds) {
@@ -494,7 +522,8 @@ void install_stop_handlers() {
 void Trainer::train() {
   const Config& c = config_;
   const bool writer = dist_.rank == 0;  // only rank 0 writes files
-  if (writer) {
+  ranks_share_failure(*comm_, "creating or locking the run directory", [&] {
+    if (!writer) return;
     try {
       std::filesystem::create_directories(c.run_dir);
     } catch (const std::filesystem::filesystem_error& e) {
@@ -509,7 +538,7 @@ void Trainer::train() {
         removed += (removed.empty() ? "" : ", ") + name;
       if (!removed.empty()) spdlog::info("deleted what interrupted checkpoint saves left in {}/checkpoints: {}", c.run_dir, removed);
     }
-  }
+  });
   struct LockRelease {  // however train() ends
     std::unique_ptr<RunDirLock>& lock;
     ~LockRelease() { lock.reset(); }
@@ -530,10 +559,14 @@ void Trainer::train() {
                        " x " + std::to_string(c.data_parallel_size) + " ranks x gradient_accumulation_steps " +
                        std::to_string(c.gradient_accumulation_steps) + "): it would skip or repeat samples; keep the product at " +
                        (start_step > 0 ? std::to_string(restored_consumed_samples_ / start_step) : std::string("the checkpoint's")));
-  if (writer) {
-    std::ofstream(std::filesystem::path(c.run_dir) / "config.yml") << config_to_yaml(c);
+  ranks_share_failure(*comm_, "opening the run's files (config.yml, metrics_file, TensorBoard)", [&] {
+    if (!writer) return;
+    const std::string config_path = (std::filesystem::path(c.run_dir) / "config.yml").string();
+    std::ofstream config_file(config_path);
+    config_file << config_to_yaml(c);
+    if (!config_file.flush()) throw Error(kExitFailure, "cannot write " + config_path);
     logger_ = std::make_unique<MetricsLogger>(c, start_step);
-  }
+  });
   if (c.enable_checkpointing && (writer || sharded_checkpoints())) checkpointer_ = std::make_unique<Checkpointer>(c);
   install_stop_handlers();
   spdlog::info("run_dir {} | model {}: {} parameters ({} active per token), {:.4g} TFLOP per step per device | "
