@@ -377,13 +377,23 @@ TEST_CASE("damaged checkpoints: none usable stops the run with exit 3 and overwr
   }
 }
 
-TEST_CASE("enable_checkpointing=false writes no checkpoint directory", "[checkpoint]") {
+TEST_CASE("enable_checkpointing=false writes no checkpoint directory and a rerun moves the earlier metrics aside", "[checkpoint]") {
   fs::remove_all(kOut + "/off");
-  CHECK(train_in_process("model_name=test-tiny max_target_length=16 steps=3 checkpoint_period=1 "
-                         "enable_checkpointing=false save_checkpoint_on_start=true base_output_directory=" + kOut +
-                         " run_name=off") == 0);
-  CHECK(fs::exists(kOut + "/off/metrics.jsonl"));
+  const std::string args = "model_name=test-tiny max_target_length=16 checkpoint_period=1 enable_checkpointing=false "
+                           "save_checkpoint_on_start=true base_output_directory=" + kOut + " run_name=off ";
+  CHECK(train_in_process(args + "steps=3") == 0);
+  CHECK(read_lines(kOut + "/off/metrics.jsonl").size() == 3);
   CHECK_FALSE(fs::exists(kOut + "/off/checkpoints"));
+  // Run again (nothing to resume from: it starts at step 0): the first run's lines are kept
+  // under another name, not overwritten.
+  const std::string first = read_file(kOut + "/off/metrics.jsonl");
+  CHECK(train_in_process(args + "steps=2") == 0);
+  CHECK(read_lines(kOut + "/off/metrics.jsonl").size() == 2);
+  std::vector<std::string> aside;
+  for (const auto& entry : fs::directory_iterator(kOut + "/off"))
+    if (entry.path().filename().string().rfind("metrics.jsonl.earlier-", 0) == 0) aside.push_back(entry.path().string());
+  REQUIRE(aside.size() == 1);
+  CHECK(read_file(aside[0]) == first);
 }
 
 TEST_CASE("SIGTERM finishes the step, saves, and exits 0, and a resume continues from there", "[checkpoint]") {

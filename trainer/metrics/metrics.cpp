@@ -71,6 +71,17 @@ MetricsLogger::MetricsLogger(const Config& config, int64_t first_step) : config_
     std::fclose(out);
     std::filesystem::rename(tmp, path);
   }
+  if (first_step == 0 && std::filesystem::file_size(path, ec) > 0 && !ec) {
+    // A fresh run whose metrics file holds an earlier run's lines (one that left no checkpoint,
+    // or metrics_file shared by mistake): moved aside, not overwritten.
+    char stamp[32];
+    const std::time_t now = std::time(nullptr);
+    std::strftime(stamp, sizeof stamp, "%Y%m%d_%H%M%S", std::localtime(&now));
+    const std::string aside = path.string() + ".earlier-" + stamp + "-" + std::to_string(::getpid());
+    std::filesystem::rename(path, aside, ec);
+    if (ec) throw Error(kExitFailure, "cannot move the earlier metrics_file " + path.string() + " aside: " + ec.message());
+    spdlog::warn("metrics_file {} held the lines of an earlier run that left no checkpoint here; moved to {}", path.string(), aside);
+  }
   file_ = std::fopen(path.c_str(), first_step > 0 ? "a" : "w");
   if (!file_)
     throw Error(kExitFailure, "cannot open metrics_file " + path.string() + ": " + std::strerror(errno));
