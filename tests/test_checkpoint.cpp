@@ -617,6 +617,14 @@ TEST_CASE("safetensors header errors name the file and the problem", "[checkpoin
       {make("missing.safetensors", R"({"w": {"shape": [2], "data_offsets": [0, 8]}})"), "tensor w:"},
       {make("metadata.safetensors", R"({"__metadata__": {"step": 3}, "w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})"),
        "__metadata__ entry step is not a string"},
+      // A name twice (a JSON parser keeps one silently), tensors that overlap or leave bytes over.
+      {make("twice.safetensors", R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})"),
+       "the header names w twice"},
+      {make("overlap.safetensors", R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})"),
+       "tensor b starts at data byte 4, not at 8 where the one before it ends (overlap)"},
+      {make("gap.safetensors", R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})"),
+       "tensor a starts at data byte 4, not at 0 where the one before it ends (gap)"},
+      {make("trailing.safetensors", good, 12), "the tensors cover 8 of the 12 data bytes"},
   };
   for (const auto& [path, message] : cases) {
     INFO(path);
@@ -628,6 +636,9 @@ TEST_CASE("safetensors header errors name the file and the problem", "[checkpoin
   bytes[0] = static_cast<char>(0xff);
   std::ofstream(dir + "/long.safetensors", std::ios::binary) << bytes;
   CHECK_THAT(error_of(dir + "/long.safetensors"), Catch::Contains("exceeds the file"));
+  // Empty tensors take no bytes, wherever they sit.
+  REQUIRE(safetensors_read(make("empty.safetensors", R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "e": {"dtype": "F32", "shape": [0], "data_offsets": [8, 8]}, "f": {"dtype": "F32", "shape": [0, 3], "data_offsets": [0, 0]}})"))
+              .tensors.size() == 3);
 }
 
 TEST_CASE("load_full_state_path continues another run's checkpoint exactly, and load_parameters_path takes a directory",
@@ -782,6 +793,22 @@ TEST_CASE("Hugging Face directories: config.json round trips the model keys, and
   std::snprintf(first, sizeof first, "/model-00001-of-%05d.safetensors", shards);
   REQUIRE(fs::remove(broken + first));
   CHECK_THROWS_WITH(hf_read_directory(broken), Catch::Contains("which is missing"));
+  // A stray copy of a tensor in a second shard: which copy loaded used to depend on the reader
+  // (the first file read in one, the last in the other); now both refuse it, naming the files.
+  REQUIRE(shards >= 2);
+  const std::string twice = kOut + "/hf-twice";
+  fs::remove_all(twice);
+  fs::copy(dir, twice);
+  char second[64];
+  std::snprintf(second, sizeof second, "/model-00002-of-%05d.safetensors", shards);
+  const auto in_second = checkpoint_read_tensors(twice + second);
+  REQUIRE_FALSE(in_second.empty());
+  auto first_with_stray = checkpoint_read_tensors(twice + first);
+  first_with_stray.emplace_back(in_second[0].first, torch::zeros_like(in_second[0].second));
+  checkpoint_write_tensors(twice + first, first_with_stray);
+  const std::string stored_twice = in_second[0].first + " is stored twice, in " + twice + first + " and in " + twice + second;
+  CHECK_THROWS_WITH(hf_read_directory(twice), Catch::Contains(stored_twice));
+  CHECK_THROWS_WITH(CheckpointReader::hugging_face(twice, ling, "BailingMoeV2ForCausalLM"), Catch::Contains(stored_twice));
   // An existing export is never overwritten.
   CHECK_THROWS_WITH(source.export_hf(dir, 64 << 10, torch::kFloat32), Catch::Contains("exists and is not an empty directory"));
 }

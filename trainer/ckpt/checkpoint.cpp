@@ -316,8 +316,11 @@ CheckpointReader CheckpointReader::weights(const std::string& path) {
 void CheckpointReader::add_file(const std::string& path, bool model) {
   auto header = std::make_shared<SafetensorsFile>(read_or_config_error(path, /*with_data=*/false));
   for (const auto& [name, tensor] : header->tensors) {
+    const auto [held, added] = tensors_.try_emplace(name, Location{path, header, tensor});
+    if (!added)  // which copy would load would depend on the order the files are read in
+      throw config_error(name + " is stored twice, in " + held->second.path + " and in " + path +
+                         "; keep one (model.safetensors.index.json says which file holds each tensor)");
     if (model) model_names_.push_back(name);
-    tensors_[name] = {path, header, tensor};
   }
 }
 

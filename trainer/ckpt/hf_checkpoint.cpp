@@ -219,10 +219,17 @@ void hf_directory_check_file(const std::string& dir, const std::string& path, co
 
 NamedTensors hf_read_directory(const std::string& dir) {
   NamedTensors out;
+  std::map<std::string, std::string> file_of;  // tensor name -> the file holding it
   for (const auto& [path, names] : hf_directory_files(dir)) {
     auto tensors = checkpoint_read_tensors(path);
     std::set<std::string> held;
-    for (auto& item : tensors) held.insert(item.first);
+    for (auto& item : tensors) {
+      held.insert(item.first);
+      const auto [first, added] = file_of.try_emplace(item.first, path);
+      if (!added)
+        throw config_error(item.first + " is stored twice, in " + first->second + " and in " + path +
+                           "; keep one (model.safetensors.index.json says which file holds each tensor)");
+    }
     hf_directory_check_file(dir, path, names, held);
     for (auto& item : tensors) out.push_back(std::move(item));
   }

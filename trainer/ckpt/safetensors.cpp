@@ -4,10 +4,14 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <set>
 #include <stdexcept>
+#include <tuple>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -137,11 +141,19 @@ SafetensorsFile safetensors_read(const std::string& path, bool with_data) {
   }
   if (!in) throw fail("short read");
   nlohmann::json header;
+  std::set<std::string> names;
+  std::string duplicate;  // a tensor named twice: JSON parsers keep one of the two silently
   try {
-    header = nlohmann::json::parse(text);
+    header = nlohmann::json::parse(text, [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+      if (depth == 1 && event == nlohmann::json::parse_event_t::key && !names.insert(parsed.get<std::string>()).second &&
+          duplicate.empty())
+        duplicate = parsed.get<std::string>();
+      return true;
+    });
   } catch (const std::exception& e) {
     throw fail(std::string("header is not JSON: ") + e.what());
   }
+  if (!duplicate.empty()) throw fail("the header names " + duplicate + " twice");
   if (!header.is_object()) throw fail("header is not a JSON object");
   for (const auto& [name, value] : header.items()) {
     if (name == "__metadata__") {
@@ -177,6 +189,20 @@ SafetensorsFile safetensors_read(const std::string& path, bool with_data) {
     if (elements * item != t.nbytes) throw fail("tensor " + name + " size does not match its shape");
     file.tensors[name] = t;
   }
+  // As the safetensors format requires (and its reference library checks): the tensors cover
+  // the data exactly once, without gaps or overlaps, so no byte is read as two tensors.
+  std::vector<std::tuple<uint64_t, uint64_t, std::string>> by_offset;  // empty tensors first at an offset
+  for (const auto& [name, t] : file.tensors) by_offset.emplace_back(t.offset, t.nbytes, name);
+  std::sort(by_offset.begin(), by_offset.end());
+  uint64_t covered = 0;
+  for (const auto& [offset, nbytes, name] : by_offset) {
+    if (offset != covered)
+      throw fail("tensor " + name + " starts at data byte " + std::to_string(offset) + ", not at " +
+                 std::to_string(covered) + " where the one before it ends (" + (offset < covered ? "overlap" : "gap") + ")");
+    covered += nbytes;
+  }
+  if (covered != data_size)
+    throw fail("the tensors cover " + std::to_string(covered) + " of the " + std::to_string(data_size) + " data bytes");
   return file;
 }
 
