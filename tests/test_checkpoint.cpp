@@ -756,6 +756,9 @@ TEST_CASE("Hugging Face directories: config.json round trips the model keys, and
   CHECK_THROWS_WITH(hf_config_model_keys(edited("act", "\"silu\"", "\"gelu\"")), Catch::Contains("field 'hidden_act'"));
   CHECK_THROWS_WITH(hf_config_model_keys(edited("layers", "\"num_hidden_layers\": 3", "\"num_hidden_layers\": \"3\"")),
                     Catch::Contains("field 'num_hidden_layers' must be an integer"));
+  // Zero heads used to divide by zero (SIGFPE) deriving head_dim.
+  CHECK_THROWS_WITH(hf_config_model_keys(edited("heads", "\"num_attention_heads\": 4", "\"num_attention_heads\": 0")),
+                    Catch::Contains("field 'num_attention_heads' must be > 0, not 0"));
 
   // Tensors: a fused query_key_value of the wrong size, and an expert bias the config would ignore.
   const auto tensors = hf_read_directory(dir);

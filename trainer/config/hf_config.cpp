@@ -127,6 +127,7 @@ std::vector<Translated> translate(const ConfigJson& f) {
     add(key, std::to_string(f.integer(field, fallback)), field, true);
   };
   const int64_t heads = f.integer("num_attention_heads");
+  if (heads <= 0) f.fail("num_attention_heads", "must be > 0, not " + std::to_string(heads));  // divides below
   add_int("vocab_size", "vocab_size");
   add_int("base_emb_dim", "hidden_size");
   add_int("base_num_query_heads", "num_attention_heads");
