@@ -94,6 +94,22 @@ TEST_CASE("preprocess_data with a SentencePiece model matches the library's enco
                                    kDir + "/x --tokenizer-type sentencepiece --tokenizer-model " + kDir +
                                    "/nope.model 2>/dev/null").c_str());
   CHECK(WEXITSTATUS(missing) == 2);
+  // A directory for the model, and a model without --tokenizer-type (the byte tokenizer would
+  // have ignored it and written byte ids): exit 2 naming the flag.
+  for (const std::string flags : {"--tokenizer-type sentencepiece --tokenizer-model " + kDir,
+                                  "--tokenizer-model " + kDir + "/spm.model"}) {
+    const std::string cmd = std::string(PREPROCESS_BINARY) + " --input " + kDir + "/docs.jsonl --output-prefix " + kDir +
+                            "/y " + flags + " 2>&1";
+    std::string output;
+    FILE* pipe = popen(cmd.c_str(), "r");
+    REQUIRE(pipe != nullptr);
+    for (char buffer[512]; std::fgets(buffer, sizeof buffer, pipe);) output += buffer;
+    const int status = pclose(pipe);
+    INFO(flags << ": " << output);
+    CHECK(WEXITSTATUS(status) == 2);
+    CHECK_THAT(output, Catch::Contains("--tokenizer-model " + kDir));
+    CHECK_FALSE(fs::exists(kDir + "/y_text_document.bin"));
+  }
 }
 
 // Appends the UTF-8 encoding of code point `cp` to `out`.

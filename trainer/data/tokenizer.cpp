@@ -5,6 +5,8 @@
 #include <sentencepiece_processor.h>
 #endif
 
+#include <filesystem>
+
 #include "trainer/util/error.h"
 
 namespace trainer {
@@ -26,8 +28,17 @@ class ByteTokenizer : public Tokenizer {
 class SentencePieceTokenizer : public Tokenizer {
  public:
   explicit SentencePieceTokenizer(const std::string& model) {
-    const auto status = processor_.Load(model);
-    if (!status.ok()) throw config_error("--tokenizer-model " + model + ": " + status.ToString());
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(model, ec))
+      throw config_error("--tokenizer-model " + model + ": " + (std::filesystem::exists(model, ec) ? "not a file" : "no such file"));
+    std::string failure;
+    try {
+      const auto status = processor_.Load(model);
+      if (!status.ok()) failure = status.ToString();
+    } catch (const std::exception& e) {  // the library's stream errors
+      failure = std::string("cannot read it as a SentencePiece model: ") + e.what();
+    }
+    if (!failure.empty()) throw config_error("--tokenizer-model " + model + ": " + failure);
     if (processor_.eos_id() < 0) throw config_error("--tokenizer-model " + model + " has no </s> (eos) piece for <eod>");
   }
   std::vector<int64_t> tokenizer_encode(const std::string& text) const override {
@@ -46,7 +57,13 @@ class SentencePieceTokenizer : public Tokenizer {
 }  // namespace
 
 std::unique_ptr<Tokenizer> tokenizer_create(const std::string& type, const std::string& model) {
-  if (type == "byte" || type == "ByteTokenizer") return std::make_unique<ByteTokenizer>();
+  if (type == "byte" || type == "ByteTokenizer") {
+    // Most likely a forgotten --tokenizer-type: tokenizing by bytes would silently ignore the model.
+    if (!model.empty())
+      throw config_error("--tokenizer-model " + model + " was given, but the tokenizer is '" + type +
+                         "', which has no model; add --tokenizer-type sentencepiece");
+    return std::make_unique<ByteTokenizer>();
+  }
   if (type == "sentencepiece" || type == "SentencePieceTokenizer") {
     if (model.empty()) throw config_error("--tokenizer-type sentencepiece needs --tokenizer-model");
 #if TRAINER_WITH_SENTENCEPIECE
