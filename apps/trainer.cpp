@@ -240,7 +240,6 @@ int main(int argc, char** argv) {
   try {
     const trainer::Config config = trainer::config_load(cl.config_path, cl.overrides);
     trainer::perf_startup_mark("config");
-    command_line_check(app, cl);
     if (cl.print_config) {
       std::fputs(trainer::config_to_yaml(config).c_str(), stdout);
       return trainer::kExitOk;
@@ -253,6 +252,7 @@ int main(int argc, char** argv) {
       print_samples(config, cl.dump_samples);
       return trainer::kExitOk;
     }
+    command_line_check(app, cl);
     // Checked before the model is built (minutes for a large one).
     const std::vector<int64_t> logits_tokens =
         cl.dump_logits_path.empty() ? std::vector<int64_t>{} : parse_token_list(cl.dump_logits_tokens, config.vocab_size);

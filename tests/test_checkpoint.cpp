@@ -163,6 +163,9 @@ TEST_CASE("kill -9 at random moments never leaves a checkpoint that is taken for
   fs::remove(dir + "/checkpoints/" + std::to_string(step + 50) + "/manifest.json");
   fs::copy(latest, dir + "/checkpoints/.tmp-" + std::to_string(step + 60));
   CHECK(*checkpoint_find_latest(dir + "/checkpoints") == latest);
+  // Names no save writes, which the cleanup below must leave alone.
+  fs::create_directories(dir + "/checkpoints/.tmp-notes");
+  std::ofstream(dir + "/checkpoints/.tmp-7") << "a file, not a save's directory";
   // The run resumes from it and completes.
   auto finish = run_trainer("model_name=default per_device_batch_size=2 max_target_length=64 checkpoint_period=1000 "
                             "steps=" + std::to_string(step + 2) + " base_output_directory=" + kOut + " run_name=killed");
@@ -172,12 +175,37 @@ TEST_CASE("kill -9 at random moments never leaves a checkpoint that is taken for
   // saves again too); the directory without a manifest is not a save's leftover and is kept.
   CHECK_THAT(finish.output, Catch::Contains("deleted what interrupted checkpoint saves left in " + dir + "/checkpoints: "));
   CHECK_THAT(finish.output, Catch::Contains(".tmp-" + std::to_string(step + 60)));
+  std::set<std::string> left;
   for (const auto& entry : fs::directory_iterator(dir + "/checkpoints"))
-    CHECK(entry.path().filename().string().rfind(".tmp", 0) == std::string::npos);
+    if (entry.path().filename().string().rfind(".tmp", 0) == 0) left.insert(entry.path().filename().string());
+  CHECK(left == std::set<std::string>{".tmp-7", ".tmp-notes"});
   CHECK(fs::exists(dir + "/checkpoints/" + std::to_string(step + 50)));
   const auto lines = read_lines(dir + "/metrics.jsonl");
   REQUIRE(lines.size() == static_cast<size_t>(step + 2));
   for (size_t i = 0; i < lines.size(); ++i) CHECK(json_metric(lines[i], "step") == static_cast<double>(i));
+}
+
+TEST_CASE("a run that fails while a background save still writes keeps its run_dir lock until the save ends", "[checkpoint]") {
+  // Step 3 is NaN (exit 4) while the asynchronous save of step 2 is held inside .tmp-2 (the pause
+  // stands for a slow filesystem). The lock used to go as train() unwound, before the save was
+  // joined: a second trainer then took the run_dir and deleted .tmp-2 as a leftover.
+  const std::string dir = kOut + "/failing-async";
+  fs::remove_all(dir);
+  ChildProcesses children;
+  const pid_t pid = children.add(spawn_trainer({"model_name=test-tiny", "max_target_length=16", "steps=10",
+                                                "checkpoint_period=2", "async_checkpointing=true",
+                                                "debug_pause_checkpoint_save_step=2", "debug_inject_nonfinite_step=3",
+                                                "base_output_directory=" + kOut, "run_name=failing-async"},
+                                               dir + ".log"));
+  INFO("first trainer's log:\n" << read_file(dir + ".log"));
+  REQUIRE(wait_until([&] { return fs::exists(dir + "/checkpoints/.tmp-2/PAUSED") && read_lines(dir + "/metrics.jsonl").size() == 4; }, 60));
+  const auto second = run_trainer("model_name=test-tiny max_target_length=16 steps=1 base_output_directory=" + kOut +
+                                  " run_name=failing-async");
+  CHECK(second.exit_code == 2);
+  CHECK_THAT(second.output, Catch::Contains("is in use by another trainer (pid " + std::to_string(pid)));
+  CHECK(fs::exists(dir + "/checkpoints/.tmp-2/model.safetensors"));
+  kill(pid, SIGKILL);
+  children.wait(pid);
 }
 
 TEST_CASE("kill -9 inside a save: the half-written checkpoint is never used, and the resume is exact", "[checkpoint]") {

@@ -435,8 +435,12 @@ std::vector<std::string> checkpoint_remove_unfinished(const std::string& checkpo
   std::error_code ec;
   if (!fs::is_directory(checkpoints_dir, ec)) return removed;
   for (const auto& entry : fs::directory_iterator(checkpoints_dir)) {
+    // Only the names a save writes: .tmp-<step in canonical decimal>/ and the file .latest.tmp.
     const std::string name = entry.path().filename().string();
-    if (name.rfind(".tmp-", 0) != 0 && name != ".latest.tmp") continue;
+    const std::string step = name.rfind(".tmp-", 0) == 0 ? name.substr(5) : "";
+    const bool save_dir = entry.is_directory() && !step.empty() && step.size() <= 18 &&
+                          std::all_of(step.begin(), step.end(), ::isdigit) && std::to_string(std::stoll(step)) == step;
+    if (!save_dir && !(name == ".latest.tmp" && entry.is_regular_file())) continue;
     fs::remove_all(entry.path(), ec);
     if (ec)
       spdlog::warn("cannot delete {} left by an interrupted save: {}", entry.path().string(), ec.message());

@@ -77,10 +77,13 @@ MetricsLogger::MetricsLogger(const Config& config, int64_t first_step) : config_
     char stamp[32];
     const std::time_t now = std::time(nullptr);
     std::strftime(stamp, sizeof stamp, "%Y%m%d_%H%M%S", std::localtime(&now));
-    const std::string aside = path.string() + ".earlier-" + stamp + "-" + std::to_string(::getpid());
+    std::string aside = path.string() + ".earlier-" + stamp + "-" + std::to_string(::getpid());
+    for (int n = 1; std::filesystem::exists(aside); ++n)  // two runs of one process in one second
+      aside = path.string() + ".earlier-" + stamp + "-" + std::to_string(::getpid()) + "." + std::to_string(n);
     std::filesystem::rename(path, aside, ec);
     if (ec) throw Error(kExitFailure, "cannot move the earlier metrics_file " + path.string() + " aside: " + ec.message());
-    spdlog::warn("metrics_file {} held the lines of an earlier run that left no checkpoint here; moved to {}", path.string(), aside);
+    spdlog::warn("metrics_file {} held the lines of an earlier run, and this run starts at step 0; moved them to {}",
+                 path.string(), aside);
   }
   file_ = std::fopen(path.c_str(), first_step > 0 ? "a" : "w");
   if (!file_)

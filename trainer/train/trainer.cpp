@@ -59,7 +59,12 @@ void ranks_share_failure(Communicator& comm, const std::string& what, const std:
   std::vector<double> codes(static_cast<size_t>(comm.world_size()), 0.0);
   codes[static_cast<size_t>(comm.rank())] = code;
   auto reduced = torch::tensor(codes, torch::kFloat64);
-  comm.all_reduce_sum(reduced, "the outcome of " + what);
+  try {
+    comm.all_reduce_sum(reduced, "the outcome of " + what);
+  } catch (const Error&) {
+    if (failure) std::rethrow_exception(failure);  // this rank's own error says more than a dead peer
+    throw;
+  }
   if (failure) std::rethrow_exception(failure);
   for (int64_t r = 0; r < comm.world_size(); ++r)
     if (const auto other = static_cast<int>(reduced[r].item<double>()); other != 0)
@@ -75,7 +80,7 @@ DataIndexSync data_index_sync(Communicator& comm, double timeout_seconds) {
     try {
       comm.broadcast_string("data index " + file, "ready");
     } catch (const Error& e) {
-      throw Error(e.exit_code(), std::string(e.what()) + ": rank 0 did not finish the data index " + file + " within " +
+      throw Error(e.exit_code(), std::string(e.what()) + ": rank 0 did not announce the data index " + file + " within " +
                                      std::to_string(static_cast<int64_t>(timeout_seconds)) +
                                      " s (it failed: see its log; or building the index takes longer: raise "
                                      "collective_timeout_seconds)");
@@ -142,7 +147,8 @@ struct RunDirLock {
     const bool held_elsewhere = ::flock(fd, LOCK_EX | LOCK_NB) != 0;
     if (held_elsewhere && errno != EWOULDBLOCK) {
       // A filesystem without flock (Lustre without -o flock, some FUSE mounts): train unguarded.
-      spdlog::warn("cannot lock {} ({}): nothing stops a second trainer on this run_dir", path, std::strerror(errno));
+      spdlog::warn("cannot lock {} ({}): nothing stops a second trainer on this run_dir, and what interrupted "
+                   "checkpoint saves left in it is not deleted", path, std::strerror(errno));
       ::close(fd);
       fd = -1;
       return;
@@ -539,10 +545,17 @@ void Trainer::train() {
       if (!removed.empty()) spdlog::info("deleted what interrupted checkpoint saves left in {}/checkpoints: {}", c.run_dir, removed);
     }
   });
-  struct LockRelease {  // however train() ends
+  // However train() ends, the lock goes only after a background save has ended: a trainer that
+  // took the lock while it still wrote would delete its .tmp- directory as a leftover.
+  struct LockRelease {
     std::unique_ptr<RunDirLock>& lock;
-    ~LockRelease() { lock.reset(); }
-  } lock_release{run_dir_lock_};
+    std::unique_ptr<Checkpointer>& checkpointer;
+    ~LockRelease() {
+      if (checkpointer)
+        if (const std::string error = checkpointer->wait(); !error.empty()) spdlog::error("{}", error);
+      lock.reset();
+    }
+  } lock_release{run_dir_lock_, checkpointer_};
   const int64_t start_step = load_initial_state();
   perf_startup_mark("resume");
   if (start_step >= c.steps) {
