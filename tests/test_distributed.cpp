@@ -130,6 +130,42 @@ TEST_CASE("the launcher environment is resolved in one place", "[dist]") {
   } catch (const Error& e) {
     CHECK(e.exit_code() == kExitUsage);
   }
+  // Slurm's per-node count as it writes it for several nodes.
+  CHECK(dist_env_resolve({"SLURM_PROCID=5", "SLURM_NTASKS=8", "SLURM_NTASKS_PER_NODE=4(x2)"}).local_world_size == 4);
+  const auto rendezvous = dist_env_resolve({"RANK=0", "WORLD_SIZE=2", "MASTER_ADDR=node7", "MASTER_PORT=29500"});
+  CHECK(rendezvous.master_addr == "node7");
+  CHECK(rendezvous.master_port == 29500);
+  // The same launch seen by mpirun and torchrun's variables is one launch.
+  CHECK(dist_env_resolve({"OMPI_COMM_WORLD_RANK=1", "OMPI_COMM_WORLD_SIZE=2", "RANK=1", "WORLD_SIZE=2"}).launcher == "mpirun");
+  // Each of these used to run as something else without a word (a single process, port 70000
+  // cut to 4464, "0x" read as 0, a local rank outside the node), or to divide by zero.
+  const std::vector<std::pair<std::vector<std::string>, std::string>> refused = {
+      {{"RANK=1"}, "RANK is set but WORLD_SIZE is not"},
+      {{"WORLD_SIZE=2"}, "WORLD_SIZE is set but RANK is not"},
+      {{"OMPI_COMM_WORLD_RANK=1"}, "OMPI_COMM_WORLD_RANK is set but OMPI_COMM_WORLD_SIZE is not"},
+      {{"RANK=0x", "WORLD_SIZE=1"}, "RANK='0x' is not an integer"},
+      {{"RANK=0", "WORLD_SIZE=1.5"}, "WORLD_SIZE='1.5' is not an integer"},
+      {{"RANK=0", "WORLD_SIZE=4294967297"}, "WORLD_SIZE='4294967297' is not in [1, 2147483647]"},
+      {{"RANK=0", "WORLD_SIZE=2", "LOCAL_WORLD_SIZE=0"}, "LOCAL_WORLD_SIZE='0' is not in [1, 2]"},
+      {{"RANK=0", "WORLD_SIZE=4", "LOCAL_RANK=-3"}, "LOCAL_RANK='-3' is not in [0, 3]"},
+      {{"RANK=0", "WORLD_SIZE=4", "LOCAL_RANK=7", "LOCAL_WORLD_SIZE=2"}, "LOCAL_RANK='7' is not in [0, 1]"},
+      {{"OMPI_COMM_WORLD_RANK=0", "OMPI_COMM_WORLD_SIZE=1", "RANK=1", "WORLD_SIZE=2"},
+       "two launches: mpirun says rank 0 of 1, torchrun-style says rank 1 of 2"},
+      {{"RANK=0", "WORLD_SIZE=1", "MASTER_PORT=70000", "MASTER_ADDR=127.0.0.1"}, "MASTER_PORT='70000' is not in [1, 65535]"},
+      {{"RANK=0", "WORLD_SIZE=1", "MASTER_PORT=abc", "MASTER_ADDR=127.0.0.1"}, "MASTER_PORT='abc' is not an integer"},
+      {{"RANK=0", "WORLD_SIZE=1", "MASTER_PORT=29500"}, "MASTER_PORT is set but MASTER_ADDR is not"},
+      {{"RANK=0", "WORLD_SIZE=1", "MASTER_PORT=29500", "MASTER_ADDR="}, "MASTER_ADDR is empty"},
+  };
+  for (const auto& [environment, message] : refused) {
+    INFO(message);
+    try {
+      dist_env_resolve(environment);
+      FAIL("accepted");
+    } catch (const Error& e) {
+      CHECK(e.exit_code() == kExitUsage);
+      CHECK_THAT(e.what(), Catch::Contains(message));
+    }
+  }
 }
 
 TEST_CASE("R=2 under mpirun equals R=1 on the same samples, in both normalization modes", "[dist][cli]") {

@@ -416,9 +416,9 @@ std::unique_ptr<Communicator> dist_init(const DistEnv& env, const DistOptions& o
     throw config_error("dist_backend=nccl needs hardware=gpu (NCCL reduces CUDA tensors only)");
   std::string host;
   int port = 0;
-  if (std::getenv("MASTER_ADDR") && std::getenv("MASTER_PORT")) {
-    host = std::getenv("MASTER_ADDR");
-    port = std::atoi(std::getenv("MASTER_PORT"));
+  if (!env.master_addr.empty()) {
+    host = env.master_addr;
+    port = env.master_port;
   } else if (env.world_size == 1) {
     host = "127.0.0.1";
     port = free_port(INADDR_LOOPBACK);
