@@ -14,7 +14,8 @@ cd "$(dirname "$0")/.."
 # ============================================================================
 # 1. Tokenizer
 # ============================================================================
-VOCAB_SIZE=${VOCAB_SIZE:-157184}
+# The vocabulary is the model file's (157184 for ling2 and ling-mini-2.0); VOCAB_SIZE overrides it.
+VOCAB_SIZE=${VOCAB_SIZE:-}
 PAD_ID=${PAD_ID:-156892}   # <|endoftext|>
 EOD_ID=${EOD_ID:-156892}   # <|endoftext|>
 BOS_ID=${BOS_ID:-156891}   # <|startoftext|> (informational: documents are not prefixed)
@@ -30,6 +31,14 @@ RUN_NAME=${RUN_NAME:-"ling2-pretrain-$(date +%Y%m%d_%H%M)"}
 # ============================================================================
 NPROC=${NPROC:-1}
 HOSTFILE=${HOSTFILE:-}
+if ! [[ "$NPROC" =~ ^[1-9][0-9]*$ ]]; then
+  echo "pretrain_ling2.sh: NPROC=$NPROC is not a process count (1, 2, ...)" >&2
+  exit 2
+fi
+if [ -n "$HOSTFILE" ] && [ ! -f "$HOSTFILE" ]; then
+  echo "pretrain_ling2.sh: HOSTFILE=$HOSTFILE does not exist" >&2
+  exit 2
+fi
 MPIRUN_ARGS=${MPIRUN_ARGS:-"--bind-to none"}
 if [ "$(id -u)" -eq 0 ]; then MPIRUN_ARGS="$MPIRUN_ARGS --allow-run-as-root"; fi
 if [ -n "$HOSTFILE" ]; then
@@ -72,7 +81,8 @@ CALCULATE_PER_TOKEN_LOSS=${CALCULATE_PER_TOKEN_LOSS:-false}   # Megatron's norma
 DTYPE=${DTYPE:-bfloat16}
 CHECKPOINT_PERIOD=${CHECKPOINT_PERIOD:-1000}
 
-if [ ! -f "configs/models/${MODEL_NAME}.yml" ]; then
+# model_name=hf reads the architecture from load_parameters_path (a Hugging Face directory).
+if [ "$MODEL_NAME" != hf ] && [ ! -f "configs/models/${MODEL_NAME}.yml" ]; then
   echo "pretrain_ling2.sh: configs/models/${MODEL_NAME}.yml does not exist (MODEL_NAME=${MODEL_NAME})" >&2
   exit 2
 fi
@@ -83,17 +93,20 @@ else
   [ -x "$TRAINER" ] || scripts/setup.sh
 fi
 
+# Overriding the model file's vocabulary is a deliberate act: only when VOCAB_SIZE is given.
+MODEL_OVERRIDES=()
+if [ -n "$VOCAB_SIZE" ]; then MODEL_OVERRIDES=(override_model_config=true vocab_size="$VOCAB_SIZE"); fi
+
 # ============================================================================
 # 6. Start training
 # ============================================================================
 set -x
 exec "${LAUNCH[@]}" "$TRAINER" "$CONFIG_FILE" \
   model_name="$MODEL_NAME" \
-  override_model_config=true \
+  "${MODEL_OVERRIDES[@]}" \
   run_name="$RUN_NAME" \
   base_output_directory="$BASE_OUTPUT_DIR" \
   \
-  vocab_size="$VOCAB_SIZE" \
   eod_id="$EOD_ID" \
   pad_id="$PAD_ID" \
   \

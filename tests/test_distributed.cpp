@@ -409,6 +409,23 @@ TEST_CASE("scripts/pretrain_ling2.sh: valid bash, and a 2-step run with 2 proces
                                      "MODEL_NAME=ling2-tiny scripts/pretrain_ling2.sh");
   CHECK(no_binary.exit_code == 2);
   CHECK_THAT(no_binary.output, Catch::Contains("TRAINER=/nonexistent/trainer is not an executable"));
+  // A process count that is not one used to run a single process (bash's "integer expression
+  // expected" aside); a missing host file reached mpirun.
+  for (const std::string bad : {"NPROC=abc", "NPROC=0", "NPROC=-4"}) {
+    const auto r = run_command("cd " + std::string(TRAINER_SOURCE_DIR) + " && " + trainer + bad + " scripts/pretrain_ling2.sh --print-config");
+    INFO(bad << ": " << r.output);
+    CHECK(r.exit_code == 2);
+    CHECK_THAT(r.output, Catch::Contains(bad + " is not a process count"));
+  }
+  const auto no_hosts = run_command("cd " + std::string(TRAINER_SOURCE_DIR) + " && " + trainer +
+                                    "HOSTFILE=" + kOut + "/no-hosts scripts/pretrain_ling2.sh --print-config");
+  CHECK(no_hosts.exit_code == 2);
+  CHECK_THAT(no_hosts.output, Catch::Contains("HOSTFILE=" + kOut + "/no-hosts does not exist"));
+  // Another model keeps its own vocabulary: the script used to force Ling2's over every model file.
+  const auto qwen = run_command("cd " + std::string(TRAINER_SOURCE_DIR) + " && " + trainer +
+                                "MODEL_NAME=qwen3-0.6b scripts/pretrain_ling2.sh --print-config");
+  CHECK(qwen.exit_code == 0);
+  CHECK_THAT(qwen.output, Catch::Contains("\nvocab_size: 151936\n") && Catch::Contains("\noverride_model_config: false\n"));
 }
 
 TEST_CASE("ZeRO-1 gives the same weights and optimizer state as plain data parallel", "[dist][cli]") {
