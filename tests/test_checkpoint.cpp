@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <random>
 #include <set>
@@ -804,6 +805,20 @@ TEST_CASE("Hugging Face directories: config.json round trips the model keys, and
   CHECK_THROWS_WITH(hf_tensors_to_checkpoint(no_bias, with(bias, torch::full({ling.num_experts}, 0.5f)), "BailingMoeV2ForCausalLM", dir),
                     Catch::Contains(bias) && Catch::Contains("routed_bias is false"));
   CHECK_NOTHROW(hf_tensors_to_checkpoint(no_bias, with(bias, torch::zeros({ling.num_experts})), "BailingMoeV2ForCausalLM", dir));
+  // A NaN weight used to surface only as a NaN loss at step 0 (exit 4, naming no tensor).
+  const std::string norm = "model.norm.weight";
+  torch::Tensor damaged;
+  for (const auto& [n, t] : tensors)
+    if (n == norm) damaged = t.clone();
+  REQUIRE(damaged.defined());
+  damaged.view(-1)[1] = std::numeric_limits<float>::quiet_NaN();
+  try {
+    hf_tensors_to_checkpoint(ling, with(norm, damaged), "BailingMoeV2ForCausalLM", dir);
+    FAIL("accepted a NaN weight");
+  } catch (const Error& e) {
+    CHECK(e.exit_code() == kExitData);
+    CHECK_THAT(e.what(), Catch::Contains(dir + ": " + norm + " holds 1 non-finite values"));
+  }
   // The streaming reader (the sharded levels' load) gives the same tensors under the same names,
   // one at a time, q, k and v read as rows of the fused tensor.
   const auto whole = hf_tensors_to_checkpoint(ling, tensors, "BailingMoeV2ForCausalLM", dir);

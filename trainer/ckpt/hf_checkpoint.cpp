@@ -124,8 +124,16 @@ std::vector<std::pair<std::string, HfTensorSource>> hf_checkpoint_sources(
 // BailingMoeV2Gate adds expert_bias to the scores whatever moe_router_enable_expert_bias says, so
 // a nonzero one with routed_bias false would compute differently here: refused.
 // `name` is the checkpoint name, `stored` the one the message shows.
-void hf_check_expert_bias(const Config& c, const std::string& name, const std::string& stored, const torch::Tensor& tensor,
-                          const std::string& source) {
+// Each tensor as it is read: finite (a NaN weight would surface only as a NaN loss at step 0,
+// naming no tensor), and an expert bias the config would ignore must be zero.
+void hf_check_tensor(const Config& c, const std::string& name, const std::string& stored, const torch::Tensor& tensor,
+                     const std::string& source) {
+  if (tensor.is_floating_point()) {
+    const int64_t non_finite = tensor.numel() - torch::isfinite(tensor).sum().item<int64_t>();
+    if (non_finite > 0)
+      throw Error(kExitData, source + ": " + stored + " holds " + std::to_string(non_finite) +
+                                 " non-finite values (NaN or Inf); the file is damaged or not a trained model");
+  }
   if (ends_with(name, ".e_score_correction_bias") && !c.routed_bias && tensor.abs().max().item<float>() != 0)
     throw config_error(source + ": " + stored + " is nonzero, but routed_bias is false (it would be ignored): "
                        "pass routed_bias=true (override_model_config=true with a model file)");
@@ -155,7 +163,7 @@ NamedTensors hf_tensors_to_checkpoint(const Config& c, const NamedTensors& hf, c
   for (const auto& [name, from] : hf_checkpoint_sources(c, shapes, architecture, source)) {
     auto tensor = by_name.at(from.stored);
     if (from.rows >= 0) tensor = tensor.narrow(0, from.row_begin, from.rows).contiguous();
-    hf_check_expert_bias(c, name, from.stored, tensor, source);
+    hf_check_tensor(c, name, from.stored, tensor, source);
     out.emplace_back(name, tensor);
   }
   return out;
@@ -175,7 +183,7 @@ CheckpointReader CheckpointReader::hugging_face(const std::string& dir, const Co
     reader.aliases_[name] = {from.stored, from.row_begin, from.rows};
   }
   reader.check_read_ = [config, source](const std::string& name, const std::string& stored, const torch::Tensor& tensor) {
-    hf_check_expert_bias(config, name, stored, tensor, source);
+    hf_check_tensor(config, name, stored, tensor, source);
   };
   return reader;
 }
