@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <map>
 #include <random>
@@ -186,6 +187,28 @@ TEST_CASE("kill -9 at random moments never leaves a checkpoint that is taken for
   for (size_t i = 0; i < lines.size(); ++i) CHECK(json_metric(lines[i], "step") == static_cast<double>(i));
 }
 
+namespace {
+// A test-tiny trainer on run `run` whose save of `step` holds inside .tmp-<step>/ (after its
+// model file) until killed; returns once it holds there and `also_until` is true.
+pid_t spawn_with_held_save(ChildProcesses& children, const std::string& run, int64_t step, std::vector<std::string> args,
+                           const std::function<bool()>& also_until = [] { return true; }) {
+  const std::string dir = kOut + "/" + run;
+  args.insert(args.end(), {"model_name=test-tiny", "max_target_length=16", "debug_pause_checkpoint_save_step=" + std::to_string(step),
+                           "base_output_directory=" + kOut, "run_name=" + run});
+  const pid_t pid = children.add(spawn_trainer(args, dir + ".log"));
+  INFO("trainer log:\n" << read_file(dir + ".log"));
+  REQUIRE(wait_until([&] { return fs::exists(dir + "/checkpoints/.tmp-" + std::to_string(step) + "/PAUSED") && also_until(); }, 60));
+  return pid;
+}
+
+// A second trainer on the run_dir of `holder` is refused (exit 2), naming it.
+void check_run_dir_refused(const std::string& run, pid_t holder, const std::string& args) {
+  const auto second = run_trainer("model_name=test-tiny max_target_length=16 base_output_directory=" + kOut + " run_name=" + run + " " + args);
+  CHECK(second.exit_code == 2);
+  CHECK_THAT(second.output, Catch::Contains("run_dir " + kOut + "/" + run + " is in use by another trainer (pid " + std::to_string(holder)));
+}
+}  // namespace
+
 TEST_CASE("a run that fails while a background save still writes keeps its run_dir lock until the save ends", "[checkpoint]") {
   // Step 3 is NaN (exit 4) while the asynchronous save of step 2 is held inside .tmp-2 (the pause
   // stands for a slow filesystem). The lock used to go as train() unwound, before the save was
@@ -193,17 +216,10 @@ TEST_CASE("a run that fails while a background save still writes keeps its run_d
   const std::string dir = kOut + "/failing-async";
   fs::remove_all(dir);
   ChildProcesses children;
-  const pid_t pid = children.add(spawn_trainer({"model_name=test-tiny", "max_target_length=16", "steps=10",
-                                                "checkpoint_period=2", "async_checkpointing=true",
-                                                "debug_pause_checkpoint_save_step=2", "debug_inject_nonfinite_step=3",
-                                                "base_output_directory=" + kOut, "run_name=failing-async"},
-                                               dir + ".log"));
-  INFO("first trainer's log:\n" << read_file(dir + ".log"));
-  REQUIRE(wait_until([&] { return fs::exists(dir + "/checkpoints/.tmp-2/PAUSED") && read_lines(dir + "/metrics.jsonl").size() == 4; }, 60));
-  const auto second = run_trainer("model_name=test-tiny max_target_length=16 steps=1 base_output_directory=" + kOut +
-                                  " run_name=failing-async");
-  CHECK(second.exit_code == 2);
-  CHECK_THAT(second.output, Catch::Contains("is in use by another trainer (pid " + std::to_string(pid)));
+  const pid_t pid = spawn_with_held_save(children, "failing-async", 2,
+                                         {"steps=10", "checkpoint_period=2", "async_checkpointing=true", "debug_inject_nonfinite_step=3"},
+                                         [&] { return read_lines(dir + "/metrics.jsonl").size() == 4; });  // step 3 logged
+  check_run_dir_refused("failing-async", pid, "steps=1");
   CHECK(fs::exists(dir + "/checkpoints/.tmp-2/model.safetensors"));
   kill(pid, SIGKILL);
   children.wait(pid);
@@ -218,18 +234,11 @@ TEST_CASE("kill -9 inside a save: the half-written checkpoint is never used, and
   fs::remove_all(dir);
   {
     ChildProcesses children;
-    const pid_t pid = children.add(spawn_trainer({"model_name=test-tiny", "max_target_length=16", "steps=6",
-                                                  "learning_rate_schedule_steps=6", "checkpoint_period=1",
-                                                  "async_checkpointing=false", "debug_pause_checkpoint_save_step=3",
-                                                  "base_output_directory=" + kOut, "run_name=paused"},
-                                                 dir + ".log"));
-    INFO("trainer log:\n" << read_file(dir + ".log"));
-    REQUIRE(wait_until([&] { return fs::exists(dir + "/checkpoints/.tmp-3/PAUSED"); }, 60));
+    const pid_t pid = spawn_with_held_save(children, "paused", 3,
+                                           {"steps=6", "learning_rate_schedule_steps=6", "checkpoint_period=1", "async_checkpointing=false"});
     // A second trainer on the same run_dir meanwhile is refused (it would resume from checkpoints
     // being written and overwrite them), naming the holder.
-    const auto second = run_trainer(common + " steps=6 checkpoint_period=1 run_name=paused");
-    CHECK(second.exit_code == 2);
-    CHECK_THAT(second.output, Catch::Contains("run_dir " + dir + " is in use by another trainer (pid " + std::to_string(pid)));
+    check_run_dir_refused("paused", pid, "learning_rate_schedule_steps=6 steps=6 checkpoint_period=1");
     kill(pid, SIGKILL);
     CHECK(children.wait(pid) == 128 + SIGKILL);
   }
