@@ -23,7 +23,7 @@ namespace trainer::testing {
 inline bool is_launcher_or_config_variable(const std::string& name) {
   for (const char* prefix : {"M_", "OMPI_", "PMI_", "PMIX_", "SLURM_", "MASTER_"})
     if (name.rfind(prefix, 0) == 0) return true;
-  for (const char* exact : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"})
+  for (const char* exact : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"})
     if (name == exact) return true;
   return false;
 }
