@@ -74,7 +74,8 @@ PER_DEVICE_BATCH_SIZE=${PER_DEVICE_BATCH_SIZE:-2}
 GRADIENT_ACCUMULATION_STEPS=${GRADIENT_ACCUMULATION_STEPS:-1}
 MAX_TARGET_LENGTH=${MAX_TARGET_LENGTH:-4096}
 # RoPE base: ling2.yml uses the fork's 10000. For MODEL_NAME=ling-mini-2.0 the model file's 600000
-# is the released config and Ling's 8k/32k scripts; its 4k script uses 10000 (pass rope_max_timescale=10000).
+# is the released config and Ling's 8k/32k scripts; its 4k script uses 10000 (pass
+# override_model_config=true rope_max_timescale=10000).
 LEARNING_RATE=${LEARNING_RATE:-3e-4}
 WARMUP_STEPS_FRACTION=${WARMUP_STEPS_FRACTION:-0.01}
 CALCULATE_PER_TOKEN_LOSS=${CALCULATE_PER_TOKEN_LOSS:-false}   # Megatron's normalization
@@ -101,9 +102,10 @@ if [ -n "$VOCAB_SIZE" ]; then MODEL_OVERRIDES=(override_model_config=true vocab_
 # 6. Start training
 # ============================================================================
 set -x
-exec "${LAUNCH[@]}" "$TRAINER" "$CONFIG_FILE" \
+# ${A[@]+"${A[@]}"}: an empty array under set -u on bash < 4.4 too.
+exec ${LAUNCH[@]+"${LAUNCH[@]}"} "$TRAINER" "$CONFIG_FILE" \
   model_name="$MODEL_NAME" \
-  "${MODEL_OVERRIDES[@]}" \
+  ${MODEL_OVERRIDES[@]+"${MODEL_OVERRIDES[@]}"} \
   run_name="$RUN_NAME" \
   base_output_directory="$BASE_OUTPUT_DIR" \
   \

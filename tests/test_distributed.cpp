@@ -135,8 +135,25 @@ TEST_CASE("the launcher environment is resolved in one place", "[dist]") {
   const auto rendezvous = dist_env_resolve({"RANK=0", "WORLD_SIZE=2", "MASTER_ADDR=node7", "MASTER_PORT=29500"});
   CHECK(rendezvous.master_addr == "node7");
   CHECK(rendezvous.master_port == 29500);
-  // The same launch seen by mpirun and torchrun's variables is one launch.
+  // The same launch seen by mpirun and torchrun's variables is one launch; when they differ
+  // (mpirun inside a job that exports RANK/WORLD_SIZE) mpirun's win, with a warning.
   CHECK(dist_env_resolve({"OMPI_COMM_WORLD_RANK=1", "OMPI_COMM_WORLD_SIZE=2", "RANK=1", "WORLD_SIZE=2"}).launcher == "mpirun");
+  CHECK(dist_env_resolve({"OMPI_COMM_WORLD_RANK=0", "OMPI_COMM_WORLD_SIZE=2", "RANK=0", "WORLD_SIZE=1"}).world_size == 2);
+  // A half pair beside a complete launcher is not read (an sbatch script's exported WORLD_SIZE
+  // under srun or mpirun); nor is a lone MASTER_ADDR where no rendezvous address is needed.
+  CHECK(dist_env_resolve({"OMPI_COMM_WORLD_RANK=0", "OMPI_COMM_WORLD_SIZE=1", "WORLD_SIZE=1"}).launcher == "mpirun");
+  CHECK(dist_env_resolve({"SLURM_PROCID=0", "SLURM_NTASKS=1", "WORLD_SIZE=1"}).launcher == "slurm");
+  CHECK(dist_env_resolve({"MASTER_ADDR=localhost"}).master_addr.empty());
+  CHECK(dist_env_resolve({"OMPI_COMM_WORLD_RANK=0", "OMPI_COMM_WORLD_SIZE=2", "MASTER_ADDR=node1"}).master_addr.empty());
+  // Slurm's and PMI's per-node counts describe the allocation: bounded by this step, not refused
+  // (srun -n1 inside --ntasks-per-node=8; uneven nodes "1,2(x3)"). PMI before Slurm.
+  const auto one_of_eight = dist_env_resolve({"SLURM_PROCID=0", "SLURM_NTASKS=1", "SLURM_NTASKS_PER_NODE=8"});
+  CHECK(one_of_eight.local_world_size == 1);
+  const auto uneven = dist_env_resolve({"SLURM_PROCID=2", "SLURM_NTASKS=7", "SLURM_LOCALID=1", "SLURM_NTASKS_PER_NODE=1,2(x3)"});
+  CHECK(uneven.local_rank == 1);
+  CHECK(uneven.local_world_size == 2);
+  CHECK(dist_env_resolve({"SLURM_PROCID=0", "SLURM_NTASKS=2", "PMI_RANK=3", "PMI_SIZE=4"}).rank == 3);
+  CHECK(dist_env_resolve({"RANK= +1", "WORLD_SIZE=2 "}).rank == 1);  // as stoll read them
   // Each of these used to run as something else without a word (a single process, port 70000
   // cut to 4464, "0x" read as 0, a local rank outside the node), or to divide by zero.
   const std::vector<std::pair<std::vector<std::string>, std::string>> refused = {
@@ -149,11 +166,9 @@ TEST_CASE("the launcher environment is resolved in one place", "[dist]") {
       {{"RANK=0", "WORLD_SIZE=2", "LOCAL_WORLD_SIZE=0"}, "LOCAL_WORLD_SIZE='0' is not in [1, 2]"},
       {{"RANK=0", "WORLD_SIZE=4", "LOCAL_RANK=-3"}, "LOCAL_RANK='-3' is not in [0, 3]"},
       {{"RANK=0", "WORLD_SIZE=4", "LOCAL_RANK=7", "LOCAL_WORLD_SIZE=2"}, "LOCAL_RANK='7' is not in [0, 1]"},
-      {{"OMPI_COMM_WORLD_RANK=0", "OMPI_COMM_WORLD_SIZE=1", "RANK=1", "WORLD_SIZE=2"},
-       "two launches: mpirun says rank 0 of 1, torchrun-style says rank 1 of 2"},
       {{"RANK=0", "WORLD_SIZE=1", "MASTER_PORT=70000", "MASTER_ADDR=127.0.0.1"}, "MASTER_PORT='70000' is not in [1, 65535]"},
       {{"RANK=0", "WORLD_SIZE=1", "MASTER_PORT=abc", "MASTER_ADDR=127.0.0.1"}, "MASTER_PORT='abc' is not an integer"},
-      {{"RANK=0", "WORLD_SIZE=1", "MASTER_PORT=29500"}, "MASTER_PORT is set but MASTER_ADDR is not"},
+      {{"RANK=0", "WORLD_SIZE=2", "MASTER_PORT=29500"}, "MASTER_PORT is set but MASTER_ADDR is not"},
       {{"RANK=0", "WORLD_SIZE=1", "MASTER_PORT=29500", "MASTER_ADDR="}, "MASTER_ADDR is empty"},
   };
   for (const auto& [environment, message] : refused) {

@@ -14,10 +14,10 @@ struct DistEnv {
 };
 
 // Resolves the launch environment ("NAME=value" strings) in one place: OMPI_COMM_WORLD_*,
-// RANK / WORLD_SIZE / LOCAL_RANK, SLURM_*, or PMI_*, and MASTER_ADDR / MASTER_PORT. Throws
-// trainer::Error (exit 2) naming the variable on nonsense: a value that is not wholly an integer
-// or is out of range, a rank without its world size (or the reverse), mpirun's and torchrun's
-// variables disagreeing, an address without a port.
+// RANK / WORLD_SIZE / LOCAL_RANK, PMI_*, or SLURM_* (the first complete pair wins), and
+// MASTER_ADDR / MASTER_PORT. Throws trainer::Error (exit 2) naming the variable on nonsense: a
+// value that is not wholly an integer or is out of range, half of mpirun's or torchrun's pair
+// with no launcher set, an address without a port where one is needed.
 DistEnv dist_env_resolve(const std::vector<std::string>& environment);
 DistEnv dist_env_resolve();  // from the process environment
 
