@@ -35,16 +35,21 @@ std::string hex32(uint32_t v) {
   return buf;
 }
 
-// The steps of the checkpoint directories under `root`, newest first. A checkpoint directory is
-// named by its step in canonical decimal; any other entry (.tmp-*, "00", a step too large for
-// int64) is not a checkpoint and is left alone.
+// The step a checkpoint directory name stands for: its step in canonical decimal ("12", not "012"
+// or "+12"), or -1 for any other name (.tmp-*, "00", a step too large for int64).
+int64_t checkpoint_step_of(const std::string& name) {
+  if (name.empty() || name.size() > 18 || !std::all_of(name.begin(), name.end(), ::isdigit)) return -1;
+  const int64_t step = std::stoll(name);
+  return std::to_string(step) == name ? step : -1;
+}
+
+// The steps of the checkpoint directories under `root`, newest first; any other entry is not a
+// checkpoint and is left alone.
 std::vector<int64_t> checkpoint_steps(const fs::path& root) {
   std::vector<int64_t> steps;
   for (const auto& entry : fs::directory_iterator(root)) {
-    const auto n = entry.path().filename().string();
-    if (!entry.is_directory() || n.empty() || n.size() > 18 || !std::all_of(n.begin(), n.end(), ::isdigit)) continue;
-    const int64_t step = std::stoll(n);
-    if (std::to_string(step) == n) steps.push_back(step);
+    const int64_t step = checkpoint_step_of(entry.path().filename().string());
+    if (entry.is_directory() && step >= 0) steps.push_back(step);
   }
   std::sort(steps.rbegin(), steps.rend());
   return steps;
@@ -305,10 +310,12 @@ CheckpointReader CheckpointReader::weights(const std::string& path) {
   }
   for (const auto& [file, listed] : hf_directory_files(path)) {
     reader.add_file(file, /*model=*/true);
-    std::set<std::string> held;
-    for (const auto& [name, location] : reader.tensors_)
-      if (location.path == file) held.insert(name);
-    hf_directory_check_file(path, file, listed, held);
+    for (const auto& name : listed) {
+      const auto* at = reader.find_stored(name);
+      if (!at || at->path != file)
+        throw config_error((fs::path(path) / "model.safetensors.index.json").string() + " puts " + name + " in " +
+                           fs::path(file).filename().string() + ", which does not hold it");
+    }
   }
   return reader;
 }
@@ -437,9 +444,8 @@ std::vector<std::string> checkpoint_remove_unfinished(const std::string& checkpo
   for (const auto& entry : fs::directory_iterator(checkpoints_dir)) {
     // Only the names a save writes: .tmp-<step in canonical decimal>/ and the file .latest.tmp.
     const std::string name = entry.path().filename().string();
-    const std::string step = name.rfind(".tmp-", 0) == 0 ? name.substr(5) : "";
-    const bool save_dir = entry.is_directory() && !step.empty() && step.size() <= 18 &&
-                          std::all_of(step.begin(), step.end(), ::isdigit) && std::to_string(std::stoll(step)) == step;
+    const bool save_dir =
+        entry.is_directory() && name.rfind(".tmp-", 0) == 0 && checkpoint_step_of(name.substr(5)) >= 0;
     if (!save_dir && !(name == ".latest.tmp" && entry.is_regular_file())) continue;
     fs::remove_all(entry.path(), ec);
     if (ec)

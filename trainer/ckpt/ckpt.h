@@ -167,14 +167,12 @@ NamedTensors hf_tensors_to_checkpoint(const Config& config, const NamedTensors& 
                                       const std::string& source);
 
 // Every tensor of a Hugging Face model directory as fp32: the shards listed by
-// model.safetensors.index.json, else model.safetensors. Throws config_error naming the file.
+// model.safetensors.index.json, else model.safetensors (CheckpointReader::weights, read whole).
+// Throws config_error naming the file.
 NamedTensors hf_read_directory(const std::string& dir);
 // The safetensors files of such a directory (model.safetensors, or those its index lists), each
 // with the names the index puts there (none for a single file); config_error if one is missing.
 std::map<std::string, std::set<std::string>> hf_directory_files(const std::string& dir);
-// config_error naming the index entry when a file does not `held` a name the index put there.
-void hf_directory_check_file(const std::string& dir, const std::string& path, const std::set<std::string>& listed,
-                             const std::set<std::string>& held);
 
 // Writes a Hugging Face model directory whose tensors arrive in order, a few at a time:
 // config.json, then the tensors of `plan` (names and shapes in file order; meta tensors will do)

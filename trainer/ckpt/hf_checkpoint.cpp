@@ -221,30 +221,11 @@ std::map<std::string, std::set<std::string>> hf_directory_files(const std::strin
   return names_in_file;
 }
 
-void hf_directory_check_file(const std::string& dir, const std::string& path, const std::set<std::string>& listed,
-                             const std::set<std::string>& held) {
-  for (const auto& name : listed)
-    if (!held.count(name))
-      throw config_error((fs::path(dir) / "model.safetensors.index.json").string() + " puts " + name + " in " +
-                         fs::path(path).filename().string() + ", which does not hold it");
-}
-
 NamedTensors hf_read_directory(const std::string& dir) {
+  // One tensor at a time through the reader, which also refuses a tensor stored in two files.
+  const auto reader = CheckpointReader::weights(dir);
   NamedTensors out;
-  std::map<std::string, std::string> file_of;  // tensor name -> the file holding it
-  for (const auto& [path, names] : hf_directory_files(dir)) {
-    auto tensors = checkpoint_read_tensors(path);
-    std::set<std::string> held;
-    for (auto& item : tensors) {
-      held.insert(item.first);
-      const auto [first, added] = file_of.try_emplace(item.first, path);
-      if (!added)
-        throw config_error(item.first + " is stored twice, in " + first->second + " and in " + path +
-                           "; keep one (model.safetensors.index.json says which file holds each tensor)");
-    }
-    hf_directory_check_file(dir, path, names, held);
-    for (auto& item : tensors) out.push_back(std::move(item));
-  }
+  for (const auto& name : reader.model_names()) out.emplace_back(name, reader.read(name));
   return out;
 }
 
