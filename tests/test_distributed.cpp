@@ -367,6 +367,34 @@ TEST_CASE("a failure only rank 0 sees at the start (run directory lock and metri
   CHECK_THAT(read_file(kOut + "-blocked-metrics-1.log"), Catch::Contains("rank 0 failed opening the run's files"));
 }
 
+TEST_CASE("a failure only rank 0 sees during training (metrics_file, a sync checkpoint) makes every rank exit with its code at the next vote", "[dist][cli]") {
+  // Rank 0 alone writes metrics_file and the unsharded checkpoints. Its failure there used to leave
+  // rank 1 waiting out collective_timeout_seconds (20 s here) in the next step's all-reduce and
+  // exiting 5; now the step's vote (or, after the last step, one more) carries it to every rank.
+  const auto full = launch_two_ranks("full-metrics", {"model_name=test-tiny", "max_target_length=16", "steps=6",
+                                                      "metrics_file=/dev/full"}, false);
+  INFO("rank 0:\n" << read_file(kOut + "-full-metrics-0.log") << "\nrank 1:\n" << read_file(kOut + "-full-metrics-1.log"));
+  CHECK(full.rank0 == 1);
+  CHECK(full.rank1 == 1);
+  CHECK_THAT(read_file(kOut + "-full-metrics-0.log"), Catch::Contains("cannot write metrics_file /dev/full"));
+  // Step 0's metrics are written while step 1 runs, so step 2's vote announces the failure.
+  CHECK_THAT(read_file(kOut + "-full-metrics-1.log"),
+             Catch::Contains("rank 0 failed its own work (metrics, checkpoint) before step 2 (exit code 1"));
+
+  const auto unwritable = launch_two_ranks("unwritable-sync", {"model_name=test-tiny", "max_target_length=16", "steps=2",
+                                                               "checkpoint_period=2", "async_checkpointing=false"},
+                                           false, [] {
+                                             fs::create_directories(kOut + "/unwritable-sync");
+                                             std::ofstream(kOut + "/unwritable-sync/checkpoints") << "not a directory";
+                                           });
+  INFO("rank 0:\n" << read_file(kOut + "-unwritable-sync-0.log") << "\nrank 1:\n" << read_file(kOut + "-unwritable-sync-1.log"));
+  CHECK(unwritable.rank0 == 1);
+  CHECK(unwritable.rank1 == 1);
+  CHECK_THAT(read_file(kOut + "-unwritable-sync-0.log"), Catch::Contains("saving checkpoint 2 under"));
+  CHECK_THAT(read_file(kOut + "-unwritable-sync-1.log"),
+             Catch::Contains("rank 0 failed its own work (metrics, checkpoint) after the last step (exit code 1"));
+}
+
 TEST_CASE("a rank killed before the ZeRO-1 parameter all-gather makes the other exit 5 naming it", "[dist][cli]") {
   // Rank 1 SIGKILLs itself after step 1's gradient all-reduce and update, right before the
   // parameter all-gather, so rank 0 is inside that all-gather when its peer is gone.

@@ -249,15 +249,16 @@ StepOutput Trainer::forward_backward(int64_t step) {
 
   // Data parallel: one bucketed all-reduce of the flat gradient and the step's scalars, once per
   // step, not per micro-batch. Sharded levels reduced each decoder layer's gradient after its
-  // backward; the outer units' now. The scalars come in two kinds: W and the stop vote, which the
-  // host holds, and the J accumulators and expert counts, which live on the device. Each is summed
-  // where it is (host values on the host group: Gloo, also under NCCL), so the host never waits
-  // for the device here; where one group serves both (Gloo on the CPU) it is one all-reduce.
+  // backward; the outer units' now. The scalars come in two kinds: W and the stop and failure
+  // votes, which the host holds, and the J accumulators and expert counts, which live on the
+  // device. Each is summed where it is (host values on the host group: Gloo, also under NCCL), so
+  // the host never waits for the device here; where one group serves both (Gloo on the CPU) it is
+  // one all-reduce.
   const auto sync_start = std::chrono::steady_clock::now();
   if (sharded_state_) sharded_state_->step_reduce_outer();
   if (!comm_->is_local()) {
     if (!sharded_state_) reduce_gradients();
-    auto host_stats = torch::tensor({W, stop_vote_ ? 1.0 : 0.0}, torch::kFloat64);  // (2)
+    auto host_stats = torch::tensor({W, stop_vote_ ? 1.0 : 0.0, failure_vote_ ? 1.0 : 0.0}, torch::kFloat64);  // (3)
     std::vector<torch::Tensor> device_parts = {torch::stack({ce_acc, z_acc, lb_acc, mtp_acc, router_z_acc, mtp_raw_acc,
                                                              ce_sum_acc, lb_unweighted_acc, router_z_unweighted_acc,
                                                              router_probs_std_acc}),
@@ -274,22 +275,23 @@ StepOutput Trainer::forward_backward(int64_t step) {
       auto stats = torch::cat({on_host ? host_stats : host_stats.pin_memory().to(device_stats.device(), /*non_blocking=*/true),
                                device_stats});
       comm_->all_reduce_sum(stats, "the step's token count, loss sums and expert load");
-      device_stats = stats.narrow(0, 2, device_stats.numel());
+      device_stats = stats.narrow(0, host_stats.numel(), device_stats.numel());
       if (on_host) {
-        host_stats = stats.narrow(0, 0, 2);
+        host_stats = stats.narrow(0, 0, host_stats.numel());
       } else {
         const bool checking = device_sync_errors_get(device_);
         device_sync_errors_set(device_, false);
-        host_stats = stats.narrow(0, 0, 2).cpu();
+        host_stats = stats.narrow(0, 0, host_stats.numel()).cpu();
         device_sync_errors_set(device_, checking);
         perf_note_host_read();
       }
     } else {
-      host_group.all_reduce_sum(host_stats, "the step's token count and stop vote");
+      host_group.all_reduce_sum(host_stats, "the step's token count, stop and failure votes");
       comm_->all_reduce_sum(device_stats, "the step's loss sums and expert load");
     }
     W = host_stats[0].item<double>();  // a host tensor: no device read
     out.stop_requested = host_stats[1].item<double>() > 0;
+    out.failure_reported = host_stats[2].item<double>() > 0;
     const auto at = [&](int64_t i) { return device_stats[i]; };
     ce_acc = at(0), z_acc = at(1), lb_acc = at(2), mtp_acc = at(3), router_z_acc = at(4), mtp_raw_acc = at(5);
     ce_sum_acc = at(6), lb_unweighted_acc = at(7), router_z_unweighted_acc = at(8), router_probs_std_acc = at(9);

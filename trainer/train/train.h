@@ -63,6 +63,7 @@ struct StepOutput {
   double collective_bytes = 0;        // bytes this rank sent in them (Communicator::bytes_sent)
   double grad_sync_seconds = 0;       // host time spent in those all-reduces
   bool stop_requested = false;        // some rank received SIGTERM/SIGINT before this step
+  bool failure_reported = false;      // some rank failed in work of its own before this step (failure_vote_)
   int64_t host_reads = 0;             // device values read by the host inside the step (syncs on a GPU)
   int64_t host_allocations = -1;      // LibTorch CPU allocations in the step (-1: not counted, device.h)
   int64_t grad_sized_allocations = -1;  // of them, exactly the flat gradient buffer's size
@@ -272,6 +273,7 @@ class Trainer {
   torch::Tensor adam_step_;     // (1) fp32 on the device: t, for the fused CUDA AdamW kernel
   int64_t updates_applied_ = 0;
   bool stop_vote_ = false;  // this rank's SIGTERM/SIGINT, agreed on in the step's stats all-reduce
+  bool failure_vote_ = false;  // this rank holds a failure of its own (train()), announced the same way
   std::deque<double> spike_losses_, spike_grad_norms_;  // last skip_step_interval accepted steps
   int64_t restored_consumed_samples_ = -1;  // of the checkpoint restore_state read; -1: none
   std::string restored_from_;               // and where it came from, for messages

@@ -589,6 +589,28 @@ void Trainer::train() {
                c.calculate_per_token_loss ? "per-token (sum/sum)" : "Megatron (mean of micro-batch means)",
                start_step, c.steps - 1);
 
+  // A failure in this rank's own work in the loop (writing metrics_file or TensorBoard, a
+  // checkpoint rank 0 saves alone) is held until the next step's vote when other ranks run:
+  // thrown at once, it would leave them waiting out collective_timeout_seconds in that step's
+  // all-reduce and exiting 5 (a torchrun or srun launch has no mpirun to take them down). After
+  // the vote every rank stops with the failed rank's exit code (ranks_share_failure); the failed
+  // rank does no more work of its own meanwhile, and exits with its own error.
+  std::exception_ptr own_failure;
+  auto own_work = [&](const std::function<void()>& work) {
+    if (comm_->is_local()) return work();
+    if (own_failure) return;
+    try {
+      work();
+    } catch (...) {
+      own_failure = std::current_exception();
+      failure_vote_ = true;
+    }
+  };
+  auto share_own_failure = [&](const std::string& when) {
+    ranks_share_failure(*comm_, "its own work (metrics, checkpoint) " + when,
+                        [&] { if (own_failure) std::rethrow_exception(own_failure); });
+  };
+
   using Clock = std::chrono::steady_clock;
   // Metrics of step t are read after step t+1 has been dispatched, so the read never stalls
   // the device queue; step t's time is the interval between the starts of t and t+1.
@@ -599,7 +621,7 @@ void Trainer::train() {
     out.step_time_seconds = std::chrono::duration<double>(end - pending_start).count();
     MetricValues values = read_metrics(out);
     if (out.step == start_step) values.emplace_back("perf/launch_to_first_step_seconds", launch_to_first_step);
-    if (logger_) logger_->log(out.step, values);
+    if (logger_) own_work([&] { logger_->log(out.step, values); });
     const bool nan = metric_get(values, "learning/is_nan") > 0, inf = metric_get(values, "learning/is_inf") > 0;
     if ((nan && c.abort_on_nan_loss) || (inf && c.abort_on_inf_loss)) {
       throw Error(kExitNumerical,
@@ -624,8 +646,13 @@ void Trainer::train() {
     const auto begin = Clock::now();
     auto contents = snapshot(completed_steps);
     if (!checkpointer_) return;
-    checkpointer_->save(std::move(contents), async);
-    if (!async) checkpoint_commit(/*block=*/true, /*fatal=*/true);
+    if (sharded_checkpoints()) {  // every rank saves and commits: a failed shard is the commit's to report
+      checkpointer_->save(std::move(contents), async);
+      if (!async) checkpoint_commit(/*block=*/true, /*fatal=*/true);
+    } else {
+      own_work([&] { checkpointer_->save(std::move(contents), async); });
+      if (own_failure) return;
+    }
     spdlog::info("checkpoint {}: training blocked for {:.3f} s ({})", completed_steps,
                  std::chrono::duration<double>(Clock::now() - begin).count(), async ? "async" : "sync");
   };
@@ -635,7 +662,7 @@ void Trainer::train() {
   auto run_eval = [&](int64_t completed) {
     flush(Clock::now());
     const MetricValues values = evaluate(completed / c.eval_interval - 1 + (completed % c.eval_interval != 0));
-    if (logger_) logger_->log_eval(completed - 1, values);
+    if (logger_) own_work([&] { logger_->log_eval(completed - 1, values); });
   };
 
   for (int64_t step = start_step; step < c.steps; ++step) {
@@ -648,6 +675,7 @@ void Trainer::train() {
       launch_to_first_step = perf_process_age_seconds();
       spdlog::info("startup: {}", perf_startup_summary());
     }
+    if (out.failure_reported) share_own_failure("before step " + std::to_string(step));
     const bool stop = out.stop_requested;  // agreed by all ranks in the step's all-reduce
     if (pending) report(*pending, start);
     pending = std::move(out);
@@ -672,6 +700,7 @@ void Trainer::train() {
     }
   }
   flush(Clock::now());
+  share_own_failure("after the last step");
   prefetcher_.reset();
   checkpoint_commit(/*block=*/true, /*fatal=*/true);
   if (checkpointer_) {
