@@ -21,6 +21,7 @@
 #include "trainer/model/model_size.h"
 #include "trainer/dist/dist.h"
 #include "trainer/train/memory_plan.h"
+#include "trainer/train/run_dir.h"
 #include "trainer/train/train.h"
 #include "trainer/util/error.h"
 

@@ -106,6 +106,23 @@ TEST_CASE("bit-exact resume: N steps straight == N/2 + resume + N/2 (both modes,
   }
 }
 
+TEST_CASE("a run directory that cannot be made is refused with exit 1 naming the blocking path, before the model is built", "[checkpoint][cli]") {
+  const std::string blocker = kOut + "/run-dir-blocker";
+  fs::create_directories(kOut);
+  fs::remove_all(blocker);
+  std::ofstream(blocker) << "a file where a directory must go";
+  REQUIRE(fs::is_regular_file(blocker));
+  for (const std::string& base : {blocker, blocker + "/below"}) {
+    const auto r = run_trainer("model_name=test-tiny max_target_length=16 steps=1 base_output_directory=" + base + " run_name=r");
+    INFO(r.output);
+    CHECK(r.exit_code == 1);
+    CHECK_THAT(r.output, Catch::Contains("cannot write the run directory " + base + "/r (base_output_directory/run_name): " +
+                                         blocker + " is not a directory"));
+    CHECK_THAT(r.output, !Catch::Contains("parameters ("));  // the run's opening line: the model was never built
+  }
+  CHECK(read_file(blocker) == "a file where a directory must go");
+}
+
 TEST_CASE("a run that already reached steps says so and exits 0, and more steps resume", "[checkpoint]") {
   // The schedule length is fixed so that 3 steps, then 5, is the same run as 5 straight.
   const std::string common = "model_name=test-tiny max_target_length=16 learning_rate_schedule_steps=5 "

@@ -390,6 +390,42 @@ void Communicator::all_reduce_sum_in_buckets(const torch::Tensor& tensor, int64_
   }
 }
 
+int64_t ranks_reporting(bool mine, Communicator& comm, const std::string& what) {
+  if (comm.is_local()) return mine ? 1 : 0;
+  auto count = torch::tensor({mine ? 1.0 : 0.0}, torch::kFloat64);
+  comm.all_reduce_sum(count, what);
+  return static_cast<int64_t>(count.item<double>());
+}
+
+void ranks_share_failure(Communicator& comm, const std::string& what, const std::function<void()>& work) {
+  if (comm.is_local()) return work();
+  std::exception_ptr failure;
+  double code = 0;
+  try {
+    work();
+  } catch (const Error& e) {
+    failure = std::current_exception();
+    code = e.exit_code();
+  } catch (...) {
+    failure = std::current_exception();
+    code = kExitFailure;
+  }
+  std::vector<double> codes(static_cast<size_t>(comm.world_size()), 0.0);
+  codes[static_cast<size_t>(comm.rank())] = code;
+  auto reduced = torch::tensor(codes, torch::kFloat64);
+  try {
+    comm.all_reduce_sum(reduced, "the outcome of " + what);
+  } catch (const Error&) {
+    if (failure) std::rethrow_exception(failure);  // this rank's own error says more than a dead peer
+    throw;
+  }
+  if (failure) std::rethrow_exception(failure);
+  for (int64_t r = 0; r < comm.world_size(); ++r)
+    if (const auto other = static_cast<int>(reduced[r].item<double>()); other != 0)
+      throw Error(static_cast<ExitCode>(other), "rank " + std::to_string(r) + " failed " + what + " (exit code " +
+                                                    std::to_string(other) + "; its log says why)");
+}
+
 void Communicator::reduce_scatter_sum(std::vector<torch::Tensor>& parts, torch::Tensor& output, const std::string& what) {
   TORCH_CHECK(static_cast<int64_t>(parts.size()) == world_size(), "reduce_scatter_sum: one part per rank");
   auto all = torch::cat(parts);

@@ -2,6 +2,7 @@
 // c10d ProcessGroupGloo (CPU) or ProcessGroupNCCL (CUDA) over a TCPStore (docs/distributed.md).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -82,6 +83,17 @@ struct DistOptions {
   std::string backend = "auto";  // dist_backend: auto | gloo | nccl
   torch::Device device = torch::Device(torch::kCPU);  // this rank's compute device
 };
+
+// How many ranks report `mine` (one all-reduce; 0/1 without a process group): lets every rank
+// stop together on a condition only some of them see.
+int64_t ranks_reporting(bool mine, Communicator& comm, const std::string& what);
+
+// Runs `work`, which may fail on some ranks only (rank 0's files), and makes a failure there every
+// rank's: one all-reduce of the ranks' exit codes. The failing rank rethrows its own error; the
+// others throw its exit code, naming it ("rank 0 failed <what> (exit code 1; its log says why)"),
+// at once, instead of waiting out collective_timeout_seconds in their next collective and
+// exiting 5 (a torchrun-style launch has no mpirun to take them down).
+void ranks_share_failure(Communicator& comm, const std::string& what, const std::function<void()>& work);
 
 // "auto" -> "nccl" for a CUDA device, "gloo" otherwise; a named backend is kept.
 std::string dist_backend_resolve(const std::string& requested, const torch::Device& device);

@@ -24,12 +24,7 @@
 
 namespace trainer {
 
-struct RunDirLock;  // trainer.cpp
-
-// Before a training run builds its model (minutes for a large one): run_dir exists as a directory
-// or can be created under its nearest existing ancestor; exit 1 naming both otherwise. Creates
-// nothing. Not for exports, which only read run_dir.
-void run_dir_check_writable(const std::string& run_dir);
+class RunDirLock;  // run_dir.h
 
 // Everything one optimizer step produced, still on the device (nothing read back yet),
 // plus the host-side facts the step already knew without a sync.

@@ -1,17 +1,12 @@
 // Trainer: construction, the training loop (deferred metric readback, evaluation, checkpoints,
 // stop signals) and metric readout. The step is in step.cpp, the optimizer phase in
 // optimizer.cpp, resume and export in resume.cpp.
-#include <fcntl.h>
-#include <sys/file.h>
 #include <sys/resource.h>
-#include <unistd.h>
 
 #include <atomic>
-#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <csignal>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -23,54 +18,13 @@
 #include "trainer/metrics/perf_counters.h"
 #include "trainer/model/model_size.h"
 #include "trainer/train/memory_plan.h"
+#include "trainer/train/run_dir.h"
 #include "trainer/train/train.h"
 #include "trainer/util/error.h"
 #include "trainer/util/torch_compat.h"
 
 namespace trainer {
 namespace {
-
-// How many ranks report `mine` (one all-reduce; 0/1 without a process group): lets every rank
-// stop together on a condition only some of them see.
-int64_t ranks_reporting(bool mine, Communicator& comm, const std::string& what) {
-  if (comm.is_local()) return mine ? 1 : 0;
-  auto count = torch::tensor({mine ? 1.0 : 0.0}, torch::kFloat64);
-  comm.all_reduce_sum(count, what);
-  return static_cast<int64_t>(count.item<double>());
-}
-
-// Runs `setup`, in which only some ranks have work, and makes a failure there every rank's: one
-// all-reduce of the ranks' exit codes. The failing rank rethrows its own error; the others throw
-// its exit code, naming it, at once, instead of waiting out collective_timeout_seconds in their
-// next collective and exiting 5 (a torchrun-style launch has no mpirun to take them down).
-void ranks_share_failure(Communicator& comm, const std::string& what, const std::function<void()>& setup) {
-  if (comm.is_local()) return setup();
-  std::exception_ptr failure;
-  double code = 0;
-  try {
-    setup();
-  } catch (const Error& e) {
-    failure = std::current_exception();
-    code = e.exit_code();
-  } catch (...) {
-    failure = std::current_exception();
-    code = kExitFailure;
-  }
-  std::vector<double> codes(static_cast<size_t>(comm.world_size()), 0.0);
-  codes[static_cast<size_t>(comm.rank())] = code;
-  auto reduced = torch::tensor(codes, torch::kFloat64);
-  try {
-    comm.all_reduce_sum(reduced, "the outcome of " + what);
-  } catch (const Error&) {
-    if (failure) std::rethrow_exception(failure);  // this rank's own error says more than a dead peer
-    throw;
-  }
-  if (failure) std::rethrow_exception(failure);
-  for (int64_t r = 0; r < comm.world_size(); ++r)
-    if (const auto other = static_cast<int>(reduced[r].item<double>()); other != 0)
-      throw Error(static_cast<ExitCode>(other), "rank " + std::to_string(r) + " failed " + what + " (exit code " +
-                                                    std::to_string(other) + "; its log says why)");
-}
 
 // The ranks meet once per data index file through the rendezvous store (DataIndexSync): rank 0
 // publishes the file, the others wait for it as long as a collective may take.
@@ -135,60 +89,6 @@ std::string index_ranges(const std::vector<int64_t>& indices) {
 }
 
 }  // namespace
-
-// An exclusive flock on <run_dir>/.lock, held for the lifetime of train() on rank 0: a second
-// trainer on the same run_dir would resume from checkpoints still being written and overwrite
-// the first's checkpoints and metrics. The kernel drops the lock when the process dies.
-struct RunDirLock {
-  explicit RunDirLock(const std::string& run_dir) {
-    const std::string path = (std::filesystem::path(run_dir) / ".lock").string();
-    fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (fd < 0) throw Error(kExitFailure, "cannot open the run directory's lock file " + path + ": " + std::strerror(errno));
-    const bool held_elsewhere = ::flock(fd, LOCK_EX | LOCK_NB) != 0;
-    if (held_elsewhere && errno != EWOULDBLOCK) {
-      // A filesystem without flock (Lustre without -o flock, some FUSE mounts): train unguarded.
-      spdlog::warn("cannot lock {} ({}): nothing stops a second trainer on this run_dir, and what interrupted "
-                   "checkpoint saves left in it is not deleted", path, std::strerror(errno));
-      ::close(fd);
-      fd = -1;
-      return;
-    }
-    if (held_elsewhere) {
-      char holder[256] = {};
-      const ssize_t n = ::pread(fd, holder, sizeof holder - 1, 0);
-      ::close(fd);
-      std::string who = n > 0 ? std::string(holder, static_cast<size_t>(n)) : "unknown";
-      while (!who.empty() && who.back() == '\n') who.pop_back();
-      throw config_error("run_dir " + run_dir + " is in use by another trainer (" + who + "; lock file " + path +
-                         "): wait for it to end, or choose another run_name");
-    }
-    char host[256] = {};
-    ::gethostname(host, sizeof host - 1);
-    const std::string me = "pid " + std::to_string(::getpid()) + " on " + host + "\n";
-    if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) < 0) { /* the lock holds without the note */ }
-  }
-  ~RunDirLock() {
-    if (fd >= 0) ::close(fd);
-  }
-  bool held() const { return fd >= 0; }
-  RunDirLock(const RunDirLock&) = delete;
-  RunDirLock& operator=(const RunDirLock&) = delete;
-  int fd = -1;
-};
-
-// Before the model is built (minutes for a large one): the run directory exists as a directory
-// or can be created under its nearest existing ancestor. Nothing is created here.
-void run_dir_check_writable(const std::string& run_dir) {
-  namespace fs = std::filesystem;
-  fs::path existing = fs::absolute(run_dir);
-  std::error_code ec;
-  while (!fs::exists(existing, ec) && existing.has_parent_path() && existing != existing.parent_path())
-    existing = existing.parent_path();
-  const bool is_dir = fs::is_directory(existing, ec);
-  if (!is_dir || ::access(existing.c_str(), W_OK | X_OK) != 0)
-    throw Error(kExitFailure, "cannot write the run directory " + run_dir + " (base_output_directory/run_name): " +
-                                  existing.string() + (is_dir ? " is not writable" : " is not a directory"));
-}
 
 Trainer::Trainer(Config config)
     : config_(std::move(config)),
@@ -530,12 +430,7 @@ void Trainer::train() {
   const bool writer = dist_.rank == 0;  // only rank 0 writes files
   ranks_share_failure(*comm_, "creating or locking the run directory", [&] {
     if (!writer) return;
-    try {
-      std::filesystem::create_directories(c.run_dir);
-    } catch (const std::filesystem::filesystem_error& e) {
-      throw Error(kExitFailure, "cannot create the run directory " + c.run_dir + " (base_output_directory/run_name): " +
-                                    e.code().message());
-    }
+    run_dir_create(c.run_dir);
     run_dir_lock_ = std::make_unique<RunDirLock>(c.run_dir);
     // Only under the lock: without it another trainer's save could be in flight.
     if (run_dir_lock_->held()) {
