@@ -272,13 +272,15 @@ TEST_CASE("a named backend builds a real process group even for one process, and
 // Two ranks launched torchrun-style (mpirun would take the other rank down itself) with `args`;
 // rank r logs to <kOut>-<run>-r.log. With `kill_rank1_when_training`, rank 1 is SIGKILLed once
 // rank 0 has logged 3 steps (else the args make a rank end itself). `prepare` runs after the run
-// directory is removed, before the ranks start. Returns both exit codes. The port is drawn at
-// random and the launch retried when rank 0's store finds it taken.
+// directory is removed, before the ranks start. `rank1_environment` is set for rank 1 after the
+// launch's variables. Returns both exit codes. The port is drawn at random and the launch retried
+// when rank 0's store finds it taken.
 struct TwoRankExits {
   int rank0 = -1, rank1 = -1;
 };
 TwoRankExits launch_two_ranks(const std::string& run, const std::vector<std::string>& args, bool kill_rank1_when_training,
-                              const std::function<void()>& prepare = {}) {
+                              const std::function<void()>& prepare = {},
+                              const std::map<std::string, std::string>& rank1_environment = {}) {
   std::random_device entropy;
   int port = 0;
   const auto log_of = [&](int rank) { return kOut + "-" + run + "-" + std::to_string(rank) + ".log"; };
@@ -292,6 +294,8 @@ TwoRankExits launch_two_ranks(const std::string& run, const std::vector<std::str
       setenv("WORLD_SIZE", "2", 1);
       setenv("MASTER_ADDR", "127.0.0.1", 1);
       setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      if (rank == 1)
+        for (const auto& [name, value] : rank1_environment) setenv(name.c_str(), value.c_str(), 1);
       const int fd = open(log_of(rank).c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       dup2(fd, 1);
       dup2(fd, 2);
@@ -393,6 +397,22 @@ TEST_CASE("a failure only rank 0 sees during training (metrics_file, a sync chec
   CHECK_THAT(read_file(kOut + "-unwritable-sync-0.log"), Catch::Contains("saving checkpoint 2 under"));
   CHECK_THAT(read_file(kOut + "-unwritable-sync-1.log"),
              Catch::Contains("rank 0 failed its own work (metrics, checkpoint) after the last step (exit code 1"));
+}
+
+TEST_CASE("ranks started with different world sizes are named, not left to Gloo's address exchange", "[dist][cli]") {
+  // Rank 1 believes in 3 ranks, rank 0 in 2 (say, a hand-written launch script). Both used to exit 5
+  // with "enforce fail at .../address.cc:45 sizeof(impl_) == bytes.size(). 136 vs 272".
+  const auto exits = launch_two_ranks("world-sizes", {"model_name=test-tiny", "max_target_length=16", "steps=2"}, false, {},
+                                      {{"WORLD_SIZE", "3"}});
+  const std::string log0 = read_file(kOut + "-world-sizes-0.log"), log1 = read_file(kOut + "-world-sizes-1.log");
+  INFO("rank 0:\n" << log0 << "\nrank 1:\n" << log1);
+  CHECK(exits.rank1 == 2);
+  CHECK_THAT(log1, Catch::Contains("rank 1 was started with world size 3, rank 0 with 2 (torchrun-style launch): every "
+                                   "process of one launch needs the same world size"));
+  // Rank 0 waits for rank 1's address until the timeout (20 s), then quotes rank 1's note.
+  CHECK(exits.rank0 == 5);
+  CHECK_THAT(log0, Catch::Contains("; rank 1 was started with world size 3, rank 0 with 2"));
+  CHECK_THAT(log0 + log1, !Catch::Contains("enforce fail"));
 }
 
 TEST_CASE("a rank killed before the ZeRO-1 parameter all-gather makes the other exit 5 naming it", "[dist][cli]") {

@@ -64,6 +64,37 @@ class LocalCommunicator : public Communicator {
 #if TRAINER_WITH_GLOO || TRAINER_WITH_NCCL
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
+// Every rank of one launch must have rank 0's world size: ranks that disagree fail inside Gloo's
+// address exchange with "enforce fail at .../address.cc: sizeof(impl_) == bytes.size()". Rank 0
+// publishes its world size in the store; another rank that differs leaves a note there, which
+// rank 0 quotes when its own group cannot form (world_size_note), and exits 2 naming both. (A
+// rank 0 with the larger world size waits for clients that never come: the store's timeout
+// says so.)
+constexpr const char* kWorldSizeKey = "trainer/world_size";
+constexpr const char* kWorldSizeNoteKey = "trainer/world_size_disagreement";
+
+void world_size_agree(c10d::Store& store, const DistEnv& env) {
+  const std::string mine = std::to_string(env.world_size);
+  if (env.rank == 0) return store.set(kWorldSizeKey, std::vector<uint8_t>(mine.begin(), mine.end()));
+  const auto bytes = store.get(kWorldSizeKey);
+  const std::string rank0(bytes.begin(), bytes.end());
+  if (rank0 == mine) return;
+  const std::string note =
+      "rank " + std::to_string(env.rank) + " was started with world size " + mine + ", rank 0 with " + rank0;
+  store.set(kWorldSizeNoteKey, std::vector<uint8_t>(note.begin(), note.end()));
+  throw config_error(note + " (" + env.launcher + " launch): every process of one launch needs the same world size");
+}
+
+std::string world_size_note(c10d::Store& store) {
+  try {
+    if (!store.check({kWorldSizeNoteKey})) return "";
+    const auto bytes = store.get(kWorldSizeNoteKey);
+    return "; " + std::string(bytes.begin(), bytes.end());
+  } catch (const std::exception&) {
+    return "";
+  }
+}
+
 // A c10d work in flight; `fail` turns its exception into the caller's trainer::Error. WorkPtr is
 // what the group's collectives return (ProcessGroup::Work in LibTorch 1.13, c10d::Work in 2.x).
 template <class WorkPtr>
@@ -136,13 +167,16 @@ class C10dCommunicator : public Communicator {
         if (!no_libuv || !compat::tcp_store_use_classic_backend(store_options)) throw;
         store_ = c10::make_intrusive<c10d::TCPStore>(host, store_options);
       }
+      world_size_agree(*store_, env);
       auto group_options = Group::Options::create();
       group_options->timeout = timeout_;
       configure(*group_options);
       group_ = c10::make_intrusive<Group>(store_, static_cast<int>(rank_), static_cast<int>(world_), group_options);
+    } catch (const Error&) {
+      throw;
     } catch (const std::exception& e) {
       throw dist_error("rank " + std::to_string(rank_) + ": rendezvous at " + host + ":" + std::to_string(port) +
-                       " failed: " + first_line(e.what()));
+                       " failed: " + first_line(e.what()) + (store_ ? world_size_note(*store_) : ""));
     }
   }
   ~C10dCommunicator() override { shutdown(); }
