@@ -299,6 +299,29 @@ TEST_CASE("max_num_checkpoints_to_keep keeps exactly the newest N, and the run r
   CHECK(names == std::set<std::string>{"6", "7", "latest"});
 }
 
+TEST_CASE("max_num_checkpoints_to_keep never deletes the checkpoint just saved for a newer damaged one", "[checkpoint]") {
+  // Checkpoint 4 is damaged, so a run to step 3 resumes from 2 and saves 3. Counting 4 among the
+  // newest used to keep only the damaged 4 and delete 3 and 2: nothing usable was left.
+  const std::string common = "model_name=test-tiny max_target_length=16 checkpoint_period=2 async_checkpointing=false "
+                             "base_output_directory=" + kOut + " run_name=keep-newer";
+  fs::remove_all(kOut + "/keep-newer");
+  REQUIRE(run_trainer(common + " steps=4").exit_code == 0);
+  const std::string damaged = kOut + "/keep-newer/checkpoints/4/model.safetensors";
+  std::string bytes = read_file(damaged);
+  bytes[bytes.size() - 5] ^= 1;
+  std::ofstream(damaged, std::ios::binary) << bytes;
+  const auto resumed = run_trainer(common + " steps=3 max_num_checkpoints_to_keep=1");
+  INFO(resumed.output);
+  REQUIRE(resumed.exit_code == 0);
+  CHECK_THAT(resumed.output, Catch::Contains("resumed from checkpoint " + kOut + "/keep-newer/checkpoints/2"));
+  std::set<std::string> names;
+  for (const auto& entry : fs::directory_iterator(kOut + "/keep-newer/checkpoints")) names.insert(entry.path().filename());
+  CHECK(names == std::set<std::string>{"3", "4", "latest"});  // 4 is not this run's to delete
+  const auto again = run_trainer(common + " steps=3");
+  CHECK(again.exit_code == 0);
+  CHECK_THAT(again.output, Catch::Contains("already reached step 3"));
+}
+
 TEST_CASE("a flipped byte in model.safetensors is detected and the previous checkpoint used", "[checkpoint]") {
   const std::string args = "model_name=test-tiny max_target_length=16 checkpoint_period=2 base_output_directory=" + kOut +
                            " run_name=flip ";

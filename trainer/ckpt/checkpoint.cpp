@@ -157,9 +157,14 @@ void commit_directory(const fs::path& root, const fs::path& tmp, const std::stri
   fs::rename(root / ".latest.tmp", root / "latest");
   directory_sync(root.string());
 
+  // The saved step and the keep - 1 newest before it stay. Steps after it (a run that resumed from
+  // an earlier checkpoint because a newer one was damaged, or with fewer steps) are not this
+  // run's to judge: counting them would delete the checkpoint just written.
   if (keep > 0) {
-    const auto steps = checkpoint_steps(root);
-    for (size_t i = static_cast<size_t>(keep); i < steps.size(); ++i) fs::remove_all(root / std::to_string(steps[i]));
+    const int64_t saved = checkpoint_step_of(name);
+    int64_t kept = 0;
+    for (const int64_t step : checkpoint_steps(root))
+      if (step <= saved && ++kept > keep) fs::remove_all(root / std::to_string(step));
   }
 }
 
