@@ -511,7 +511,7 @@ std::unique_ptr<Communicator> dist_init(const DistEnv& env, const DistOptions& o
     auto nccl = std::make_unique<C10dCommunicator<c10d::ProcessGroupNCCL>>(env, host, port, options);
     nccl->host_group_create();
     if (env.rank == 0)
-      spdlog::info("NCCL: the host's step values (token count, stop vote) go {}",
+      spdlog::info("NCCL: the host's step values (token count, stop and failure votes) go {}",
                    &nccl->host_group() != nccl.get() ? "over a Gloo host group (no device read)"
                                                      : "through the device (no Gloo in this build: one host read per step)");
     comm = std::move(nccl);

@@ -206,8 +206,9 @@ void Trainer::checkpoint_commit(bool block, bool fatal) {
     problem = "checkpoint " + std::to_string(step) + " was not saved: rank(s) " + failed +
               " could not write their shard (their log says why); earlier checkpoints are intact";
   } else {
-    try {
-      checkpointer_->commit_shards(/*writer=*/rank == 0);
+    try {  // rank 0 alone writes the manifest and renames: its failure is every rank's
+      ranks_share_failure(*comm_, "committing checkpoint " + std::to_string(step),
+                          [&] { checkpointer_->commit_shards(/*writer=*/rank == 0); });
     } catch (const Error& e) {
       problem = e.what();
     }

@@ -536,6 +536,8 @@ void Trainer::train() {
   // parallelism the experts); rank 0 writes, or, with sharded levels, every rank its shard.
   auto save = [&](int64_t completed_steps, bool async) {
     flush(Clock::now());
+    // No checkpoint ahead of metrics a rank failed to write (a sharded save would go on without it).
+    share_own_failure("before checkpoint " + std::to_string(completed_steps));
     if (!checkpointer_ && !snapshot_is_collective()) return;
     checkpoint_commit(/*block=*/true, /*fatal=*/false);  // the previous sharded save comes first
     const auto begin = Clock::now();
