@@ -39,16 +39,19 @@ std::vector<int64_t> gpt_split_boundaries(const std::string& split, int64_t n) {
   std::vector<double> weights;
   std::stringstream ss(split);
   for (std::string part; std::getline(ss, part, split.find(',') != std::string::npos ? ',' : '/');) {
+    size_t used = 0;
     try {
-      weights.push_back(std::stod(part));
+      weights.push_back(std::stod(part, &used));
     } catch (const std::exception&) {
-      throw config_error("config key 'split': '" + split + "' is not a list of numbers like \"969,30,1\"");
+      used = 0;
     }
+    if (used == 0 || part.find_first_not_of(' ', used) != std::string::npos || !std::isfinite(weights.back()))
+      throw config_error("config key 'split': '" + split + "' is not a list of finite numbers like \"969,30,1\"");
   }
   while (weights.size() < 3) weights.push_back(0.0);
   if (weights.size() != 3) throw config_error("config key 'split': '" + split + "' must have at most 3 parts");
   const double total = weights[0] + weights[1] + weights[2];
-  if (total <= 0 || weights[0] < 0 || weights[1] < 0 || weights[2] < 0)
+  if (!(total > 0) || !std::isfinite(total) || weights[0] < 0 || weights[1] < 0 || weights[2] < 0)
     throw config_error("config key 'split': '" + split + "' must be non-negative with a positive sum");
   std::vector<int64_t> bounds = {0};
   for (double w : weights)  // Python's round(): half to even, which std::nearbyint does by default

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -31,14 +32,18 @@ std::vector<std::pair<double, std::string>> parse_dataset_path(const std::string
   if (words.empty() || words.size() % 2 != 0)
     throw config_error("config key 'dataset_path': '" + text + "' must be a prefix or \"w1 prefix1 w2 prefix2 ...\"");
   std::vector<std::pair<double, std::string>> out;
+  double total = 0;
   for (size_t i = 0; i < words.size(); i += 2) {
     char* end = nullptr;
     const double w = std::strtod(words[i].c_str(), &end);
-    if (*end != '\0' || !(w > 0))
+    if (*end != '\0' || !(w > 0) || !std::isfinite(w))
       throw config_error("config key 'dataset_path': weight '" + words[i] + "' before " + words[i + 1] +
-                         " is not a positive number");
+                         " is not a positive finite number");
     out.emplace_back(w, words[i + 1]);
+    total += w;
   }
+  if (!std::isfinite(total))  // each weight is divided by the sum: infinity would zero them all
+    throw config_error("config key 'dataset_path': the weights in '" + text + "' sum past the largest double; scale them down");
   return out;
 }
 
