@@ -13,6 +13,7 @@
 #include <vector>
 
 #include <CLI/CLI.hpp>
+#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
 #include "trainer/config/config.h"
@@ -164,10 +165,17 @@ void command_line_declare(CLI::App& app, CommandLine& cl) {
                "\"grad.<name>\", its gradient for every weight (one process)");
 }
 
-// Flags that would otherwise fall through to a training run or fail after the model is loaded:
-// an empty value (an unset shell variable), a flag without the one it belongs to, an export
-// target that exists. Exit 2 naming the flag.
+// Flags that would otherwise fall through to a training run, be dropped, or fail after the model
+// is loaded: two modes at once (--dry-run used to exit before --export-hf ran), an empty value (an
+// unset shell variable), a flag without the one it belongs to, an export target that exists or
+// lies inside the other export. Exit 2 naming the flag.
 void command_line_check(const CLI::App& app, const CommandLine& cl) {
+  std::vector<std::string> modes;
+  for (const char* flag : {"--print-config", "--dry-run", "--dump-samples"})
+    if (app.count(flag) > 0) modes.push_back(flag);
+  if (cl.exports()) modes.push_back("--export-safetensors/--export-hf/--dump-logits");
+  if (modes.size() > 1)
+    throw trainer::config_error(modes[0] + " and " + modes[1] + " cannot be combined: each ends the run; give one");
   for (const char* flag : {"--export-hf", "--export-safetensors", "--dump-logits", "--dump-logits-tokens"})
     if (app.count(flag) > 0 && app.get_option(flag)->as<std::string>().empty())
       throw trainer::config_error(std::string(flag) + " was given an empty value");
@@ -184,9 +192,22 @@ void command_line_check(const CLI::App& app, const CommandLine& cl) {
       !(std::filesystem::is_directory(cl.export_hf_dir, ec) && std::filesystem::is_empty(cl.export_hf_dir, ec)))
     throw trainer::config_error("--export-hf " + cl.export_hf_dir +
                                 ": the path exists and is not an empty directory; remove it or choose another");
+  if (!cl.export_path.empty() && !cl.export_hf_dir.empty()) {
+    const auto file = std::filesystem::weakly_canonical(std::filesystem::absolute(cl.export_path), ec);
+    const auto dir = std::filesystem::weakly_canonical(std::filesystem::absolute(cl.export_hf_dir), ec);
+    const std::string inside = file.lexically_relative(dir).string();
+    if (!inside.empty() && inside != "." && inside.rfind("..", 0) != 0)
+      throw trainer::config_error("--export-safetensors " + cl.export_path + " lies inside --export-hf " + cl.export_hf_dir +
+                                  ", whose files it could replace; write it elsewhere");
+  }
 }
 
 void print_samples(const trainer::Config& config, int64_t count) {
+  const int64_t samples = config.steps * config.global_batch_size;  // what the run's data index holds
+  if (count > samples)
+    throw trainer::config_error("--dump-samples " + std::to_string(count) + ": the run reads " + std::to_string(samples) +
+                                " samples (steps " + std::to_string(config.steps) + " x global_batch_size " +
+                                std::to_string(config.global_batch_size) + "); raise steps to see more");
   const trainer::DataLoader loader(config, /*rank=*/0);
   for (int64_t i = 0; i < count; ++i) {
     const auto b = loader.data_loader_sample(i);
@@ -238,7 +259,11 @@ int main(int argc, char** argv) {
     return code == 0 ? 0 : trainer::kExitUsage;
   }
 
+  // What the modes print goes to stdout alone (YAML, JSON lines, a table): the log goes to stderr.
+  if (cl.print_config || cl.dry_run || cl.dump_samples > 0)
+    spdlog::set_default_logger(spdlog::stderr_color_st("trainer"));
   try {
+    command_line_check(app, cl);
     const trainer::Config config = trainer::config_load(cl.config_path, cl.overrides);
     trainer::perf_startup_mark("config");
     if (cl.print_config) {
@@ -253,7 +278,6 @@ int main(int argc, char** argv) {
       print_samples(config, cl.dump_samples);
       return trainer::kExitOk;
     }
-    command_line_check(app, cl);
     // Checked before the model is built (minutes for a large one).
     const std::vector<int64_t> logits_tokens =
         cl.dump_logits_path.empty() ? std::vector<int64_t>{} : parse_token_list(cl.dump_logits_tokens, config.vocab_size);

@@ -474,6 +474,29 @@ TEST_CASE("enable_checkpointing=false writes no checkpoint directory and a rerun
   CHECK(read_file(aside[0]) == first);
 }
 
+TEST_CASE("a resume keeps the metrics lines it drops in the whole earlier file, kept aside", "[checkpoint]") {
+  // Step 2 ran after the last checkpoint (2 = after steps 0 and 1); the resume reruns it. The line
+  // of its first run used to be deleted, as were another run's lines when metrics_file named its file.
+  fs::remove_all(kOut + "/aside-resume");
+  const std::string args = "model_name=test-tiny max_target_length=16 checkpoint_period=2 save_checkpoint_on_completion=false "
+                           "base_output_directory=" + kOut + " run_name=aside-resume ";
+  REQUIRE(run_trainer(args + "steps=3").exit_code == 0);
+  const std::string first = read_file(kOut + "/aside-resume/metrics.jsonl");
+  REQUIRE(read_lines(kOut + "/aside-resume/metrics.jsonl").size() == 3);
+  const auto resumed = run_trainer(args + "steps=4");
+  INFO(resumed.output);
+  REQUIRE(resumed.exit_code == 0);
+  CHECK_THAT(resumed.output, Catch::Contains("1 lines from step 2 on are past the resumed step 2"));
+  const auto lines = read_lines(kOut + "/aside-resume/metrics.jsonl");
+  REQUIRE(lines.size() == 4);
+  for (size_t i = 0; i < lines.size(); ++i) CHECK(json_metric(lines[i], "step") == static_cast<double>(i));
+  std::vector<std::string> aside;
+  for (const auto& entry : fs::directory_iterator(kOut + "/aside-resume"))
+    if (entry.path().filename().string().rfind("metrics.jsonl.earlier-", 0) == 0) aside.push_back(entry.path().string());
+  REQUIRE(aside.size() == 1);
+  CHECK(read_file(aside[0]) == first);
+}
+
 TEST_CASE("SIGTERM finishes the step, saves, and exits 0, and a resume continues from there", "[checkpoint]") {
   const std::string dir = kOut + "/sigterm";
   fs::remove_all(dir);

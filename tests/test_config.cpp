@@ -260,6 +260,23 @@ TEST_CASE("the binary exits 2 on config errors and 0 on --print-config / --dry-r
   r = run_trainer("--dump-samples -3");  // not a count: refused, where it used to start a training run
   CHECK(r.exit_code == 2);
   CHECK_THAT(r.output, Catch::Contains("--dump-samples") && Catch::Contains("not in range"));
+  // Two modes at once: the first used to end the run and drop the other silently (exit 0, no export).
+  const std::string hf_dir = test_root() + "/cli-flags-hf";
+  for (const auto& [flags, named] : std::vector<std::pair<std::string, std::string>>{
+           {"--dry-run --export-hf " + hf_dir, "--dry-run and --export-safetensors/--export-hf/--dump-logits"},
+           {"--print-config --export-safetensors " + hf_dir + ".safetensors", "--print-config and --export-"},
+           {"--print-config --dry-run", "--print-config and --dry-run"},
+           {"--dump-samples 2 --dry-run", "--dry-run and --dump-samples"}}) {
+    r = run_trainer(fresh + flags);
+    INFO(flags << ": " << r.output);
+    CHECK(r.exit_code == 2);
+    CHECK_THAT(r.output, Catch::Contains(named) && Catch::Contains("cannot be combined"));
+  }
+  CHECK_FALSE(std::filesystem::exists(hf_dir));
+  // An export file inside the other export's directory would replace one of its files.
+  r = run_trainer(fresh + "--export-hf " + hf_dir + " --export-safetensors " + hf_dir + "/sub/../model.safetensors");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.output, Catch::Contains("lies inside --export-hf " + hf_dir));
 }
 
 TEST_CASE("parameter counts from the config alone", "[config][model]") {

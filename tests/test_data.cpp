@@ -160,6 +160,15 @@ TEST_CASE("corrupt .idx/.bin files fail with exit code 3 naming the problem", "[
   dtype[17] = 9;
   CHECK_THAT(open_with(dtype, bin).what(), Catch::Contains("unknown dtype code 9 at offset 17"));
   CHECK_THAT(open_with(idx, bin.substr(0, bin.size() - 2)).what(), Catch::Contains("points past the end of"));
+  // A dtype code that does not match the tokens (uint8 over uint16: every token read as two) or
+  // a .bin with bytes no sequence holds: the tokens do not fill the .bin.
+  std::string uint8 = idx;
+  uint8[17] = 1;
+  CHECK_THAT(open_with(uint8, bin).what(), Catch::Contains("sequences hold 6 bytes of 1-byte tokens (dtype code 1 at offset 17), "
+                                                           "but " + kDir + "/bad.bin has 12"));
+  const Error longer = open_with(idx, bin + std::string(4, '\0'));
+  CHECK(longer.exit_code() == kExitData);
+  CHECK_THAT(longer.what(), Catch::Contains("has 16: the dtype code does not match the tokens, or the two files are not one pair"));
   std::string pointer = idx;
   const int64_t far = 1000;
   std::memcpy(pointer.data() + 34 + 12 + 8, &far, 8);  // sequence 1's pointer (S = 3: pointers at 46)
@@ -706,21 +715,27 @@ TEST_CASE("indexed_dataset_write refuses tokens that do not fit the dtype", "[da
 TEST_CASE("dump-samples prints the first samples in global order", "[data][cli]") {
   const auto& g = reference()["gpt"][0];
   corpus_config(g, "dump");
-  const auto r = run_trainer("dataset_type=megatron dataset_path=" + kDir + "/dump split=969,30,1 model_name=test-tiny "
-                             "override_model_config=true vocab_size=4096 pad_id=-1 eod_id=-1 max_target_length=8 "
-                             "data_shuffle_seed=1234 steps=30 per_device_batch_size=1 data_cache_path=" + kDir +
-                             "/cache-dump --dump-samples 5");
+  const std::string args = "dataset_type=megatron dataset_path=" + kDir + "/dump split=969,30,1 model_name=test-tiny "
+                           "override_model_config=true vocab_size=4096 pad_id=-1 eod_id=-1 max_target_length=8 "
+                           "data_shuffle_seed=1234 steps=30 per_device_batch_size=1 data_cache_path=" + kDir + "/cache-dump ";
+  // stdout alone: the samples and nothing else (the log goes to stderr), so it can be piped to a parser.
+  const auto r = run_command("( " + std::string(TRAINER_BINARY) + " " + source_path("configs/base.yml") + " " + args +
+                             "--dump-samples 5 2> /dev/null )");
   REQUIRE(r.exit_code == 0);
   std::istringstream lines(r.output);
   int64_t i = 0;
-  for (std::string line; std::getline(lines, line);) {
-    if (line.rfind("{\"index\"", 0) != 0) continue;
+  for (std::string line; std::getline(lines, line); ++i) {
+    INFO(line);
     const auto j = nlohmann::json::parse(line);
     CHECK(j["index"] == i);
     CHECK(j["tokens"] == g["samples"][i]);
-    ++i;
   }
   CHECK(i == 5);
+  // More samples than the run reads (steps x global_batch_size): a usage error before any is printed.
+  const auto over = run_trainer(args + "--dump-samples 31");
+  CHECK(over.exit_code == 2);
+  CHECK_THAT(over.output, Catch::Contains("--dump-samples 31: the run reads 30 samples (steps 30 x global_batch_size 1); raise steps"));
+  CHECK_THAT(over.output, !Catch::Contains("{\"index\""));
 }
 
 TEST_CASE("evaluation on the validation split: token-mean lm_loss and perplexity in the metrics file", "[data][cli]") {
@@ -769,6 +784,17 @@ TEST_CASE("evaluation on the validation split: token-mean lm_loss and perplexity
     }
   CHECK(metric_get(values, "eval/lm_loss") == Approx(ce / count).epsilon(1e-5));
   CHECK(metric_get(values, "eval/total_weights") == count);
+
+  // A split with no validation documents stops the run before its first step (it used to train
+  // eval_interval steps first, and fail again after each resume).
+  fs::remove_all(kDir + "/evalnone");
+  const auto none = run_trainer("dataset_type=megatron dataset_path=" + kDir + "/evalcorpus split=100,0,0 model_name=test-tiny "
+                                "pad_id=-1 eod_id=-1 max_target_length=8 per_device_batch_size=2 steps=6 eval_interval=3 "
+                                "data_cache_path=" + kDir + "/cache-eval base_output_directory=" + kDir + " run_name=evalnone");
+  INFO(none.output);
+  CHECK(none.exit_code == 3);
+  CHECK_THAT(none.output, Catch::Contains("valid split"));
+  CHECK(read_lines(kDir + "/evalnone/metrics.jsonl").empty());
 }
 
 namespace {

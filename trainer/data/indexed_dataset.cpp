@@ -106,6 +106,16 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
                          " of " + bin_path + ", not a multiple of the " + std::to_string(item_size_) +
                          "-byte token size (a Megatron writer never does that: the index is corrupt)");
     }
+    // Megatron's writers put the sequences back to back, so their tokens fill the .bin exactly. A
+    // dtype code that does not match the file (uint8 over uint16 tokens reads every token as two)
+    // or a .bin of another .idx passes every check above and trains on garbage.
+    uint64_t token_bytes = 0;
+    for (const int32_t length : lengths_) token_bytes += static_cast<uint64_t>(length) * item_size_;
+    if (token_bytes != bin_size)
+      throw data_error(idx_path + ": its " + std::to_string(S) + " sequences hold " + std::to_string(token_bytes) + " bytes of " +
+                       std::to_string(item_size_) + "-byte tokens (dtype code " + std::to_string(dtype_code_) +
+                       " at offset 17), but " + bin_path + " has " + std::to_string(bin_size) +
+                       ": the dtype code does not match the tokens, or the two files are not one pair");
     int64_t previous = 0;
     for (uint64_t i = 0; i < D; ++i) {
       const int64_t d = document_index(static_cast<int64_t>(i));

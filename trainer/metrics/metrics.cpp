@@ -41,6 +41,19 @@ std::string metrics_to_json(int64_t step, const MetricValues& values) {
   return out + "}";
 }
 
+namespace {
+// A free name beside `path` for an earlier file kept aside: <path>.earlier-<time>-<pid>[.n].
+std::string metrics_aside_name(const std::filesystem::path& path) {
+  char stamp[32];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(stamp, sizeof stamp, "%Y%m%d_%H%M%S", std::localtime(&now));
+  std::string aside = path.string() + ".earlier-" + stamp + "-" + std::to_string(::getpid());
+  for (int n = 1; std::filesystem::exists(aside); ++n)  // two runs of one process in one second
+    aside = path.string() + ".earlier-" + stamp + "-" + std::to_string(::getpid()) + "." + std::to_string(n);
+  return aside;
+}
+}  // namespace
+
 MetricsLogger::MetricsLogger(const Config& config, int64_t first_step) : config_(config) {
   const std::filesystem::path path(config.metrics_file);
   std::error_code ec;
@@ -48,8 +61,11 @@ MetricsLogger::MetricsLogger(const Config& config, int64_t first_step) : config_
     throw Error(kExitFailure, "cannot create the directory of metrics_file " + path.string() + ": " + ec.message());
   if (first_step > 0 && std::filesystem::exists(path)) {
     // Resuming: keep the lines of steps before first_step. The kept lines go to a temporary
-    // file that replaces the old one by rename, so a kill at any moment loses nothing.
+    // file that replaces the old one by rename, so a kill at any moment loses nothing. Lines
+    // dropped (steps run after the last checkpoint, or another run's file named by mistake) stay
+    // in the whole earlier file, kept aside under a second name.
     std::string kept;
+    int64_t dropped = 0, first_dropped = -1;
     std::ifstream in(path);
     int64_t number = 0;
     for (std::string line; std::getline(in, line);) {
@@ -62,24 +78,32 @@ MetricsLogger::MetricsLogger(const Config& config, int64_t first_step) : config_
       if (error != std::errc() || end == digits)
         throw Error(kExitFailure, "metrics_file " + path.string() + " line " + std::to_string(number) +
                                       ": \"step\" is not an integer step; the file is not this trainer's (or was edited)");
-      if (step < first_step) kept += line + "\n";
+      if (step < first_step) {
+        kept += line + "\n";
+      } else if (dropped++ == 0) {
+        first_dropped = step;
+      }
     }
     const std::string tmp = path.string() + ".tmp";
     std::FILE* out = std::fopen(tmp.c_str(), "w");
     if (!out || std::fputs(kept.c_str(), out) < 0 || std::fflush(out) != 0 || ::fsync(fileno(out)) != 0)
       throw Error(kExitFailure, "cannot rewrite metrics_file " + tmp + ": " + std::strerror(errno));
     std::fclose(out);
+    if (dropped > 0) {
+      const std::string aside = metrics_aside_name(path);
+      std::filesystem::create_hard_link(path, aside, ec);
+      if (ec) std::filesystem::copy_file(path, aside, ec);
+      if (ec) throw Error(kExitFailure, "cannot keep the earlier metrics_file " + path.string() + " as " + aside + ": " + ec.message());
+      spdlog::warn("metrics_file {}: {} lines from step {} on are past the resumed step {} (run after the last checkpoint, "
+                   "or another run's file); dropped here, the whole earlier file kept as {}",
+                   path.string(), dropped, first_dropped, first_step, aside);
+    }
     std::filesystem::rename(tmp, path);
   }
   if (first_step == 0 && std::filesystem::file_size(path, ec) > 0 && !ec) {
     // A fresh run whose metrics file holds an earlier run's lines (one that left no checkpoint,
     // or metrics_file shared by mistake): moved aside, not overwritten.
-    char stamp[32];
-    const std::time_t now = std::time(nullptr);
-    std::strftime(stamp, sizeof stamp, "%Y%m%d_%H%M%S", std::localtime(&now));
-    std::string aside = path.string() + ".earlier-" + stamp + "-" + std::to_string(::getpid());
-    for (int n = 1; std::filesystem::exists(aside); ++n)  // two runs of one process in one second
-      aside = path.string() + ".earlier-" + stamp + "-" + std::to_string(::getpid()) + "." + std::to_string(n);
+    const std::string aside = metrics_aside_name(path);
     std::filesystem::rename(path, aside, ec);
     if (ec) throw Error(kExitFailure, "cannot move the earlier metrics_file " + path.string() + " aside: " + ec.message());
     spdlog::warn("metrics_file {} held the lines of an earlier run, and this run starts at step 0; moved them to {}",

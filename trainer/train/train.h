@@ -136,6 +136,9 @@ class Trainer {
   // Forward-only evaluation on `eval_steps` global batches of the validation split (the
   // `index`-th evaluation reads the next batches): {eval/lm_loss (token mean), eval/perplexity}.
   MetricValues evaluate(int64_t index);
+  // Builds the validation split's loader (and its index) once; train() calls it at the start when
+  // eval_interval > 0, so an empty or unreadable validation split stops the run before step 0.
+  void eval_data_open();
 
   // One optimizer step = forward_backward + optimizer_update. Returns device-side metrics.
   StepOutput train_step(int64_t step);

@@ -367,22 +367,26 @@ MetricValues Trainer::read_metrics(const StepOutput& out) const {
   return values;
 }
 
+void Trainer::eval_data_open() {
+  if (eval_data_) return;
+  const Config& c = config_;
+  // Megatron's validation size: (steps / eval_interval + 1) * eval_steps global batches.
+  const int64_t interval = std::max<int64_t>(c.eval_interval, 1);
+  const int64_t samples = (c.steps / interval + 1) * c.eval_steps * c.global_batch_size;
+  std::shared_ptr<SampleSource> source;
+  if (c.dataset_type == "synthetic") {
+    Config shifted = c;
+    shifted.data_shuffle_seed = c.data_shuffle_seed + 1;  // disjoint from the training samples
+    source = std::make_shared<SyntheticDataset>(shifted);
+  } else {
+    source = megatron_source(c, DataSplit::kValid, samples, dist_.rank, data_index_sync(*comm_, c.collective_timeout_seconds));
+  }
+  eval_data_ = std::make_unique<DataLoader>(c, dist_.rank, std::move(source));
+}
+
 MetricValues Trainer::evaluate(int64_t index) {
   const Config& c = config_;
-  if (!eval_data_) {
-    // Megatron's validation size: (steps / eval_interval + 1) * eval_steps global batches.
-    const int64_t interval = std::max<int64_t>(c.eval_interval, 1);
-    const int64_t samples = (c.steps / interval + 1) * c.eval_steps * c.global_batch_size;
-    std::shared_ptr<SampleSource> source;
-    if (c.dataset_type == "synthetic") {
-      Config shifted = c;
-      shifted.data_shuffle_seed = c.data_shuffle_seed + 1;  // disjoint from the training samples
-      source = std::make_shared<SyntheticDataset>(shifted);
-    } else {
-      source = megatron_source(c, DataSplit::kValid, samples, dist_.rank, data_index_sync(*comm_, c.collective_timeout_seconds));
-    }
-    eval_data_ = std::make_unique<DataLoader>(c, dist_.rank, std::move(source));
-  }
+  eval_data_open();
   torch::NoGradGuard no_grad;
   if (sharded_state_) sharded_state_->params_ensure();  // the decoder layers gather as they run
   // The same quantity as learning/lm_loss in per-token mode: the token-weighted mean of CE plus
@@ -475,6 +479,9 @@ void Trainer::train() {
     if (!config_file.flush()) throw Error(kExitFailure, "cannot write " + config_path);
     logger_ = std::make_unique<MetricsLogger>(c, start_step);
   });
+  // At the start, not at the first evaluation: a split that leaves the validation set empty
+  // would otherwise end the run after eval_interval steps, and every resume again.
+  if (c.eval_interval > 0) eval_data_open();
   if (c.enable_checkpointing && (writer || sharded_checkpoints())) checkpointer_ = std::make_unique<Checkpointer>(c);
   install_stop_handlers();
   spdlog::info("run_dir {} | model {}: {} parameters ({} active per token), {:.4g} TFLOP per step per device | "
