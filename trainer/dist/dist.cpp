@@ -1,8 +1,6 @@
 // Launcher environment and the c10d communicators, Gloo and NCCL (see dist.h).
 #include "trainer/dist/dist.h"
 
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -150,23 +148,13 @@ class C10dCommunicator : public Communicator {
       throw dist_error(who() + ": creating the process group failed: " + first_line(e.what()));
     }
   }
-  C10dCommunicator(const DistEnv& env, const std::string& host, int port, const DistOptions& options)
+  // The world group: every rank of the launch, meeting in `store` (tcp_store_open's).
+  C10dCommunicator(const DistEnv& env, c10::intrusive_ptr<c10d::Store> store, const std::string& address,
+                   const DistOptions& options)
       : rank_(env.rank), world_(env.world_size), global_rank_(env.rank), device_(options.device),
-        timeout_(std::chrono::milliseconds(static_cast<int64_t>(options.timeout_seconds * 1000))) {
-    c10d::TCPStoreOptions store_options;
-    store_options.port = static_cast<uint16_t>(port);
-    store_options.isServer = env.rank == 0;
-    store_options.numWorkers = static_cast<int>(env.world_size);
-    store_options.waitWorkers = true;
-    store_options.timeout = timeout_;
+        timeout_(std::chrono::milliseconds(static_cast<int64_t>(options.timeout_seconds * 1000))),
+        store_(std::move(store)) {
     try {
-      try {
-        store_ = c10::make_intrusive<c10d::TCPStore>(host, store_options);
-      } catch (const std::exception& e) {
-        const bool no_libuv = std::string(e.what()).find("without libuv support") != std::string::npos;
-        if (!no_libuv || !compat::tcp_store_use_classic_backend(store_options)) throw;
-        store_ = c10::make_intrusive<c10d::TCPStore>(host, store_options);
-      }
       world_size_agree(*store_, env);
       auto group_options = Group::Options::create();
       group_options->timeout = timeout_;
@@ -175,8 +163,8 @@ class C10dCommunicator : public Communicator {
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
-      throw dist_error("rank " + std::to_string(rank_) + ": rendezvous at " + host + ":" + std::to_string(port) +
-                       " failed: " + first_line(e.what()) + (store_ ? world_size_note(*store_) : ""));
+      throw dist_error("rank " + std::to_string(rank_) + ": rendezvous at " + address + " failed: " + first_line(e.what()) +
+                       world_size_note(*store_));
     }
   }
   ~C10dCommunicator() override { shutdown(); }
@@ -376,43 +364,96 @@ void C10dCommunicator<c10d::ProcessGroupNCCL>::shutdown() {
 }
 #endif
 
-// A TCP port that is free on this host now (bound to `address`, port 0, then released).
-int free_port(in_addr_t address) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(address);
-  addr.sin_port = 0;
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  socklen_t len = sizeof addr;
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
+#if TRAINER_WITH_GLOO || TRAINER_WITH_NCCL
+// Where the ranks meet: rank 0 serves a TCPStore, the others connect to it.
+struct Rendezvous {
+  c10::intrusive_ptr<c10d::TCPStore> store;
+  std::string address;  // "host:port", for messages and the start-up line
+};
+
+// The TCPStore at host:port. Rank 0 serves it; with port 0 it binds a free port (store->getPort()
+// says which) and keeps it, so no other process can take the port between its choice and its use.
+c10::intrusive_ptr<c10d::TCPStore> tcp_store_open(const std::string& host, int port, const DistEnv& env,
+                                                  bool wait_for_workers, std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<uint16_t>(port);
+  options.isServer = env.rank == 0;
+  options.numWorkers = static_cast<int>(env.world_size);
+  options.waitWorkers = wait_for_workers;
+  options.timeout = timeout;
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(host, options);
+  } catch (const std::exception& e) {
+    const bool no_libuv = std::string(e.what()).find("without libuv support") != std::string::npos;
+    if (!no_libuv || !compat::tcp_store_use_classic_backend(options)) throw;
+    return c10::make_intrusive<c10d::TCPStore>(host, options);
+  }
 }
 
-// Under mpirun without MASTER_ADDR: rank 0 picks its hostname and a free port and tells the
-// others through MPI (the only use of MPI).
-std::pair<std::string, int> rendezvous_via_mpi(const DistEnv& env) {
+// Under mpirun without MASTER_ADDR: rank 0 opens the store on a free port of its host and tells
+// the others host and port through MPI (the only use of MPI; it is finalized right after).
+Rendezvous rendezvous_via_mpi(const DistEnv& env, std::chrono::milliseconds timeout) {
 #if TRAINER_WITH_MPI
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (!initialized) MPI_Init(nullptr, nullptr);
-  char buffer[300] = {0};
+  char buffer[1024] = {0};  // "host port", or "!" and why rank 0 has no store
+  Rendezvous meeting;
   if (env.rank == 0) {
     char host[256] = {0};
     gethostname(host, sizeof host - 1);
-    std::snprintf(buffer, sizeof buffer, "%s %d", host, free_port(INADDR_ANY));
+    try {
+      meeting.store = tcp_store_open(host, 0, env, /*wait_for_workers=*/false, timeout);
+      std::snprintf(buffer, sizeof buffer, "%s %d", host, static_cast<int>(meeting.store->getPort()));
+    } catch (const std::exception& e) {
+      std::snprintf(buffer, sizeof buffer, "!%s: %s", host, first_line(e.what()).c_str());
+    }
   }
-  MPI_Bcast(buffer, sizeof buffer, MPI_CHAR, 0, MPI_COMM_WORLD);
-  MPI_Finalize();  // MPI's job is done; collectives go through Gloo or NCCL
+  MPI_Bcast(buffer, sizeof buffer, MPI_CHAR, 0, MPI_COMM_WORLD);  // the others must hear a failure too
+  MPI_Finalize();
   const std::string text(buffer);
+  if (text.rfind('!', 0) == 0)
+    throw dist_error("rank " + std::to_string(env.rank) + ": rank 0 could not open the rendezvous store on " +
+                     text.substr(1));
   const auto space = text.find(' ');
-  return {text.substr(0, space), std::stoi(text.substr(space + 1))};
+  meeting.address = text.substr(0, space) + ":" + text.substr(space + 1);
+  if (env.rank == 0) return meeting;
+  try {
+    meeting.store = tcp_store_open(text.substr(0, space), std::stoi(text.substr(space + 1)), env, false, timeout);
+  } catch (const std::exception& e) {
+    throw dist_error("rank " + std::to_string(env.rank) + ": rendezvous at " + meeting.address + " (rank 0's, told by MPI) failed: " +
+                     first_line(e.what()));
+  }
+  return meeting;
 #else
   (void)env;
+  (void)timeout;
   throw dist_error("launched by mpirun but built without MPI: set MASTER_ADDR and MASTER_PORT");
 #endif
 }
+
+// The store every rank of this launch meets in: at MASTER_ADDR:MASTER_PORT when they are set,
+// else on a free port (one process on loopback; under mpirun on rank 0's host).
+Rendezvous rendezvous_open(const DistEnv& env, std::chrono::milliseconds timeout) {
+  std::string address = env.master_addr + ":" + std::to_string(env.master_port);
+  try {
+    if (!env.master_addr.empty())
+      return {tcp_store_open(env.master_addr, env.master_port, env, /*wait_for_workers=*/true, timeout), address};
+    if (env.world_size == 1) {
+      auto store = tcp_store_open("127.0.0.1", 0, env, false, timeout);
+      address = "127.0.0.1:" + std::to_string(store->getPort());
+      return {store, address};
+    }
+    if (env.launcher == "mpirun") return rendezvous_via_mpi(env, timeout);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw dist_error("rank " + std::to_string(env.rank) + ": rendezvous at " + address + " failed: " + first_line(e.what()));
+  }
+  throw dist_error("rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size) + " (" + env.launcher +
+                   "): set MASTER_ADDR and MASTER_PORT (only mpirun agrees on them by itself)");
+}
+#endif
 
 }  // namespace
 
@@ -484,31 +525,23 @@ std::unique_ptr<Communicator> dist_init(const DistEnv& env, const DistOptions& o
   const std::string backend = dist_backend_resolve(options.backend, options.device);
   if (backend == "nccl" && !options.device.is_cuda())
     throw config_error("dist_backend=nccl needs hardware=gpu (NCCL reduces CUDA tensors only)");
-  std::string host;
-  int port = 0;
-  if (!env.master_addr.empty()) {
-    host = env.master_addr;
-    port = env.master_port;
-  } else if (env.world_size == 1) {
-    host = "127.0.0.1";
-    port = free_port(INADDR_LOOPBACK);
-  } else if (env.launcher == "mpirun") {
-    std::tie(host, port) = rendezvous_via_mpi(env);
-  } else {
-    throw dist_error("rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size) + " (" + env.launcher +
-                     "): set MASTER_ADDR and MASTER_PORT (only mpirun agrees on them by itself)");
-  }
+  std::string address;  // where the ranks met
+#if TRAINER_WITH_GLOO || TRAINER_WITH_NCCL
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(options.timeout_seconds * 1000));
+  const Rendezvous meeting = rendezvous_open(env, timeout);
+  address = meeting.address;
+#endif
   std::unique_ptr<Communicator> comm;
   if (backend == "gloo") {
 #if TRAINER_WITH_GLOO
-    comm = std::make_unique<C10dCommunicator<c10d::ProcessGroupGloo>>(env, host, port, options);
+    comm = std::make_unique<C10dCommunicator<c10d::ProcessGroupGloo>>(env, meeting.store, meeting.address, options);
 #else
     throw config_error("world size " + std::to_string(env.world_size) +
                        " with dist_backend=gloo, but this build has no Gloo (c10d) support");
 #endif
   } else {
 #if TRAINER_WITH_NCCL
-    auto nccl = std::make_unique<C10dCommunicator<c10d::ProcessGroupNCCL>>(env, host, port, options);
+    auto nccl = std::make_unique<C10dCommunicator<c10d::ProcessGroupNCCL>>(env, meeting.store, meeting.address, options);
     nccl->host_group_create();
     if (env.rank == 0)
       spdlog::info("NCCL: the host's step values (token count, stop and failure votes) go {}",
@@ -526,8 +559,8 @@ std::unique_ptr<Communicator> dist_init(const DistEnv& env, const DistOptions& o
   if (sum != static_cast<double>(env.world_size))
     throw dist_error("preflight all_reduce returned " + std::to_string(sum) + ", expected " +
                      std::to_string(env.world_size));
-  spdlog::info("data parallel: rank {} of {} (local rank {} of {}), launched by {}, rendezvous {}:{}, {} on {}", env.rank,
-               env.world_size, env.local_rank, env.local_world_size, env.launcher, host, port, backend == "gloo" ? "Gloo" : "NCCL",
+  spdlog::info("data parallel: rank {} of {} (local rank {} of {}), launched by {}, rendezvous {}, {} on {}", env.rank,
+               env.world_size, env.local_rank, env.local_world_size, env.launcher, address, backend == "gloo" ? "Gloo" : "NCCL",
                options.device.str());
   return comm;
 }

@@ -496,10 +496,11 @@ void Trainer::train() {
   // thrown at once, it would leave them waiting out collective_timeout_seconds in that step's
   // all-reduce and exiting 5 (a torchrun or srun launch has no mpirun to take them down). After
   // the vote every rank stops with the failed rank's exit code (ranks_share_failure); the failed
-  // rank does no more work of its own meanwhile, and exits with its own error.
+  // rank does no more work of its own meanwhile, and exits with its own error. One process (also
+  // with a dist_backend named) has no one to wait: its failure is thrown at once.
   std::exception_ptr own_failure;
   auto own_work = [&](const std::function<void()>& work) {
-    if (comm_->is_local()) return work();
+    if (comm_->world_size() == 1) return work();
     if (own_failure) return;
     try {
       work();
