@@ -444,6 +444,30 @@ TEST_CASE("flat-buffer norm and zero count agree with float64 on 24M elements", 
   CHECK(flat_buffer_count_zeros(small).item<int64_t>() == 1);
 }
 
+TEST_CASE("expert-parallel norm and zero count: dense runs plus the group's expert runs, Inf stays Inf", "[training][numerics]") {
+  // One process: the group's expert part is this rank's, so the result must equal the plain
+  // reductions over the whole buffer, through a no-op group and through a one-rank Gloo group.
+  DistOptions gloo;
+  gloo.backend = "gloo";
+  for (const auto& options : {DistOptions{}, gloo}) {
+    auto group = dist_init(DistEnv{}, options);
+    auto flat = torch::randn({5000}, torch::kFloat32);
+    flat.slice(0, 0, 5000, 7).zero_();
+    const std::vector<std::pair<int64_t, int64_t>> segments = {{0, 300}, {1100, 2048}, {4000, 1000}};  // to the end
+    const double norm = flat.to(torch::kFloat64).norm().item<double>();
+    CHECK(std::abs(flat_buffer_norm_expert_parallel(flat, segments, *group).item<double>() - norm) <= 1e-6 * norm);  // fp32 rows (~1e-8)
+    CHECK(flat_buffer_count_zeros_expert_parallel(flat, segments, *group).item<int64_t>() == flat.eq(0).sum().item<int64_t>());
+    // An Inf in an expert run is Inf, as on the ranks that only receive it through the group sum
+    // (total minus experts made it Inf - Inf = NaN on the rank holding it); NaN stays NaN.
+    flat[1500] = std::numeric_limits<float>::infinity();
+    CHECK(std::isinf(flat_buffer_norm_expert_parallel(flat, segments, *group).item<double>()));
+    flat[2000] = -std::numeric_limits<float>::infinity();
+    CHECK(std::isinf(flat_buffer_norm_expert_parallel(flat, segments, *group).item<double>()));
+    flat[500] = std::numeric_limits<float>::quiet_NaN();
+    CHECK(std::isnan(flat_buffer_norm_expert_parallel(flat, segments, *group).item<double>()));
+  }
+}
+
 TEST_CASE("reported gradient and parameter norms are the float64 norms, and clipping honours them", "[training][numerics]") {
   // The default model (0.46M parameters), where LibTorch 1.13's fp32 norm() was 1e-5 low.
   const auto options = uneven({"model_name=default", "max_target_length=64", "per_device_batch_size=4"});

@@ -356,27 +356,14 @@ void Trainer::reduce_gradients() {
   reduce(*comm_, dense_begin, flat_grads_.numel());
 }
 
-// With expert parallelism ||g||^2 = (the dense part, the same on every rank) + (the sum over the
-// expert-parallel group of each rank's expert part); the dense part is this rank's total minus
-// its expert part. Without it, the buffer is the whole model.
 torch::Tensor Trainer::arena_norm(const torch::Tensor& flat) {
   if (!expert_group_) return flat_buffer_norm(flat);
-  auto experts = torch::zeros({}, flat.options().dtype(torch::kFloat64));
-  for (const auto& [offset, numel] : expert_segments_) experts += flat_buffer_norm(flat.narrow(0, offset, numel)).square();
-  const auto dense = flat_buffer_norm(flat).square() - experts;
-  auto all_experts = experts.reshape({1});
-  expert_group_->all_reduce_sum(all_experts, "the expert part of a norm");
-  return (dense.clamp_min(0.0) + all_experts[0]).sqrt();
+  return flat_buffer_norm_expert_parallel(flat, expert_segments_, *expert_group_);
 }
 
 torch::Tensor Trainer::arena_count_zeros(const torch::Tensor& flat) {
   if (!expert_group_) return flat_buffer_count_zeros(flat);
-  auto experts = torch::zeros({}, flat.options().dtype(torch::kInt64));
-  for (const auto& [offset, numel] : expert_segments_) experts += flat_buffer_count_zeros(flat.narrow(0, offset, numel));
-  const auto dense = flat_buffer_count_zeros(flat) - experts;
-  auto all_experts = experts.reshape({1});
-  expert_group_->all_reduce_sum(all_experts, "the expert part of a zero count");
-  return dense + all_experts[0];
+  return flat_buffer_count_zeros_expert_parallel(flat, expert_segments_, *expert_group_);
 }
 
 // Reductions over parameter-sized buffers. A plain fp32 `norm()` of P elements is off by up to
@@ -415,6 +402,46 @@ torch::Tensor flat_buffer_count_zeros(const torch::Tensor& flat) {
       flat, [](const torch::Tensor& rows) { return at::linalg_vector_norm(rows, 0, {1}); },
       [](const torch::Tensor& tail) { return tail.ne(0).sum(); });
   return (static_cast<double>(flat.numel()) - nonzero).to(torch::kInt64);
+}
+
+namespace {
+// Sums `reduce` (a 0-dim tensor per run) over the dense runs and, all-reduced over the
+// expert-parallel group, over the expert runs: (dense, experts of the whole group).
+template <typename ReduceFn>
+std::pair<torch::Tensor, torch::Tensor> flat_buffer_reduce_expert_parallel(
+    const torch::Tensor& flat, const std::vector<std::pair<int64_t, int64_t>>& expert_segments, Communicator& expert_group,
+    ReduceFn reduce, torch::ScalarType dtype, const std::string& what) {
+  auto dense = torch::zeros({}, flat.options().dtype(dtype)), experts = torch::zeros({1}, flat.options().dtype(dtype));
+  const auto add = [&](torch::Tensor& total, int64_t begin, int64_t end) {
+    if (begin < end) total += reduce(flat.narrow(0, begin, end - begin));
+  };
+  int64_t dense_begin = 0;
+  for (const auto& [offset, numel] : expert_segments) {
+    add(dense, dense_begin, offset);
+    add(experts, offset, offset + numel);
+    dense_begin = offset + numel;
+  }
+  add(dense, dense_begin, flat.numel());
+  expert_group.all_reduce_sum(experts, what);
+  return {dense, experts[0]};
+}
+}  // namespace
+
+torch::Tensor flat_buffer_norm_expert_parallel(const torch::Tensor& flat,
+                                               const std::vector<std::pair<int64_t, int64_t>>& expert_segments,
+                                               Communicator& expert_group) {
+  const auto [dense, experts] = flat_buffer_reduce_expert_parallel(
+      flat, expert_segments, expert_group, [](const torch::Tensor& run) { return flat_buffer_norm(run).square(); },
+      torch::kFloat64, "the expert part of a norm");
+  return (dense + experts).sqrt();
+}
+
+torch::Tensor flat_buffer_count_zeros_expert_parallel(const torch::Tensor& flat,
+                                                      const std::vector<std::pair<int64_t, int64_t>>& expert_segments,
+                                                      Communicator& expert_group) {
+  const auto [dense, experts] = flat_buffer_reduce_expert_parallel(
+      flat, expert_segments, expert_group, flat_buffer_count_zeros, torch::kInt64, "the expert part of a zero count");
+  return dense + experts;
 }
 
 }  // namespace trainer

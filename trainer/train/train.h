@@ -86,6 +86,19 @@ struct MicroBatchLosses {
 torch::Tensor flat_buffer_norm(const torch::Tensor& flat);         // fp64 L2 norm
 torch::Tensor flat_buffer_count_zeros(const torch::Tensor& flat);  // int64 count of elements == 0
 
+// The same over an arena under expert parallelism: each rank of `expert_group` holds its own
+// experts in `expert_segments` ((offset, numel) runs), the rest (dense) is the same on every rank.
+// ||g||^2 = (the dense runs' sum of squares, from this rank's copy) + (the expert runs' summed
+// over the group). The dense part is summed run by run, not as the total minus the experts: one
+// rank's Inf expert gradient would make its dense part Inf - Inf = NaN, its norm NaN where the
+// other ranks see Inf, and the ranks would then disagree on the NaN/Inf abort and the clipping.
+torch::Tensor flat_buffer_norm_expert_parallel(const torch::Tensor& flat,
+                                               const std::vector<std::pair<int64_t, int64_t>>& expert_segments,
+                                               Communicator& expert_group);
+torch::Tensor flat_buffer_count_zeros_expert_parallel(const torch::Tensor& flat,
+                                                      const std::vector<std::pair<int64_t, int64_t>>& expert_segments,
+                                                      Communicator& expert_group);
+
 // Runs the model on one micro-batch and computes its loss terms.
 MicroBatchLosses micro_batch_losses(Transformer& model, const MicroBatch& batch, const Config& config,
                                     const torch::Device& device);
