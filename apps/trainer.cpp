@@ -69,15 +69,25 @@ void print_dry_run(const trainer::Config& c) {
   std::printf("memory plan per rank (%s, %s, %lld rank%s):\n%s", cuda ? "GPU" : "CPU", c.dtype.c_str(),
               static_cast<long long>(env.world_size), env.world_size > 1 ? "s" : "",
               trainer::memory_plan_format(plan).c_str());
+  double index_bytes = 0;  // host memory the Megatron index arrays take at least (CPU: beside the plan)
+  if (c.dataset_type == "megatron") {
+    // The sample and shuffle indices take 16 + 8 B per sample at least; the data decide the rest.
+    const double samples = static_cast<double>(c.steps) * static_cast<double>(c.global_batch_size);
+    index_bytes = 24.0 * samples;
+    std::printf("data index arrays (host memory, every rank): at least %s for %.0f training samples (24 B each; "
+                "with the document index, checked against host memory when training starts)\n",
+                trainer::memory_bytes_text(index_bytes).c_str(), samples);
+  }
   if (cuda) {
     std::printf("this machine: checked against the GPU's free memory when training starts\n");
     return;
   }
   const trainer::HostMemory host = trainer::host_memory_available();
   const double available = host.available_bytes / static_cast<double>(env.local_world_size);
-  const double needed = plan.total_bytes - host.resident_bytes;
-  std::printf("this machine: %s available per rank (%s): %s\n", trainer::memory_bytes_text(available).c_str(),
-              host.source.c_str(), needed <= available ? "fits" : "does NOT fit");
+  const double needed = plan.total_bytes - host.resident_bytes + index_bytes;
+  std::printf("this machine: %s available per rank (%s): %s%s\n", trainer::memory_bytes_text(available).c_str(),
+              host.source.c_str(), needed <= available ? "fits" : "does NOT fit",
+              index_bytes > 0 ? " (the plan and the data index arrays)" : "");
 }
 
 // "1,5,9" -> {1, 5, 9}; exit 2 naming the entry that is not a token id of this vocabulary.

@@ -2,6 +2,7 @@
 // reference (tests/fixtures/make_fixtures.py), blending, masks, corrupt inputs, cache, tools.
 #include <catch2/catch.hpp>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 
@@ -239,6 +240,28 @@ TEST_CASE("dataset_path weights that are infinite or sum past a double are refus
   }
 }
 
+TEST_CASE("a run whose data index arrays cannot fit in host memory exits 2 at once naming them", "[data][cli]") {
+  // 1e12 steps of 8 sequences: the shuffle index alone would be 8 B x (8e12 + 2) samples (the
+  // epochs of 40 tokens hold 2 more than asked); it used to count epochs one by one for minutes
+  // and then die allocating (the --dry-run plan does not see the data).
+  fs::create_directories(kDir);
+  std::vector<std::vector<int64_t>> documents(4);  // 4 x 10 = 40 tokens per epoch
+  for (int64_t d = 0; d < 4; ++d)
+    for (int64_t t = 0; t < 10; ++t) documents[static_cast<size_t>(d)].push_back(1 + (d * 10 + t) % 60);
+  indexed_dataset_write(kDir + "/index-memory", documents, 8);
+  const auto start = std::chrono::steady_clock::now();
+  const auto r = run_trainer("dataset_type=megatron dataset_path=" + kDir + "/index-memory split=1,0,0 model_name=test-tiny "
+                             "pad_id=-1 eod_id=-1 max_target_length=16 per_device_batch_size=8 steps=1000000000000 "
+                             "base_output_directory=" + kDir + " run_name=index-memory data_cache_path=" + kDir + "/cache-index-memory");
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  INFO(r.output);
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.output, Catch::Contains("the train split's data index arrays need") &&
+                           Catch::Contains("8000000000000 samples over 3200000000001 epoch(s)") &&
+                           Catch::Contains("shuffle index 59604.64 GiB") && Catch::Contains("lower steps or global_batch_size"));
+  CHECK(seconds < 60);  // not a bound on speed: a hang guard (the estimate is arithmetic)
+}
+
 TEST_CASE("GPTDataset samples equal the numpy reference (epochs, separate final epoch, splits)", "[data]") {
   int separate = 0, multi_epoch = 0;
   for (const auto& g : reference()["gpt"]) {
@@ -255,6 +278,12 @@ TEST_CASE("GPTDataset samples equal the numpy reference (epochs, separate final 
     CHECK(ix.separate_final_epoch == g["separate_final_epoch"].get<bool>());
     separate += ix.separate_final_epoch;
     multi_epoch += ix.num_epochs > 1;
+    // The size estimate the memory check uses equals what was built.
+    const GptIndicesSize size = gpt_indices_size(sizes, documents, L, N);
+    CHECK(size.num_epochs == ix.num_epochs);
+    CHECK(size.document_bytes == 4.0 * static_cast<double>(ix.document_index.size()));
+    CHECK(size.sample_bytes == 8.0 * static_cast<double>(ix.sample_index.size()));
+    CHECK(size.shuffle_bytes == 8.0 * static_cast<double>(ix.shuffle_index.size()));
     const auto docs = fixture_corpus(g);
     for (int64_t i = 0; i < N; ++i) {
       std::vector<int64_t> text;

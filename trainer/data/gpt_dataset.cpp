@@ -2,7 +2,9 @@
 // megatron/core/datasets/gpt_dataset.py, helpers.cpp and blended_megatron_dataset_builder.py.
 #include "trainer/data/gpt_dataset.h"
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <sstream>
 #include <stdexcept>
@@ -123,18 +125,40 @@ std::vector<int64_t> build_shuffle_index(int64_t num_samples, int64_t total_size
   return first;
 }
 
+int64_t tokens_per_epoch_of(const std::vector<int32_t>& sizes, const std::vector<int32_t>& documents) {
+  int64_t tokens = 0;
+  for (int32_t d : documents) tokens += sizes[static_cast<size_t>(d)];
+  if (tokens <= 1) throw Error(kExitData, "the data split has " + std::to_string(tokens) + " tokens; at least 2 are needed");
+  return tokens;
+}
+
+// Smallest E >= 1 with E * tokens >= num_samples * L + 1 (the +1: every sample reads L + 1 tokens).
+// In double for the size estimate, where num_samples * L may pass int64 (a run of 1e18 steps).
+double num_epochs_needed(int64_t tokens_per_epoch, int64_t seq_len, int64_t num_samples) {
+  return std::max(1.0, std::ceil((static_cast<double>(num_samples) * static_cast<double>(seq_len) + 1.0) /
+                                 static_cast<double>(tokens_per_epoch)));
+}
+
 }  // namespace
+
+GptIndicesSize gpt_indices_size(const std::vector<int32_t>& sizes, const std::vector<int32_t>& documents, int64_t seq_len,
+                                int64_t num_samples) {
+  const int64_t tokens_per_epoch = tokens_per_epoch_of(sizes, documents);
+  const double epochs = num_epochs_needed(tokens_per_epoch, seq_len, num_samples);
+  const double total_samples = std::floor((epochs * static_cast<double>(tokens_per_epoch) - 1.0) / static_cast<double>(seq_len));
+  GptIndicesSize out;
+  out.num_epochs = epochs < 9e18 ? static_cast<int64_t>(epochs) : std::numeric_limits<int64_t>::max();
+  out.document_bytes = 4.0 * static_cast<double>(documents.size()) * epochs;
+  out.sample_bytes = 8.0 * 2.0 * (total_samples + 1.0);
+  out.shuffle_bytes = 8.0 * total_samples;
+  return out;
+}
 
 GptIndices gpt_build_indices(const std::vector<int32_t>& sizes, const std::vector<int32_t>& documents,
                              int64_t seq_len, int64_t num_samples, uint32_t seed) {
-  int64_t tokens_per_epoch = 0;
-  for (int32_t d : documents) tokens_per_epoch += sizes[static_cast<size_t>(d)];
-  if (tokens_per_epoch <= 1)
-    throw Error(kExitData, "the data split has " + std::to_string(tokens_per_epoch) + " tokens; at least 2 are needed");
+  const int64_t tokens_per_epoch = tokens_per_epoch_of(sizes, documents);
   GptIndices out;
-  // Smallest E with E * tokens >= num_samples * L + 1 (the +1: every sample reads L + 1 tokens).
-  out.num_epochs = 1;
-  while (out.num_epochs * tokens_per_epoch < num_samples * seq_len + 1) ++out.num_epochs;
+  out.num_epochs = (num_samples * seq_len + tokens_per_epoch) / tokens_per_epoch;  // num_epochs_needed, in int64
   int64_t samples_before_final = 0;
   if (out.num_epochs > 1) {
     samples_before_final = ((out.num_epochs - 1) * tokens_per_epoch - 1) / seq_len;

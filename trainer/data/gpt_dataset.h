@@ -40,6 +40,16 @@ struct GptIndices {
 GptIndices gpt_build_indices(const std::vector<int32_t>& sizes, const std::vector<int32_t>& documents,
                              int64_t seq_len, int64_t num_samples, uint32_t seed);
 
+// What gpt_build_indices would allocate, computed without building anything: a run of 1e9 steps
+// asks for arrays far past the host's memory and must be refused before they are allocated.
+struct GptIndicesSize {
+  int64_t num_epochs = 0;
+  double document_bytes = 0, sample_bytes = 0, shuffle_bytes = 0;  // the three arrays
+  double total_bytes() const { return document_bytes + sample_bytes + shuffle_bytes; }
+};
+GptIndicesSize gpt_indices_size(const std::vector<int32_t>& sizes, const std::vector<int32_t>& documents, int64_t seq_len,
+                                int64_t num_samples);
+
 // Token positions of sample `i` (through the shuffle index): a list of (document id, offset,
 // length) pieces whose lengths sum to seq_len + 1.
 struct GptPiece {

@@ -15,6 +15,7 @@
 #include "trainer/data/data.h"
 #include "trainer/data/gpt_dataset.h"
 #include "trainer/data/indexed_dataset.h"
+#include "trainer/train/memory_plan.h"
 #include "trainer/util/crc32c.h"
 #include "trainer/util/error.h"
 
@@ -120,6 +121,9 @@ class MegatronSource : public SampleSource {
     for (const auto& [w, prefix] : blend) weights_.push_back(w);
     const std::vector<int64_t> sizes =
         blend.size() == 1 ? std::vector<int64_t>{num_samples} : gpt_blend_sizes(weights_, num_samples);
+    const int s = static_cast<int>(split);
+    std::vector<std::vector<int32_t>> documents(blend.size());  // per dataset: sequence ids; Megatron calls them documents
+    std::vector<GptIndicesSize> index_sizes;
     for (size_t d = 0; d < blend.size(); ++d) {
       Component comp;
       comp.data = std::make_unique<IndexedDataset>(blend[d].second);
@@ -127,16 +131,16 @@ class MegatronSource : public SampleSource {
       // Megatron's GPT splits and samples sequences, not documents (numel_low_level_dataset is
       // sequence_lengths.shape[0]): they differ once a document is empty or holds several sequences.
       const auto bounds = gpt_split_boundaries(c.split, comp.data->num_sequences());
-      const int s = static_cast<int>(split);
-      std::vector<int32_t> documents;  // sequence ids; Megatron's GPTDataset calls them documents
-      for (int64_t seq = bounds[s]; seq < bounds[s + 1]; ++seq) documents.push_back(static_cast<int32_t>(seq));
-      if (documents.empty())
+      for (int64_t seq = bounds[s]; seq < bounds[s + 1]; ++seq) documents[d].push_back(static_cast<int32_t>(seq));
+      if (documents[d].empty())
         throw Error(kExitData, blend[d].second + ": split \"" + c.split + "\" leaves no sequences for the " +
-                                   std::vector<std::string>{"train", "valid", "test"}[s] + " split (" +
-                                   std::to_string(comp.data->num_sequences()) + " sequences)");
-      comp.indices = cached_indices(c, *comp.data, documents, s, comp.num_samples);
+                                   kSplitNames[s] + " split (" + std::to_string(comp.data->num_sequences()) + " sequences)");
+      index_sizes.push_back(gpt_indices_size(comp.data->sequence_lengths(), documents[d], c.max_target_length, sizes[d]));
       components_.push_back(std::move(comp));
     }
+    if (!c.allow_memory_overcommit) index_memory_check(c, blend, index_sizes, kSplitNames[s]);
+    for (size_t d = 0; d < blend.size(); ++d)
+      components_[d].indices = cached_indices(c, *components_[d].data, documents[d], s, components_[d].num_samples);
     if (blend.size() > 1) gpt_blend_indices(weights_, num_samples, blend_dataset_, blend_sample_);
   }
 
@@ -179,6 +183,32 @@ class MegatronSource : public SampleSource {
   }
 
  private:
+  static inline const std::vector<std::string> kSplitNames = {"train", "valid", "test"};
+
+  // The index arrays (and a blend's two arrays) live in host memory on every rank: a run whose
+  // arrays cannot fit (steps=1000000000 asks for hundreds of GiB) stops here with exit 2 instead
+  // of building them for minutes and dying in an allocation.
+  void index_memory_check(const Config& c, const std::vector<std::pair<double, std::string>>& blend,
+                          const std::vector<GptIndicesSize>& index_sizes, const std::string& split_name) const {
+    double needed = blend.size() > 1 ? 10.0 * static_cast<double>(num_samples_) : 0.0;  // int16 + int64 per sample
+    std::string parts = needed > 0 ? "\n  the blend's dataset and sample ids: " + memory_bytes_text(needed) : "";
+    for (size_t d = 0; d < blend.size(); ++d) {
+      const GptIndicesSize& size = index_sizes[d];
+      needed += size.total_bytes();
+      parts += "\n  " + blend[d].second + ": " + memory_bytes_text(size.total_bytes()) + " (" +
+               std::to_string(components_[d].num_samples) + " samples over " + std::to_string(size.num_epochs) +
+               " epoch(s): document index " + memory_bytes_text(size.document_bytes) + ", sample index " +
+               memory_bytes_text(size.sample_bytes) + ", shuffle index " + memory_bytes_text(size.shuffle_bytes) + ")";
+    }
+    const HostMemory host = host_memory_available();
+    if (needed <= host.available_bytes) return;
+    throw config_error("the " + split_name + " split's data index arrays need " + memory_bytes_text(needed) +
+                       " of host memory for " + std::to_string(num_samples_) + " samples, and " +
+                       memory_bytes_text(host.available_bytes) + " is available (" + host.source + "):" + parts +
+                       "\nthe index covers every sample of the run (steps x global_batch_size for training) and every "
+                       "rank holds a copy: lower steps or global_batch_size, or allow_memory_overcommit=true skips this check");
+  }
+
   GptIndices cached_indices(const Config& c, const IndexedDataset& data, const std::vector<int32_t>& documents,
                             int split, int64_t num_samples) {
     // Everything the indices depend on goes into the key: the data (size and a checksum of the
