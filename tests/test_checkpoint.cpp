@@ -428,6 +428,10 @@ TEST_CASE("damaged checkpoints: none usable stops the run with exit 3 and overwr
     CHECK_THAT(e.what(), Catch::Contains("consumed 16 samples in 2 steps, but this run's global_batch_size is 4") &&
                              Catch::Contains("keep the product at 8"));
     CHECK_FALSE(fs::exists(checkpoints + "/3"));
+    // Refused before the resume is announced: no "resumed from checkpoint" line above the error.
+    const auto cli = run_trainer(std::string(kSyntheticData) + " " + args + "steps=3 per_device_batch_size=4");
+    CHECK(cli.exit_code == 2);
+    CHECK_THAT(cli.output, Catch::Contains("global_batch_size is 4") && !Catch::Contains("resumed from checkpoint"));
     // The same global batch in another split resumes.
     CHECK(train_in_process(args + "steps=3 per_device_batch_size=4 gradient_accumulation_steps=2") == 0);
     CHECK(fs::exists(checkpoints + "/3/manifest.json"));

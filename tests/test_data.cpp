@@ -174,6 +174,22 @@ TEST_CASE("corrupt .idx/.bin files fail with exit code 3 naming the problem", "[
   const int64_t far = 1000;
   std::memcpy(pointer.data() + 34 + 12 + 8, &far, 8);  // sequence 1's pointer (S = 3: pointers at 46)
   CHECK_THAT(open_with(pointer, bin).what(), Catch::Contains("sequence 1") && Catch::Contains("past the end"));
+  // A negative pointer or length is named as such (it used to read "points past the end").
+  std::string negative = idx;
+  const int64_t minus_two = -2;
+  std::memcpy(negative.data() + 34 + 12 + 8, &minus_two, 8);
+  CHECK_THAT(open_with(negative, bin).what(), Catch::Contains("sequence 1 has a negative byte offset into " + kDir +
+                                                              "/bad.bin (-2 at byte 54 of the .idx): the index is corrupt"));
+  std::string negative_length = idx;
+  const int32_t minus_one = -1;
+  std::memcpy(negative_length.data() + 34 + 4 * 2, &minus_one, 4);
+  CHECK_THAT(open_with(negative_length, bin).what(), Catch::Contains("sequence 2 has a negative length (-1 at byte 42 of the .idx)"));
+  // Counts so large that 34 + 12*S + 8*D passes 2^64: no "overflow" for a size, the counts are named.
+  std::string huge = idx;
+  const uint64_t huge_count = uint64_t{1} << 62;
+  std::memcpy(huge.data() + 18, &huge_count, 8);
+  CHECK_THAT(open_with(huge, bin).what(), Catch::Contains("header says S = 4611686018427387904") &&
+                                              Catch::Contains("the counts at offsets 18 and 26 are corrupt"));
   // A pointer inside the file but between two tokens: Megatron's writer never makes one.
   std::string odd = idx;
   const int64_t one_byte_in = 1;
@@ -260,6 +276,28 @@ TEST_CASE("a run whose data index arrays cannot fit in host memory exits 2 at on
                            Catch::Contains("8000000000000 samples over 3200000000001 epoch(s)") &&
                            Catch::Contains("shuffle index 59604.64 GiB") && Catch::Contains("lower steps or global_batch_size"));
   CHECK(seconds < 60);  // not a bound on speed: a hang guard (the estimate is arithmetic)
+}
+
+TEST_CASE("a Megatron resume with another steps warns that the sample order changes; the same steps does not", "[data][cli]") {
+  fs::create_directories(kDir);
+  std::vector<std::vector<int64_t>> documents(6);
+  for (int64_t d = 0; d < 6; ++d)
+    for (int64_t t = 0; t < 9; ++t) documents[static_cast<size_t>(d)].push_back(1 + (d * 9 + t) % 60);
+  indexed_dataset_write(kDir + "/resume-steps", documents, 8);
+  fs::remove_all(kDir + "/resume-steps-run");
+  const std::string args = "dataset_type=megatron dataset_path=" + kDir + "/resume-steps split=1,0,0 model_name=test-tiny "
+                           "pad_id=-1 eod_id=-1 max_target_length=8 per_device_batch_size=2 checkpoint_period=1 "
+                           "async_checkpointing=false base_output_directory=" + kDir + " run_name=resume-steps-run "
+                           "data_cache_path=" + kDir + "/cache-resume-steps ";
+  REQUIRE(run_trainer(args + "steps=2").exit_code == 0);
+  const auto same = run_trainer(args + "steps=2 log_period=5");  // nothing to do, and no warning
+  CHECK(same.exit_code == 0);
+  CHECK_THAT(same.output, !Catch::Contains("steps changed"));
+  const auto longer = run_trainer(args + "steps=4");
+  INFO(longer.output);
+  CHECK(longer.exit_code == 0);
+  CHECK_THAT(longer.output, Catch::Contains("steps changed from 2 to 4 with dataset_type=megatron") &&
+                                Catch::Contains("from step 2 on the samples differ"));
 }
 
 TEST_CASE("GPTDataset samples equal the numpy reference (epochs, separate final epoch, splits)", "[data]") {

@@ -85,7 +85,8 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
     if (S > n / 4 || D > n / 8 || kHeaderSize + 12 * S + 8 * D != n)
       throw data_error(idx_path + ": " + std::to_string(n) + " bytes but header says S = " + std::to_string(S) +
                        " sequences and D = " + std::to_string(D) + " document entries (expected 34 + 12*S + 8*D = " +
-                       (S <= n / 4 && D <= n / 8 ? std::to_string(kHeaderSize + 12 * S + 8 * D) : "overflow") + " bytes)");
+                       (S <= n / 4 && D <= n / 8 ? std::to_string(kHeaderSize + 12 * S + 8 * D) + " bytes)"
+                                                 : "more bytes than the file has: the counts at offsets 18 and 26 are corrupt)"));
     if (D < 1) throw data_error(idx_path + ": document index is empty at offset 26 (expected D >= 1)");
     num_sequences_ = static_cast<int64_t>(S);
     num_documents_ = static_cast<int64_t>(D) - 1;
@@ -96,8 +97,14 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
     const uint64_t bin_size = bin_->size();
     for (uint64_t i = 0; i < S; ++i) {
       const int64_t pointer = sequence_pointer(static_cast<int64_t>(i));
-      if (lengths_[i] < 0 || pointer < 0 ||
-          static_cast<uint64_t>(pointer) + static_cast<uint64_t>(lengths_[i]) * item_size_ > bin_size)
+      if (lengths_[i] < 0 || pointer < 0)
+        throw data_error(idx_path + ": sequence " + std::to_string(i) + " has a negative " +
+                         (lengths_[i] < 0 ? "length (" + std::to_string(lengths_[i]) + " at byte " +
+                                                std::to_string(kHeaderSize + 4 * i) + " of the .idx)"
+                                          : "byte offset into " + bin_path + " (" + std::to_string(pointer) + " at byte " +
+                                                std::to_string(pointers_offset_ + 8 * i) + " of the .idx)") +
+                         ": the index is corrupt");
+      if (static_cast<uint64_t>(pointer) + static_cast<uint64_t>(lengths_[i]) * item_size_ > bin_size)
         throw data_error(idx_path + ": sequence " + std::to_string(i) + " (length " + std::to_string(lengths_[i]) +
                          " at byte " + std::to_string(pointer) + ") points past the end of " + bin_path + " (" +
                          std::to_string(bin_size) + " bytes)");

@@ -359,7 +359,6 @@ void Trainer::restore(const CheckpointContents& c, bool full_state, const std::s
 
 void Trainer::restore_state(const CheckpointState& state, const std::string& config_yaml, const std::string& source) {
   restored_consumed_samples_ = state.consumed_samples;
-  restored_from_ = source;
   if (state.world_size != config_.data_parallel_size)
     spdlog::warn("{} was written with {} ranks, resuming with {}", source, state.world_size, config_.data_parallel_size);
   updates_applied_ = state.updates_applied;
@@ -393,6 +392,15 @@ void Trainer::restore_state(const CheckpointState& state, const std::string& con
     for (const auto& [key, value] : after)
       if (before.count(key) && before[key] != value) changed += (changed.empty() ? "" : ", ") + key + " " + before[key] + " -> " + value;
     if (!changed.empty()) spdlog::warn("resuming with a config that differs from the checkpoint's: {}", changed);
+    // Megatron's index covers steps x global_batch_size samples and is shuffled as a whole, so
+    // another `steps` is another sample order (as in Megatron when --train-iters changes): the
+    // resumed run goes on at the same position of a different permutation.
+    if (config_.dataset_type == "megatron" && before.count("steps") && before["steps"] != after["steps"])
+      spdlog::warn("steps changed from {} to {} with dataset_type=megatron: the data index is built for steps x "
+                   "global_batch_size samples and shuffled as a whole, so from step {} on the samples differ from "
+                   "those the first run would have drawn, and some it already trained on may come again "
+                   "(Megatron does the same when --train-iters changes; docs/data.md)",
+                   before["steps"], after["steps"], state.step);
   }
 }
 
@@ -415,7 +423,18 @@ int64_t Trainer::load_initial_state() {
   };
   if (own) {
     const auto state = restore_full(*own, "checkpoint " + *own);
-    restored_own_checkpoint_ = true;
+    // The data position is step x global_batch_size (data_first_sample_index): with another global
+    // batch a resumed run would skip or repeat samples, so a changed one is refused, not followed,
+    // before the resume is announced. (A finished run has nothing to skip; a load_full_state_path
+    // of another run starts a new data stream: its position is not checked.)
+    if (state.step < c.steps && state.consumed_samples != state.step * c.global_batch_size)
+      throw config_error("checkpoint " + *own + " consumed " + std::to_string(state.consumed_samples) + " samples in " +
+                         std::to_string(state.step) + " steps, but this run's global_batch_size is " +
+                         std::to_string(c.global_batch_size) + " (per_device_batch_size " +
+                         std::to_string(c.per_device_batch_size) + " x " + std::to_string(c.data_parallel_size) +
+                         " ranks x gradient_accumulation_steps " + std::to_string(c.gradient_accumulation_steps) +
+                         "): it would skip or repeat samples; keep the product at " +
+                         (state.step > 0 ? std::to_string(state.consumed_samples / state.step) : std::string("the checkpoint's")));
     spdlog::info("resumed from checkpoint {} (step {}, {} updates applied)", *own, state.step, state.updates_applied);
     return state.step;
   }

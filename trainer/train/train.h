@@ -287,8 +287,6 @@ class Trainer {
   bool failure_vote_ = false;  // this rank holds a failure of its own (train()), announced the same way
   std::deque<double> spike_losses_, spike_grad_norms_;  // last skip_step_interval accepted steps
   int64_t restored_consumed_samples_ = -1;  // of the checkpoint restore_state read; -1: none
-  std::string restored_from_;               // and where it came from, for messages
-  bool restored_own_checkpoint_ = false;    // it was this run_dir's (not load_full_state_path's)
   std::unique_ptr<RunDirLock> run_dir_lock_;  // rank 0, for the duration of train(): one trainer per run_dir
   std::unique_ptr<MetricsLogger> logger_;
   std::unique_ptr<Checkpointer> checkpointer_;

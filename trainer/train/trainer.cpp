@@ -461,16 +461,6 @@ void Trainer::train() {
     spdlog::info("run_dir {} already reached step {} (steps = {}); nothing to do", c.run_dir, start_step, c.steps);
     return;
   }
-  // The data position is step x global_batch_size (data_first_sample_index): with another global
-  // batch a resumed run would skip or repeat samples, so a changed one is refused, not followed.
-  // (A load_full_state_path of another run starts a new data stream: its position is not checked.)
-  if (restored_own_checkpoint_ && restored_consumed_samples_ != start_step * c.global_batch_size)
-    throw config_error(restored_from_ + " consumed " + std::to_string(restored_consumed_samples_) + " samples in " +
-                       std::to_string(start_step) + " steps, but this run's global_batch_size is " +
-                       std::to_string(c.global_batch_size) + " (per_device_batch_size " + std::to_string(c.per_device_batch_size) +
-                       " x " + std::to_string(c.data_parallel_size) + " ranks x gradient_accumulation_steps " +
-                       std::to_string(c.gradient_accumulation_steps) + "): it would skip or repeat samples; keep the product at " +
-                       (start_step > 0 ? std::to_string(restored_consumed_samples_ / start_step) : std::string("the checkpoint's")));
   ranks_share_failure(*comm_, "opening the run's files (config.yml, metrics_file, TensorBoard)", [&] {
     if (!writer) return;
     const std::string config_path = (std::filesystem::path(c.run_dir) / "config.yml").string();
