@@ -432,6 +432,12 @@ TEST_CASE("damaged checkpoints: none usable stops the run with exit 3 and overwr
     const auto cli = run_trainer(std::string(kSyntheticData) + " " + args + "steps=3 per_device_batch_size=4");
     CHECK(cli.exit_code == 2);
     CHECK_THAT(cli.output, Catch::Contains("global_batch_size is 4") && !Catch::Contains("resumed from checkpoint"));
+    // An export reads no data: the checkpoint exports under any batch layout.
+    const auto exported = run_trainer(std::string(kSyntheticData) + " " + args + "steps=3 per_device_batch_size=4 "
+                                      "--export-safetensors " + kOut + "/damaged-export.safetensors");
+    INFO(exported.output);
+    CHECK(exported.exit_code == 0);
+    CHECK(fs::exists(kOut + "/damaged-export.safetensors"));
     // The same global batch in another split resumes.
     CHECK(train_in_process(args + "steps=3 per_device_batch_size=4 gradient_accumulation_steps=2") == 0);
     CHECK(fs::exists(checkpoints + "/3/manifest.json"));
@@ -867,6 +873,24 @@ TEST_CASE("Hugging Face directories: config.json round trips the model keys, and
 
   // Tensors: a fused query_key_value of the wrong size, and an expert bias the config would ignore.
   const auto tensors = hf_read_directory(dir);
+  // A directory with both an index and a model.safetensors: model.safetensors is read, as
+  // transformers' from_pretrained does. An index entry outside its directory is refused.
+  {
+    const std::string both = kOut + "/hf-both", escaping = kOut + "/hf-escaping";
+    for (const auto& copy : {both, escaping}) {
+      fs::remove_all(copy);
+      fs::copy(dir, copy, fs::copy_options::recursive);
+    }
+    checkpoint_write_tensors(both + "/model.safetensors", {{"only.weight", torch::ones({2})}});
+    const auto read = hf_read_directory(both);
+    REQUIRE(read.size() == 1);
+    CHECK(read[0].first == "only.weight");
+    auto index = nlohmann::json::parse(read_file(escaping + "/model.safetensors.index.json"));
+    auto& first = index["weight_map"].begin().value();
+    first = "../hf-escaping/" + first.get<std::string>();  // the same file, reached from outside
+    std::ofstream(escaping + "/model.safetensors.index.json", std::ios::trunc) << index.dump(2);
+    CHECK_THROWS_WITH(hf_read_directory(escaping), Catch::Contains("outside " + escaping));
+  }
   auto with = [&](const std::string& name, const torch::Tensor& replacement) {
     NamedTensors out = tensors;
     for (auto& [n, t] : out)

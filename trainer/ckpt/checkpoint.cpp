@@ -12,6 +12,7 @@
 #include <chrono>
 #include <thread>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -358,12 +359,20 @@ std::vector<int64_t> CheckpointReader::shape(const std::string& name) const {
   return shape;
 }
 
+std::istream& CheckpointReader::open_file(const std::string& path) const {
+  if (const auto it = open_files_.find(path); it != open_files_.end()) return *it->second;
+  if (open_files_.size() >= kOpenFilesKept) open_files_.clear();  // within the file-descriptor limit
+  auto in = std::make_shared<std::ifstream>(path, std::ios::binary);
+  if (!*in) throw std::runtime_error("cannot open " + path + ": " + std::strerror(errno));
+  return *open_files_.emplace(path, std::move(in)).first->second;
+}
+
 torch::Tensor CheckpointReader::read(const std::string& name) const {
   const auto* at = find(name);
   if (!at) throw config_error("the checkpoint holds no tensor " + name);
   std::vector<char> bytes;
   try {
-    bytes = safetensors_read_bytes(at->path, *at->header, at->tensor);
+    bytes = safetensors_read_bytes(open_file(at->path), at->path, *at->header, at->tensor);
   } catch (const std::exception& e) {
     throw config_error(e.what());
   }

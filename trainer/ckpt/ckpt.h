@@ -4,6 +4,7 @@
 #include <atomic>
 #include <exception>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <set>
@@ -143,6 +144,11 @@ class CheckpointReader {
   std::map<std::string, Location> tensors_;  // model and optimizer ("exp_avg.<name>") tensors, as stored
   std::vector<std::string> model_names_;
   std::map<std::string, Alias> aliases_;  // hugging_face: every model name, else empty
+  // The files read from, kept open: one open per file, not per tensor (a MoE model has thousands
+  // of tensors, and an open is a round trip on a network filesystem). At most kOpenFilesKept.
+  static constexpr size_t kOpenFilesKept = 16;
+  mutable std::map<std::string, std::shared_ptr<std::ifstream>> open_files_;
+  std::istream& open_file(const std::string& path) const;
   // Every tensor read passes it (if set): (name, name in the files, tensor).
   std::function<void(const std::string&, const std::string&, const torch::Tensor&)> check_read_;
 };

@@ -3,6 +3,7 @@
 // transformers' Llama and Qwen3, and inclusionAI's modeling_bailing_moe_v2.py for Ling 2.0.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -194,13 +195,16 @@ CheckpointReader CheckpointReader::hugging_face(const std::string& dir, const Co
 
 std::map<std::string, std::set<std::string>> hf_directory_files(const std::string& dir) {
   const fs::path root(dir);
-  const fs::path index_path = root / "model.safetensors.index.json";
-  if (!fs::exists(index_path)) {
-    const fs::path single = root / "model.safetensors";
-    if (!fs::exists(single))
-      throw config_error("no model.safetensors or model.safetensors.index.json in " + dir);
+  const fs::path index_path = root / "model.safetensors.index.json", single = root / "model.safetensors";
+  // Both present: model.safetensors is the model, as transformers' from_pretrained decides (it
+  // looks for the single file first), so both load the same weights.
+  if (fs::exists(single)) {
+    if (fs::exists(index_path))
+      spdlog::warn("{} holds both model.safetensors and model.safetensors.index.json: reading model.safetensors, as "
+                   "transformers does (the index and its files are ignored)", dir);
     return {{single.string(), {}}};
   }
+  if (!fs::exists(index_path)) throw config_error("no model.safetensors or model.safetensors.index.json in " + dir);
   nlohmann::json index;
   try {
     std::ifstream in(index_path);
@@ -213,7 +217,14 @@ std::map<std::string, std::set<std::string>> hf_directory_files(const std::strin
   std::map<std::string, std::set<std::string>> names_in_file;  // shard path -> the names the index puts there
   for (const auto& [name, file] : index["weight_map"].items()) {
     if (!file.is_string()) throw config_error(index_path.string() + ": weight_map entry " + name + " is not a file name");
-    const fs::path path = root / file.get<std::string>();
+    const fs::path listed(file.get<std::string>());
+    const bool escapes = listed.is_absolute() || std::any_of(listed.begin(), listed.end(), [](const fs::path& part) {
+                           return part == "..";
+                         });
+    if (escapes)  // an index names files of its own directory; this one would read any file
+      throw config_error(index_path.string() + ": weight_map puts " + name + " in " + listed.string() +
+                         ", outside " + dir + " (an index names files of its own directory)");
+    const fs::path path = root / listed;
     if (!fs::exists(path))
       throw config_error(index_path.string() + " lists " + file.get<std::string>() + " (for " + name + "), which is missing");
     names_in_file[path.string()].insert(name);

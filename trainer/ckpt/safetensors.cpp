@@ -206,11 +206,10 @@ SafetensorsFile safetensors_read(const std::string& path, bool with_data) {
   return file;
 }
 
-std::vector<char> safetensors_read_bytes(const std::string& path, const SafetensorsFile& header,
+std::vector<char> safetensors_read_bytes(std::istream& in, const std::string& path, const SafetensorsFile& header,
                                          const SafetensorsTensor& tensor) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) io_error("cannot open", path);
   std::vector<char> bytes(tensor.nbytes);
+  in.clear();  // a failed read before does not stop this one
   in.seekg(static_cast<std::streamoff>(header.data_start + tensor.offset));
   in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   if (!in) throw std::runtime_error("invalid safetensors file " + path + ": short read");

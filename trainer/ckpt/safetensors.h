@@ -4,6 +4,7 @@
 // Plain C++ (no LibTorch), plus the CRC32C checksums used by checkpoint manifests.
 #pragma once
 #include <cstdint>
+#include <istream>
 #include <map>
 #include <string>
 #include <vector>
@@ -65,10 +66,11 @@ struct SafetensorsFile {
 };
 
 // Reads and validates a file (header bounds, offsets inside the buffer, sizes matching shapes);
-// without data only the header (then safetensors_read_bytes reads one tensor at a time).
+// without data only the header (then safetensors_read_bytes reads one tensor at a time from
+// `in`, the file opened once by its caller; `path` names it in errors).
 // Throws std::runtime_error naming the path and the problem.
 SafetensorsFile safetensors_read(const std::string& path, bool with_data = true);
-std::vector<char> safetensors_read_bytes(const std::string& path, const SafetensorsFile& header,
+std::vector<char> safetensors_read_bytes(std::istream& in, const std::string& path, const SafetensorsFile& header,
                                          const SafetensorsTensor& tensor);
 
 // CRC32C of a whole file; throws std::runtime_error if it cannot be read.

@@ -34,6 +34,12 @@ class SampleSource {
  public:
   virtual ~SampleSource() = default;
   virtual void fill_row(int64_t index, MicroBatch& batch, int64_t row) const = 0;
+  // Whether a source built for `other_num_samples` samples gives the same sample at every index
+  // both have (a resume with another `steps`): Megatron's index is shuffled over whole epochs.
+  virtual bool same_samples_as_built_for(int64_t other_num_samples) const {
+    (void)other_num_samples;
+    return true;
+  }
 };
 
 // Synthetic, learnable data: each sample is a pure function of (global index, seed), so any
@@ -63,8 +69,9 @@ enum class DataSplit { kTrain = 0, kValid = 1, kTest = 2 };
 // directory). Empty (one process): every miss is built here. Errors in the data throw
 // trainer::Error (exit code 3).
 using DataIndexSync = std::function<void(const std::string& file)>;
+// `ranks_on_host` processes of this machine each hold the index arrays (the memory check).
 std::unique_ptr<SampleSource> megatron_source(const Config& config, DataSplit split, int64_t num_samples,
-                                              int64_t rank = 0, const DataIndexSync& sync = {});
+                                              int64_t rank = 0, const DataIndexSync& sync = {}, int64_t ranks_on_host = 1);
 
 // Global sample order (DESIGN section 6): micro-batch m of data-parallel rank r in step k holds
 // global samples k*GBS + m*mbs*R + r*mbs + [0, mbs).
@@ -73,7 +80,7 @@ int64_t data_first_sample_index(const Config& config, int64_t step, int64_t micr
 class DataLoader {
  public:
   // The training split (synthetic data or Megatron's train split sized steps * GBS).
-  DataLoader(const Config& config, int64_t rank, const DataIndexSync& sync = {});
+  DataLoader(const Config& config, int64_t rank, const DataIndexSync& sync = {}, int64_t ranks_on_host = 1);
   // An explicit source (e.g. the validation split).
   DataLoader(const Config& config, int64_t rank, std::shared_ptr<SampleSource> source);
   // Micro-batch `micro` (0-based) of optimizer step `step` (0-based) for this rank: a pure
@@ -81,6 +88,10 @@ class DataLoader {
   MicroBatch data_loader_next(int64_t step, int64_t micro) const;
   // One row: global sample `index` (for --dump-samples).
   MicroBatch data_loader_sample(int64_t index) const;
+  // SampleSource::same_samples_as_built_for of the source.
+  bool data_loader_same_samples_as_built_for(int64_t other_num_samples) const {
+    return source_->same_samples_as_built_for(other_num_samples);
+  }
 
  private:
   Config config_;

@@ -65,19 +65,18 @@ std::vector<int64_t> gpt_split_boundaries(const std::string& split, int64_t n) {
 
 namespace {
 
+// The documents tiled over the epochs and shuffled: the first E - 1 epochs together and the last
+// on its own when it is separate. Built in place (no second array appended to the first: the
+// memory check counts one array of each kind, docs/data.md).
 std::vector<int32_t> build_document_index(const std::vector<int32_t>& documents, int64_t num_epochs,
                                           NumpyRandomState& rng, bool separate_final_epoch) {
-  if (!separate_final_epoch || num_epochs == 1) {
-    std::vector<int32_t> index;
-    index.reserve(documents.size() * static_cast<size_t>(num_epochs));
-    for (int64_t e = 0; e < num_epochs; ++e) index.insert(index.end(), documents.begin(), documents.end());
-    rng.shuffle(index);
-    return index;
-  }
-  auto first = build_document_index(documents, num_epochs - 1, rng, false);
-  const auto last = build_document_index(documents, 1, rng, false);
-  first.insert(first.end(), last.begin(), last.end());
-  return first;
+  std::vector<int32_t> index;
+  index.reserve(documents.size() * static_cast<size_t>(num_epochs));
+  for (int64_t e = 0; e < num_epochs; ++e) index.insert(index.end(), documents.begin(), documents.end());
+  const size_t together = separate_final_epoch && num_epochs > 1 ? index.size() - documents.size() : index.size();
+  rng.shuffle(index.data(), together);
+  rng.shuffle(index.data() + together, index.size() - together);
+  return index;
 }
 
 // helpers.cpp build_sample_idx with drop_last_partial_sequence = true, add_extra_token = 1.
@@ -113,23 +112,13 @@ std::vector<int64_t> build_sample_index(const std::vector<int32_t>& sizes, const
   return sample;
 }
 
+// arange(total_size) with [0, num_samples) and [num_samples, total_size) shuffled apart.
 std::vector<int64_t> build_shuffle_index(int64_t num_samples, int64_t total_size, NumpyRandomState& rng) {
-  std::vector<int64_t> first(static_cast<size_t>(num_samples));
-  std::iota(first.begin(), first.end(), 0);
-  rng.shuffle(first);
-  if (num_samples == total_size) return first;
-  std::vector<int64_t> last(static_cast<size_t>(total_size - num_samples));
-  std::iota(last.begin(), last.end(), num_samples);
-  rng.shuffle(last);
-  first.insert(first.end(), last.begin(), last.end());
-  return first;
-}
-
-int64_t tokens_per_epoch_of(const std::vector<int32_t>& sizes, const std::vector<int32_t>& documents) {
-  int64_t tokens = 0;
-  for (int32_t d : documents) tokens += sizes[static_cast<size_t>(d)];
-  if (tokens <= 1) throw Error(kExitData, "the data split has " + std::to_string(tokens) + " tokens; at least 2 are needed");
-  return tokens;
+  std::vector<int64_t> index(static_cast<size_t>(total_size));
+  std::iota(index.begin(), index.end(), 0);
+  rng.shuffle(index.data(), static_cast<size_t>(num_samples));
+  rng.shuffle(index.data() + num_samples, static_cast<size_t>(total_size - num_samples));
+  return index;
 }
 
 // Smallest E >= 1 with E * tokens >= num_samples * L + 1 (the +1: every sample reads L + 1 tokens).
@@ -143,7 +132,7 @@ double num_epochs_needed(int64_t tokens_per_epoch, int64_t seq_len, int64_t num_
 
 GptIndicesSize gpt_indices_size(const std::vector<int32_t>& sizes, const std::vector<int32_t>& documents, int64_t seq_len,
                                 int64_t num_samples) {
-  const int64_t tokens_per_epoch = tokens_per_epoch_of(sizes, documents);
+  const int64_t tokens_per_epoch = gpt_tokens_per_epoch(sizes, documents);
   const double epochs = num_epochs_needed(tokens_per_epoch, seq_len, num_samples);
   const double total_samples = std::floor((epochs * static_cast<double>(tokens_per_epoch) - 1.0) / static_cast<double>(seq_len));
   GptIndicesSize out;
@@ -154,23 +143,41 @@ GptIndicesSize gpt_indices_size(const std::vector<int32_t>& sizes, const std::ve
   return out;
 }
 
-GptIndices gpt_build_indices(const std::vector<int32_t>& sizes, const std::vector<int32_t>& documents,
-                             int64_t seq_len, int64_t num_samples, uint32_t seed) {
-  const int64_t tokens_per_epoch = tokens_per_epoch_of(sizes, documents);
-  GptIndices out;
+GptEpochs gpt_epochs(int64_t tokens_per_epoch, int64_t seq_len, int64_t num_samples) {
+  // num_samples * L + 1 tokens must be addressable (int64) with an epoch to spare.
+  if (num_samples > (std::numeric_limits<int64_t>::max() - 2 * tokens_per_epoch) / seq_len)
+    throw config_error(std::to_string(num_samples) + " samples of " + std::to_string(seq_len) +
+                       " tokens are more tokens than an int64 counts: lower steps or global_batch_size");
+  GptEpochs out;
   out.num_epochs = (num_samples * seq_len + tokens_per_epoch) / tokens_per_epoch;  // num_epochs_needed, in int64
-  int64_t samples_before_final = 0;
   if (out.num_epochs > 1) {
-    samples_before_final = ((out.num_epochs - 1) * tokens_per_epoch - 1) / seq_len;
-    const int64_t from_final = num_samples - samples_before_final;
+    out.samples_before_final = ((out.num_epochs - 1) * tokens_per_epoch - 1) / seq_len;
+    const int64_t from_final = num_samples - out.samples_before_final;
     const int64_t per_epoch = (tokens_per_epoch - 1) / seq_len;
     out.separate_final_epoch = from_final < static_cast<int64_t>(0.80 * static_cast<double>(per_epoch));
   }
+  return out;
+}
+
+int64_t gpt_tokens_per_epoch(const std::vector<int32_t>& sizes, const std::vector<int32_t>& documents) {
+  int64_t tokens = 0;
+  for (int32_t d : documents) tokens += sizes[static_cast<size_t>(d)];
+  if (tokens <= 1) throw Error(kExitData, "the data split has " + std::to_string(tokens) + " tokens; at least 2 are needed");
+  return tokens;
+}
+
+GptIndices gpt_build_indices(const std::vector<int32_t>& sizes, const std::vector<int32_t>& documents,
+                             int64_t seq_len, int64_t num_samples, uint32_t seed) {
+  const int64_t tokens_per_epoch = gpt_tokens_per_epoch(sizes, documents);
+  const GptEpochs epochs = gpt_epochs(tokens_per_epoch, seq_len, num_samples);
+  GptIndices out;
+  out.num_epochs = epochs.num_epochs;
+  out.separate_final_epoch = epochs.separate_final_epoch;
   NumpyRandomState rng(seed);
   out.document_index = build_document_index(documents, out.num_epochs, rng, out.separate_final_epoch);
   out.sample_index = build_sample_index(sizes, out.document_index, seq_len, out.num_epochs, tokens_per_epoch);
   const int64_t total = static_cast<int64_t>(out.sample_index.size() / 2) - 1;
-  out.shuffle_index = build_shuffle_index(out.separate_final_epoch ? samples_before_final : total, total, rng);
+  out.shuffle_index = build_shuffle_index(out.separate_final_epoch ? epochs.samples_before_final : total, total, rng);
   return out;
 }
 

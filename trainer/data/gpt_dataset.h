@@ -16,8 +16,12 @@ class NumpyRandomState {
   explicit NumpyRandomState(uint32_t seed) : mt_(seed) {}
   uint64_t random_interval(uint64_t max);  // uniform in [0, max]
   template <typename T>
+  void shuffle(T* values, size_t n) {
+    for (size_t i = n; i-- > 1;) std::swap(values[i], values[random_interval(i)]);
+  }
+  template <typename T>
   void shuffle(std::vector<T>& values) {
-    for (size_t i = values.size(); i-- > 1;) std::swap(values[i], values[random_interval(i)]);
+    shuffle(values.data(), values.size());
   }
 
  private:
@@ -34,6 +38,23 @@ struct GptIndices {
   int64_t num_epochs = 0;
   bool separate_final_epoch = false;
 };
+
+// How many epochs a GPTDataset of `num_samples` samples of seq_len tokens spans (the smallest E
+// with E * tokens_per_epoch >= num_samples * seq_len + 1) and whether the last is shuffled on its
+// own (Megatron: when it contributes fewer than 80% of an epoch's samples). The index arrays
+// depend on num_samples through these alone: two sample counts with the same GptEpochs give the
+// same sample at every index. config_error when the token count passes int64.
+struct GptEpochs {
+  int64_t num_epochs = 1;
+  bool separate_final_epoch = false;
+  int64_t samples_before_final = 0;  // samples of the first num_epochs - 1 epochs
+  bool operator==(const GptEpochs& o) const {
+    return num_epochs == o.num_epochs && separate_final_epoch == o.separate_final_epoch;
+  }
+};
+GptEpochs gpt_epochs(int64_t tokens_per_epoch, int64_t seq_len, int64_t num_samples);
+// The tokens of `documents` (exit 3 when fewer than 2).
+int64_t gpt_tokens_per_epoch(const std::vector<int32_t>& sizes, const std::vector<int32_t>& documents);
 
 // Builds the indices of one GPTDataset: `documents` are the document ids of the split,
 // `sizes` the token count of every document, `num_samples` the samples requested.

@@ -86,7 +86,9 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
       throw data_error(idx_path + ": " + std::to_string(n) + " bytes but header says S = " + std::to_string(S) +
                        " sequences and D = " + std::to_string(D) + " document entries (expected 34 + 12*S + 8*D = " +
                        (S <= n / 4 && D <= n / 8 ? std::to_string(kHeaderSize + 12 * S + 8 * D) + " bytes)"
-                                                 : "more bytes than the file has: the counts at offsets 18 and 26 are corrupt)"));
+                                                 : std::string("more bytes than the file has: the ") +
+                                                       (S > n / 4 ? (D > n / 8 ? "counts at offsets 18 and 26 are" : "count at offset 18 is")
+                                                                  : "count at offset 26 is") + " corrupt)"));
     if (D < 1) throw data_error(idx_path + ": document index is empty at offset 26 (expected D >= 1)");
     num_sequences_ = static_cast<int64_t>(S);
     num_documents_ = static_cast<int64_t>(D) - 1;

@@ -109,12 +109,14 @@ struct Component {
   std::unique_ptr<IndexedDataset> data;
   GptIndices indices;
   int64_t num_samples = 0;
+  int64_t tokens_per_epoch = 0;  // of its split's documents
 };
 
 class MegatronSource : public SampleSource {
  public:
-  MegatronSource(const Config& c, DataSplit split, int64_t num_samples, int64_t rank, const DataIndexSync& sync)
-      : rank_(rank), sync_(sync), seq_len_(c.max_target_length), vocab_size_(c.vocab_size), eod_(c.eod_id), pad_(c.pad_id),
+  MegatronSource(const Config& c, DataSplit split, int64_t num_samples, int64_t rank, const DataIndexSync& sync,
+                 int64_t ranks_on_host)
+      : rank_(rank), ranks_on_host_(ranks_on_host), sync_(sync), seq_len_(c.max_target_length), vocab_size_(c.vocab_size), eod_(c.eod_id), pad_(c.pad_id),
         eod_mask_loss_(c.eod_mask_loss), reset_positions_(c.reset_position_ids), reset_attention_(c.reset_attention_mask),
         num_samples_(num_samples) {
     const auto blend = parse_dataset_path(c.dataset_path);
@@ -136,12 +138,25 @@ class MegatronSource : public SampleSource {
         throw Error(kExitData, blend[d].second + ": split \"" + c.split + "\" leaves no sequences for the " +
                                    kSplitNames[s] + " split (" + std::to_string(comp.data->num_sequences()) + " sequences)");
       index_sizes.push_back(gpt_indices_size(comp.data->sequence_lengths(), documents[d], c.max_target_length, sizes[d]));
+      comp.tokens_per_epoch = gpt_tokens_per_epoch(comp.data->sequence_lengths(), documents[d]);
       components_.push_back(std::move(comp));
     }
-    if (!c.allow_memory_overcommit) index_memory_check(c, blend, index_sizes, kSplitNames[s]);
+    if (!c.allow_memory_overcommit) index_memory_check(blend, index_sizes, split);
     for (size_t d = 0; d < blend.size(); ++d)
       components_[d].indices = cached_indices(c, *components_[d].data, documents[d], s, components_[d].num_samples);
     if (blend.size() > 1) gpt_blend_indices(weights_, num_samples, blend_dataset_, blend_sample_);
+  }
+
+  bool same_samples_as_built_for(int64_t other_num_samples) const override {
+    // The blend's dataset choice for sample s depends on s and the weights alone; each dataset's
+    // samples depend on its sample count through its epochs alone (gpt_epochs).
+    const std::vector<int64_t> other_sizes = components_.size() == 1 ? std::vector<int64_t>{other_num_samples}
+                                                                     : gpt_blend_sizes(weights_, other_num_samples);
+    for (size_t d = 0; d < components_.size(); ++d)
+      if (!(gpt_epochs(components_[d].tokens_per_epoch, seq_len_, components_[d].num_samples) ==
+            gpt_epochs(components_[d].tokens_per_epoch, seq_len_, other_sizes[d])))
+        return false;
+    return true;
   }
 
   void fill_row(int64_t index, MicroBatch& b, int64_t row) const override {
@@ -188,8 +203,8 @@ class MegatronSource : public SampleSource {
   // The index arrays (and a blend's two arrays) live in host memory on every rank: a run whose
   // arrays cannot fit (steps=1000000000 asks for hundreds of GiB) stops here with exit 2 instead
   // of building them for minutes and dying in an allocation.
-  void index_memory_check(const Config& c, const std::vector<std::pair<double, std::string>>& blend,
-                          const std::vector<GptIndicesSize>& index_sizes, const std::string& split_name) const {
+  void index_memory_check(const std::vector<std::pair<double, std::string>>& blend,
+                          const std::vector<GptIndicesSize>& index_sizes, DataSplit split) const {
     double needed = blend.size() > 1 ? 10.0 * static_cast<double>(num_samples_) : 0.0;  // int16 + int64 per sample
     std::string parts = needed > 0 ? "\n  the blend's dataset and sample ids: " + memory_bytes_text(needed) : "";
     for (size_t d = 0; d < blend.size(); ++d) {
@@ -201,12 +216,18 @@ class MegatronSource : public SampleSource {
                memory_bytes_text(size.sample_bytes) + ", shuffle index " + memory_bytes_text(size.shuffle_bytes) + ")";
     }
     const HostMemory host = host_memory_available();
-    if (needed <= host.available_bytes) return;
-    throw config_error("the " + split_name + " split's data index arrays need " + memory_bytes_text(needed) +
-                       " of host memory for " + std::to_string(num_samples_) + " samples, and " +
-                       memory_bytes_text(host.available_bytes) + " is available (" + host.source + "):" + parts +
-                       "\nthe index covers every sample of the run (steps x global_batch_size for training) and every "
-                       "rank holds a copy: lower steps or global_batch_size, or allow_memory_overcommit=true skips this check");
+    const double available = host.available_bytes / static_cast<double>(ranks_on_host_);
+    if (needed <= available) return;
+    const std::string per_rank =
+        ranks_on_host_ > 1 ? " per rank (" + std::to_string(ranks_on_host_) + " ranks on this machine each hold a copy)" : "";
+    const std::string covers = split == DataSplit::kTrain
+                                   ? "every training sample of the run (steps x global_batch_size): lower steps or global_batch_size"
+                                   : "every evaluation sample of the run ((steps / eval_interval + 1) x eval_steps x "
+                                     "global_batch_size): lower eval_steps, or raise eval_interval";
+    throw config_error("the " + kSplitNames[static_cast<int>(split)] + " split's data index arrays need at least " +
+                       memory_bytes_text(needed) + " of host memory for " + std::to_string(num_samples_) + " samples, and " +
+                       memory_bytes_text(available) + " is available" + per_rank + " (" + host.source + "):" + parts +
+                       "\nthe index covers " + covers + "; allow_memory_overcommit=true skips this check");
   }
 
   GptIndices cached_indices(const Config& c, const IndexedDataset& data, const std::vector<int32_t>& documents,
@@ -262,7 +283,7 @@ class MegatronSource : public SampleSource {
     return ix;
   }
 
-  int64_t rank_;
+  int64_t rank_, ranks_on_host_;
   DataIndexSync sync_;
   int64_t seq_len_, vocab_size_, eod_, pad_;
   bool eod_mask_loss_, reset_positions_, reset_attention_;
@@ -276,8 +297,8 @@ class MegatronSource : public SampleSource {
 }  // namespace
 
 std::unique_ptr<SampleSource> megatron_source(const Config& config, DataSplit split, int64_t num_samples, int64_t rank,
-                                              const DataIndexSync& sync) {
-  return std::make_unique<MegatronSource>(config, split, num_samples, rank, sync);
+                                              const DataIndexSync& sync, int64_t ranks_on_host) {
+  return std::make_unique<MegatronSource>(config, split, num_samples, rank, sync, ranks_on_host);
 }
 
 }  // namespace trainer

@@ -87,13 +87,14 @@ void MicroBatch::resize(int64_t batch, int64_t seq) {
   sample_indices.resize(batch);
 }
 
-DataLoader::DataLoader(const Config& config, int64_t rank, const DataIndexSync& sync)
+DataLoader::DataLoader(const Config& config, int64_t rank, const DataIndexSync& sync, int64_t ranks_on_host)
     : config_(config),
       rank_(rank),
       source_(config.dataset_type == "synthetic"
                   ? std::shared_ptr<SampleSource>(std::make_shared<SyntheticDataset>(config))
                   : std::shared_ptr<SampleSource>(
-                        megatron_source(config, DataSplit::kTrain, config.steps * config.global_batch_size, rank, sync))) {}
+                        megatron_source(config, DataSplit::kTrain, config.steps * config.global_batch_size, rank, sync,
+                                        ranks_on_host))) {}
 
 DataLoader::DataLoader(const Config& config, int64_t rank, std::shared_ptr<SampleSource> source)
     : config_(config), rank_(rank), source_(std::move(source)) {}

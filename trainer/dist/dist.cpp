@@ -440,6 +440,7 @@ Rendezvous rendezvous_open(const DistEnv& env, std::chrono::milliseconds timeout
     if (!env.master_addr.empty())
       return {tcp_store_open(env.master_addr, env.master_port, env, /*wait_for_workers=*/true, timeout), address};
     if (env.world_size == 1) {
+      address = "127.0.0.1:0";
       auto store = tcp_store_open("127.0.0.1", 0, env, false, timeout);
       address = "127.0.0.1:" + std::to_string(store->getPort());
       return {store, address};

@@ -392,19 +392,11 @@ void Trainer::restore_state(const CheckpointState& state, const std::string& con
     for (const auto& [key, value] : after)
       if (before.count(key) && before[key] != value) changed += (changed.empty() ? "" : ", ") + key + " " + before[key] + " -> " + value;
     if (!changed.empty()) spdlog::warn("resuming with a config that differs from the checkpoint's: {}", changed);
-    // Megatron's index covers steps x global_batch_size samples and is shuffled as a whole, so
-    // another `steps` is another sample order (as in Megatron when --train-iters changes): the
-    // resumed run goes on at the same position of a different permutation.
-    if (config_.dataset_type == "megatron" && before.count("steps") && before["steps"] != after["steps"])
-      spdlog::warn("steps changed from {} to {} with dataset_type=megatron: the data index is built for steps x "
-                   "global_batch_size samples and shuffled as a whole, so from step {} on the samples differ from "
-                   "those the first run would have drawn, and some it already trained on may come again "
-                   "(Megatron does the same when --train-iters changes; docs/data.md)",
-                   before["steps"], after["steps"], state.step);
+    if (before.count("steps")) restored_steps_ = std::stoll(before["steps"]);
   }
 }
 
-int64_t Trainer::load_initial_state() {
+int64_t Trainer::load_initial_state(bool training) {
   const Config& c = config_;
   const auto own = checkpoint_find_latest((std::filesystem::path(c.run_dir) / "checkpoints").string());
   // Sharded levels read one tensor at a time and keep their parts; the others read it all.
@@ -425,9 +417,11 @@ int64_t Trainer::load_initial_state() {
     const auto state = restore_full(*own, "checkpoint " + *own);
     // The data position is step x global_batch_size (data_first_sample_index): with another global
     // batch a resumed run would skip or repeat samples, so a changed one is refused, not followed,
-    // before the resume is announced. (A finished run has nothing to skip; a load_full_state_path
-    // of another run starts a new data stream: its position is not checked.)
-    if (state.step < c.steps && state.consumed_samples != state.step * c.global_batch_size)
+    // before the resume is announced. (A finished run has nothing to skip, an export reads no
+    // data; a load_full_state_path of another run starts a new data stream: its position is not
+    // checked.)
+    const bool continues = training && state.step < c.steps;
+    if (continues && state.consumed_samples != state.step * c.global_batch_size)
       throw config_error("checkpoint " + *own + " consumed " + std::to_string(state.consumed_samples) + " samples in " +
                          std::to_string(state.step) + " steps, but this run's global_batch_size is " +
                          std::to_string(c.global_batch_size) + " (per_device_batch_size " +
@@ -435,6 +429,16 @@ int64_t Trainer::load_initial_state() {
                          " ranks x gradient_accumulation_steps " + std::to_string(c.gradient_accumulation_steps) +
                          "): it would skip or repeat samples; keep the product at " +
                          (state.step > 0 ? std::to_string(state.consumed_samples / state.step) : std::string("the checkpoint's")));
+    // Megatron's index is shuffled over whole epochs of the run's steps x global_batch_size
+    // samples: another `steps` that changes a dataset's epochs is another sample order (as in
+    // Megatron when --train-iters changes).
+    if (continues && restored_steps_ > 0 && restored_steps_ != c.steps &&
+        !data_.data_loader_same_samples_as_built_for(restored_steps_ * c.global_batch_size))
+      spdlog::warn("steps changed from {} to {}, and the data index built for {} x global_batch_size samples spans other "
+                   "epochs than the checkpoint's run had: from step {} on the samples differ from those that run would "
+                   "have drawn, and some it already trained on may come again (Megatron does the same when "
+                   "--train-iters changes; docs/data.md)",
+                   restored_steps_, c.steps, c.steps, state.step);
     spdlog::info("resumed from checkpoint {} (step {}, {} updates applied)", *own, state.step, state.updates_applied);
     return state.step;
   }

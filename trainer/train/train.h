@@ -119,8 +119,9 @@ class Trainer {
 
   // Restores the starting state: the newest valid checkpoint in run_dir, else
   // load_full_state_path, else load_parameters_path (weights only), else fresh. Returns the
-  // step index to start at. Throws trainer::Error (exit 2) on a model/checkpoint mismatch.
-  int64_t load_initial_state();
+  // step index to start at. Throws trainer::Error (exit 2) on a model/checkpoint mismatch, and
+  // when `training` on a resume whose global batch would move the data position.
+  int64_t load_initial_state(bool training = false);
   // Whether load_initial_state restored a checkpoint (this run's or load_full_state_path's).
   bool restored_checkpoint() const { return restored_consumed_samples_ >= 0; }
   // Host-side copy of everything a bit-exact resume needs, after `completed_steps` steps; every
@@ -287,6 +288,7 @@ class Trainer {
   bool failure_vote_ = false;  // this rank holds a failure of its own (train()), announced the same way
   std::deque<double> spike_losses_, spike_grad_norms_;  // last skip_step_interval accepted steps
   int64_t restored_consumed_samples_ = -1;  // of the checkpoint restore_state read; -1: none
+  int64_t restored_steps_ = 0;              // its run's `steps` where the config differs, else 0
   std::unique_ptr<RunDirLock> run_dir_lock_;  // rank 0, for the duration of train(): one trainer per run_dir
   std::unique_ptr<MetricsLogger> logger_;
   std::unique_ptr<Checkpointer> checkpointer_;

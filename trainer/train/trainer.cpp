@@ -96,7 +96,7 @@ Trainer::Trainer(Config config)
       device_(device_select(config_, dist_.local_rank)),
       comm_(dist_init(dist_, {config_.collective_timeout_seconds, config_.dist_backend, device_})),
       data_(agree_on_config(config_, dist_, *comm_), dist_.rank,
-            data_index_sync(*comm_, config_.collective_timeout_seconds)),
+            data_index_sync(*comm_, config_.collective_timeout_seconds), dist_.local_world_size),
       size_(model_size(config_)) {
   perf_startup_mark("device, rendezvous, data");
   if (config_.keep_freed_host_memory) host_memory_keep_freed();
@@ -379,7 +379,8 @@ void Trainer::eval_data_open() {
     shifted.data_shuffle_seed = c.data_shuffle_seed + 1;  // disjoint from the training samples
     source = std::make_shared<SyntheticDataset>(shifted);
   } else {
-    source = megatron_source(c, DataSplit::kValid, samples, dist_.rank, data_index_sync(*comm_, c.collective_timeout_seconds));
+    source = megatron_source(c, DataSplit::kValid, samples, dist_.rank, data_index_sync(*comm_, c.collective_timeout_seconds),
+                             dist_.local_world_size);
   }
   eval_data_ = std::make_unique<DataLoader>(c, dist_.rank, std::move(source));
 }
@@ -455,7 +456,7 @@ void Trainer::train() {
       lock.reset();
     }
   } lock_release{run_dir_lock_, checkpointer_};
-  const int64_t start_step = load_initial_state();
+  const int64_t start_step = load_initial_state(/*training=*/true);
   perf_startup_mark("resume");
   if (start_step >= c.steps) {
     spdlog::info("run_dir {} already reached step {} (steps = {}); nothing to do", c.run_dir, start_step, c.steps);
