@@ -184,7 +184,9 @@ TEST_CASE("kill -9 at random moments never leaves a checkpoint that is taken for
   CHECK(*checkpoint_find_latest(dir + "/checkpoints") == latest);
   // Names no save writes, which the cleanup below must leave alone.
   fs::create_directories(dir + "/checkpoints/.tmp-notes");
+  fs::remove_all(dir + "/checkpoints/.tmp-7");  // a random kill may have left step 7's save there
   std::ofstream(dir + "/checkpoints/.tmp-7") << "a file, not a save's directory";
+  REQUIRE(fs::is_regular_file(dir + "/checkpoints/.tmp-7"));
   // The run resumes from it and completes.
   auto finish = run_trainer("model_name=default per_device_batch_size=2 max_target_length=64 checkpoint_period=1000 "
                             "steps=" + std::to_string(step + 2) + " base_output_directory=" + kOut + " run_name=killed");

@@ -2,6 +2,8 @@
 // R=2 equals R=1 with the same samples, one gradient all-reduce per bucket per step, a dead rank
 // makes the other exit 5, resume across world sizes, and scripts/pretrain_ling2.sh.
 #include <fcntl.h>
+#include <netdb.h>
+#include <sys/socket.h>
 #include <sys/file.h>
 #include <unistd.h>
 
@@ -12,6 +14,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <map>
 #include <random>
@@ -343,60 +346,56 @@ TEST_CASE("a rank that dies makes the other exit 5 naming the operation", "[dist
   CHECK_THAT(read_file(kOut + "-dead-0.log"), Catch::Contains("rank 0 of 2: all_reduce of"));
 }
 
+// Two ranks of `run`: each must exit with its code and log its text (the logs are shown on failure).
+void expect_two_ranks_exit(const std::string& run, const std::vector<std::string>& args, int code0,
+                           const std::string& text0, int code1, const std::string& text1,
+                           const std::function<void()>& prepare = {}) {
+  const auto exits = launch_two_ranks(run, args, false, prepare);
+  const std::string log0 = read_file(kOut + "-" + run + "-0.log"), log1 = read_file(kOut + "-" + run + "-1.log");
+  INFO(run << ": rank 0:\n" << log0 << "\nrank 1:\n" << log1);
+  CHECK(exits.rank0 == code0);
+  CHECK(exits.rank1 == code1);
+  CHECK_THAT(log0, Catch::Contains(text0));
+  CHECK_THAT(log1, Catch::Contains(text1));
+}
+
 TEST_CASE("a failure only rank 0 sees at the start (run directory lock and metrics file) makes every rank exit with its code at once", "[dist][cli]") {
   // Rank 1 has nothing of its own to fail; it used to wait out collective_timeout_seconds in its
   // first collective and exit 5. The timeout here is 20 s: an exit 5 would be that wait.
   const std::string locked_dir = kOut + "/locked";
   int holder = -1;
-  const auto locked = launch_two_ranks("locked", {"model_name=test-tiny", "max_target_length=16", "steps=2"}, false, [&] {
-    fs::create_directories(locked_dir);
-    if (holder >= 0) close(holder);
-    holder = open((locked_dir + "/.lock").c_str(), O_RDWR | O_CREAT, 0644);
-    REQUIRE(flock(holder, LOCK_EX | LOCK_NB) == 0);  // another trainer on this run_dir
-  });
+  expect_two_ranks_exit("locked", {"model_name=test-tiny", "max_target_length=16", "steps=2"}, 2,
+                        "is in use by another trainer", 2, "rank 0 failed creating or locking the run directory (exit code 2",
+                        [&] {
+                          fs::create_directories(locked_dir);
+                          if (holder >= 0) close(holder);
+                          holder = open((locked_dir + "/.lock").c_str(), O_RDWR | O_CREAT, 0644);
+                          REQUIRE(flock(holder, LOCK_EX | LOCK_NB) == 0);  // another trainer on this run_dir
+                        });
   close(holder);
-  INFO("rank 0:\n" << read_file(kOut + "-locked-0.log") << "\nrank 1:\n" << read_file(kOut + "-locked-1.log"));
-  CHECK(locked.rank0 == 2);
-  CHECK(locked.rank1 == 2);
-  CHECK_THAT(read_file(kOut + "-locked-0.log"), Catch::Contains("is in use by another trainer"));
-  CHECK_THAT(read_file(kOut + "-locked-1.log"), Catch::Contains("rank 0 failed creating or locking the run directory (exit code 2"));
 
   { std::ofstream(kOut + "/not-a-directory") << "a file"; }
-  const auto metrics = launch_two_ranks("blocked-metrics", {"model_name=test-tiny", "max_target_length=16", "steps=2",
-                                                            "metrics_file=" + kOut + "/not-a-directory/metrics.jsonl"}, false);
-  INFO("rank 0:\n" << read_file(kOut + "-blocked-metrics-0.log") << "\nrank 1:\n" << read_file(kOut + "-blocked-metrics-1.log"));
-  CHECK(metrics.rank0 == 1);
-  CHECK(metrics.rank1 == 1);
-  CHECK_THAT(read_file(kOut + "-blocked-metrics-0.log"), Catch::Contains("metrics_file"));
-  CHECK_THAT(read_file(kOut + "-blocked-metrics-1.log"), Catch::Contains("rank 0 failed opening the run's files"));
+  expect_two_ranks_exit("blocked-metrics", {"model_name=test-tiny", "max_target_length=16", "steps=2",
+                                            "metrics_file=" + kOut + "/not-a-directory/metrics.jsonl"},
+                        1, "metrics_file", 1, "rank 0 failed opening the run's files");
 }
 
 TEST_CASE("a failure only rank 0 sees during training (metrics_file, a sync checkpoint) makes every rank exit with its code at the next vote", "[dist][cli]") {
   // Rank 0 alone writes metrics_file and the unsharded checkpoints. Its failure there used to leave
   // rank 1 waiting out collective_timeout_seconds (20 s here) in the next step's all-reduce and
   // exiting 5; now the step's vote (or, after the last step, one more) carries it to every rank.
-  const auto full = launch_two_ranks("full-metrics", {"model_name=test-tiny", "max_target_length=16", "steps=6",
-                                                      "metrics_file=/dev/full"}, false);
-  INFO("rank 0:\n" << read_file(kOut + "-full-metrics-0.log") << "\nrank 1:\n" << read_file(kOut + "-full-metrics-1.log"));
-  CHECK(full.rank0 == 1);
-  CHECK(full.rank1 == 1);
-  CHECK_THAT(read_file(kOut + "-full-metrics-0.log"), Catch::Contains("cannot write metrics_file /dev/full"));
   // Step 0's metrics are written while step 1 runs, so step 2's vote announces the failure.
-  CHECK_THAT(read_file(kOut + "-full-metrics-1.log"),
-             Catch::Contains("rank 0 failed its own work (metrics, checkpoint) before step 2 (exit code 1"));
-
-  const auto unwritable = launch_two_ranks("unwritable-sync", {"model_name=test-tiny", "max_target_length=16", "steps=2",
-                                                               "checkpoint_period=2", "async_checkpointing=false"},
-                                           false, [] {
-                                             fs::create_directories(kOut + "/unwritable-sync");
-                                             std::ofstream(kOut + "/unwritable-sync/checkpoints") << "not a directory";
-                                           });
-  INFO("rank 0:\n" << read_file(kOut + "-unwritable-sync-0.log") << "\nrank 1:\n" << read_file(kOut + "-unwritable-sync-1.log"));
-  CHECK(unwritable.rank0 == 1);
-  CHECK(unwritable.rank1 == 1);
-  CHECK_THAT(read_file(kOut + "-unwritable-sync-0.log"), Catch::Contains("saving checkpoint 2 under"));
-  CHECK_THAT(read_file(kOut + "-unwritable-sync-1.log"),
-             Catch::Contains("rank 0 failed its own work (metrics, checkpoint) after the last step (exit code 1"));
+  expect_two_ranks_exit("full-metrics", {"model_name=test-tiny", "max_target_length=16", "steps=6", "metrics_file=/dev/full"},
+                        1, "cannot write metrics_file /dev/full", 1,
+                        "rank 0 failed its own work (metrics, checkpoint) before step 2 (exit code 1");
+  expect_two_ranks_exit("unwritable-sync", {"model_name=test-tiny", "max_target_length=16", "steps=2", "checkpoint_period=2",
+                                            "async_checkpointing=false"},
+                        1, "saving checkpoint 2 under", 1,
+                        "rank 0 failed its own work (metrics, checkpoint) after the last step (exit code 1",
+                        [] {
+                          fs::create_directories(kOut + "/unwritable-sync");
+                          std::ofstream(kOut + "/unwritable-sync/checkpoints") << "not a directory";
+                        });
 }
 
 TEST_CASE("ranks started with different world sizes are named, not left to Gloo's address exchange", "[dist][cli]") {
@@ -413,6 +412,34 @@ TEST_CASE("ranks started with different world sizes are named, not left to Gloo'
   CHECK(exits.rank0 == 5);
   CHECK_THAT(log0, Catch::Contains("; rank 1 was started with world size 3, rank 0 with 2"));
   CHECK_THAT(log0 + log1, !Catch::Contains("enforce fail"));
+}
+
+TEST_CASE("a MASTER_ADDR no resolver knows is named at once with exit 2", "[dist][cli]") {
+  // It used to be retried for collective_timeout_seconds and reported as a connection timeout.
+  // Where this machine's resolver cannot answer at all (no DNS server: EAI_AGAIN) the name may
+  // yet resolve, so the store's retries go on: then the timeout is the answer, as before.
+  const std::string host = "nonexistent.invalid";  // RFC 2606: never resolves
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const int status = getaddrinfo(host.c_str(), nullptr, &hints, &found);
+  if (found) freeaddrinfo(found);
+  REQUIRE((status == EAI_NONAME || status == EAI_AGAIN));
+  const auto start = std::chrono::steady_clock::now();
+  const auto r = run_trainer("model_name=test-tiny max_target_length=16 steps=1 collective_timeout_seconds=3 "
+                             "base_output_directory=" + kOut + " run_name=unresolvable",
+                             "RANK=1 WORLD_SIZE=2 MASTER_ADDR=" + host + " MASTER_PORT=29533");
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  INFO(r.output << "\ngetaddrinfo: " << gai_strerror(status));
+  if (status == EAI_NONAME) {
+    CHECK(r.exit_code == 2);
+    CHECK_THAT(r.output, Catch::Contains("rank 1: MASTER_ADDR=nonexistent.invalid is not a host name or address this "
+                                         "machine resolves"));
+    CHECK(seconds < 3);  // before the timeout: no retries
+  } else {
+    CHECK(r.exit_code == 5);
+    CHECK_THAT(r.output, Catch::Contains("rank 1: rendezvous at nonexistent.invalid:29533 failed"));
+  }
 }
 
 TEST_CASE("a rank killed before the ZeRO-1 parameter all-gather makes the other exit 5 naming it", "[dist][cli]") {

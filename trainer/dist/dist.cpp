@@ -1,6 +1,8 @@
 // Launcher environment and the c10d communicators, Gloo and NCCL (see dist.h).
 #include "trainer/dist/dist.h"
 
+#include <netdb.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -432,13 +434,29 @@ Rendezvous rendezvous_via_mpi(const DistEnv& env, std::chrono::milliseconds time
 #endif
 }
 
+// A MASTER_ADDR no resolver knows (a typo) would be retried until collective_timeout_seconds
+// and reported as a connection timeout; it is named at once (exit 2). A resolver that cannot
+// answer now (EAI_AGAIN) is left to the store's retries.
+void master_addr_check(const DistEnv& env) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const int status = getaddrinfo(env.master_addr.c_str(), nullptr, &hints, &found);
+  if (found) freeaddrinfo(found);
+  if (status == EAI_NONAME)
+    throw config_error("rank " + std::to_string(env.rank) + ": MASTER_ADDR=" + env.master_addr +
+                       " is not a host name or address this machine resolves (" + gai_strerror(status) + ")");
+}
+
 // The store every rank of this launch meets in: at MASTER_ADDR:MASTER_PORT when they are set,
 // else on a free port (one process on loopback; under mpirun on rank 0's host).
 Rendezvous rendezvous_open(const DistEnv& env, std::chrono::milliseconds timeout) {
   std::string address = env.master_addr + ":" + std::to_string(env.master_port);
   try {
-    if (!env.master_addr.empty())
+    if (!env.master_addr.empty()) {
+      master_addr_check(env);
       return {tcp_store_open(env.master_addr, env.master_port, env, /*wait_for_workers=*/true, timeout), address};
+    }
     if (env.world_size == 1) {
       address = "127.0.0.1:0";
       auto store = tcp_store_open("127.0.0.1", 0, env, false, timeout);
