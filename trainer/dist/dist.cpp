@@ -181,9 +181,7 @@ class C10dCommunicator : public Communicator {
       auto work = group_->allreduce(tensors);
       work->wait(timeout_);
     } catch (const std::exception& e) {
-      throw dist_error(who() + ": all_reduce of " + what +
-                       " failed (a peer rank died or hung; timeout " + std::to_string(timeout_.count() / 1000) +
-                       " s): " + first_line(e.what()));
+      throw dist_error(failed("all_reduce", what) + first_line(e.what()));
     }
     if (staged) tensor.copy_(tensors[0]);
     ++collectives_;
@@ -200,9 +198,7 @@ class C10dCommunicator : public Communicator {
       auto work = group_->allgather(outputs, inputs);
       work->wait(timeout_);
     } catch (const std::exception& e) {
-      throw dist_error(who() + ": all_gather of " + what +
-                       " failed (a peer rank died or hung; timeout " + std::to_string(timeout_.count() / 1000) +
-                       " s): " + first_line(e.what()));
+      throw dist_error(failed("all_gather", what) + first_line(e.what()));
     }
     ++collectives_;
     bytes_sent_ += static_cast<double>(world_ - 1) * static_cast<double>(parts[0].numel() * parts[0].element_size());
@@ -216,8 +212,7 @@ class C10dCommunicator : public Communicator {
       auto work = group_->reduce_scatter(outputs, inputs);
       work->wait(timeout_);
     } catch (const std::exception& e) {
-      throw dist_error(who() + ": reduce_scatter of " + what + " failed (a peer rank died or hung; timeout " +
-                       std::to_string(timeout_.count() / 1000) + " s): " + first_line(e.what()));
+      throw dist_error(failed("reduce_scatter", what) + first_line(e.what()));
     }
     ++collectives_;
     bytes_sent_ += static_cast<double>(world_ - 1) * static_cast<double>(parts[0].numel() * parts[0].element_size());
@@ -244,9 +239,7 @@ class C10dCommunicator : public Communicator {
     TORCH_CHECK(static_cast<int64_t>(parts.size()) == world_, "all_gather_start: one part per rank");
     std::vector<std::vector<at::Tensor>> outputs{parts};
     std::vector<at::Tensor> inputs{parts[static_cast<size_t>(rank_)]};
-    const std::string failed = who() + ": all_gather of " + what + " failed (a peer rank died or hung; timeout " +
-                               std::to_string(timeout_.count() / 1000) + " s): ";
-    auto fail = [failed](const std::string& reason) { return dist_error(failed + reason); };
+    auto fail = [prefix = failed("all_gather", what)](const std::string& reason) { return dist_error(prefix + reason); };
     decltype(group_->allgather(outputs, inputs)) work;
     try {
       work = group_->allgather(outputs, inputs);
@@ -261,20 +254,24 @@ class C10dCommunicator : public Communicator {
                   const std::vector<int64_t>& input_splits, const std::string& what) override {
     TORCH_CHECK(static_cast<int64_t>(output_splits.size()) == world_ && static_cast<int64_t>(input_splits.size()) == world_,
                 "all_to_all: one split per rank");
-    // Host tensors under NCCL (the row counts) make a round trip through the device.
-    auto out = output.device() == device_ && output.is_contiguous() ? output : output.to(device_).contiguous();
-    auto in = input.to(device_).contiguous();
+    // Host tensors under NCCL (the row counts) make a round trip through the device. Gloo (the
+    // CPU backend) has no bf16 ("Invalid scalar type"), so bf16 rows (an MoE MTP layer's, whose
+    // input is eh_proj's autocast output) travel as fp32 there: exact both ways.
+    const auto wire = device_.is_cpu() && input.scalar_type() == at::kBFloat16 ? at::kFloat : input.scalar_type();
+    auto out = output.device() == device_ && output.is_contiguous() && output.scalar_type() == wire
+                   ? output
+                   : output.to(device_, wire).contiguous();
+    auto in = input.to(device_, wire).contiguous();
     std::vector<int64_t> out_splits = output_splits, in_splits = input_splits;  // c10d takes them by reference
     try {
       auto work = group_->alltoall_base(out, in, out_splits, in_splits);
       work->wait(timeout_);
     } catch (const std::exception& e) {
-      throw dist_error(who() + ": all_to_all of " + what + " failed (a peer rank died or hung; timeout " +
-                       std::to_string(timeout_.count() / 1000) + " s): " + first_line(e.what()));
+      throw dist_error(failed("all_to_all", what) + first_line(e.what()));
     }
     if (!out.is_same(output)) output.copy_(out);
     ++collectives_;
-    const int64_t row_bytes = input.size(0) > 0 ? input.numel() / input.size(0) * input.element_size() : 0;
+    const int64_t row_bytes = input.size(0) > 0 ? input.numel() / input.size(0) * in.element_size() : 0;  // on the wire
     bytes_sent_ += static_cast<double>((input.size(0) - input_splits[static_cast<size_t>(rank_)]) * row_bytes);
   }
   std::unique_ptr<Communicator> split(const std::vector<int64_t>& ranks, const std::string& tag) override {
@@ -308,6 +305,11 @@ class C10dCommunicator : public Communicator {
     if (label_.empty()) return "rank " + std::to_string(rank_) + " of " + std::to_string(world_);
     return "rank " + std::to_string(global_rank_) + " (" + std::to_string(rank_) + " of " + std::to_string(world_) +
            " in " + label_ + ")";
+  }
+  // The start of a failed collective's message; the backend's reason follows it.
+  std::string failed(const std::string& collective, const std::string& what) const {
+    return who() + ": " + collective + " of " + what + " failed (a peer rank died or hung; timeout " +
+           std::to_string(timeout_.count() / 1000) + " s): ";
   }
   void configure(typename Group::Options& options);
   void shutdown();

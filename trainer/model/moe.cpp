@@ -1046,8 +1046,10 @@ torch::Tensor MoeImpl::run_experts(const torch::Tensor& x_sorted, const std::vec
   const auto by_expert = torch::tensor(order, torch::kInt64).to(x_sorted.device());  // (total)
   const auto by_source = torch::empty_like(by_expert).scatter_(0, by_expert, torch::arange(total, by_expert.options()));
   const auto y = experts->forward(received.index_select(0, by_expert), local_sizes, grouped_dispatch_);  // (total, D)
-  // Back to source-major, and home: the rows return in x_sorted's order, in x's dtype.
-  return ExchangeRows::apply(y.to(x_sorted.scalar_type()).index_select(0, by_source),
+  // Back to source-major, and home: the rows return in x_sorted's order, in the experts' compute
+  // dtype (bf16 under autocast), as they leave experts->forward at N = 1, so the combine rounds
+  // them alike.
+  return ExchangeRows::apply(y.index_select(0, by_source),
                              rows_exchange(expert_group_, "the expert combine of " + name_), send, receive);
 }
 
