@@ -291,7 +291,10 @@ int main(int argc, char** argv) {
     // Checked before the model is built (minutes for a large one).
     const std::vector<int64_t> logits_tokens =
         cl.dump_logits_path.empty() ? std::vector<int64_t>{} : parse_token_list(cl.dump_logits_tokens, config.vocab_size);
-    if (!cl.exports()) trainer::run_dir_check_writable(config.run_dir);
+    if (!cl.exports()) {
+      trainer::run_dir_check_writable(config.run_dir);
+      trainer::stop_signals_install();
+    }
     trainer::Trainer trainer(config);
     if (cl.exports())
       run_exports(trainer, config, cl, logits_tokens);

@@ -1,5 +1,7 @@
 // Checkpoints: bit-exact resume, crash safety (kill -9, partial and corrupted checkpoints),
 // SIGTERM, disabled checkpointing, the safetensors format read by hand, async == sync bytes.
+#include <sys/stat.h>
+
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -395,6 +397,12 @@ TEST_CASE("damaged checkpoints: none usable stops the run with exit 3 and overwr
     };
     with("\"step\": 2", "\"step\": 99");
     CHECK_THAT(load_error(), Catch::Contains("/2: state.json is malformed: step 99 in the checkpoint of step 2"));
+    with("\"step\": 2", "\"step\": 2.5");  // read as 2 before fields were checked one by one
+    CHECK_THAT(load_error(), Catch::Contains("state.json is malformed: step is 2.5, not an integer"));
+    with("\"world_size\": ", "\"world_sizes\": ");
+    CHECK_THAT(load_error(), Catch::Contains("state.json is malformed: world_size is missing"));
+    with("\"config_hash\": ", "\"config_hash\": 7, \"x\": ");
+    CHECK_THAT(load_error(), Catch::Contains("state.json is malformed: config_hash is 7, not a string"));
     with("\"consumed_samples\": ", "\"consumed_samples\": -");
     CHECK_THAT(load_error(), Catch::Contains("consumed_samples -") && Catch::Contains("consumed_samples >= 0"));
     // A generator state of the wrong size, with the manifest made to match: the resume names the field.
@@ -528,6 +536,40 @@ TEST_CASE("SIGTERM finishes the step, saves, and exits 0, and a resume continues
                              " base_output_directory=" + kOut + " run_name=sigterm");
   CHECK(r.exit_code == 0);
   CHECK(read_lines(dir + "/metrics.jsonl").size() == lines.size() + 1);
+}
+
+TEST_CASE("SIGTERM during start-up exits 0 at once with a line; a second signal in the loop exits 1 with one", "[checkpoint]") {
+  const std::string dir = kOut + "/sigterm-startup";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  // A metrics file that is a FIFO holds the start-up open: train() blocks opening it until a
+  // reader comes, after the Trainer was built (its "perf/mfu" line is logged) and before the loop.
+  const std::string fifo = dir + "/metrics.fifo";
+  REQUIRE(mkfifo(fifo.c_str(), 0644) == 0);
+  ChildProcesses children;
+  const pid_t pid = children.add(spawn_trainer({"model_name=test-tiny", "max_target_length=16", "steps=5",
+                                                "base_output_directory=" + kOut, "run_name=sigterm-startup",
+                                                "metrics_file=" + fifo}, dir + ".log"));
+  REQUIRE(wait_until([&] { return read_file(dir + ".log").find("perf/mfu") != std::string::npos; }, 60));
+  kill(pid, SIGTERM);
+  CHECK(children.wait(pid) == 0);
+  const std::string log = read_file(dir + ".log");
+  CHECK_THAT(log, Catch::Contains("trainer: received SIGTERM before the first step: exiting (nothing to save)"));
+  CHECK_THAT(log, !Catch::Contains("steps 0..4"));
+  CHECK_FALSE(checkpoint_find_latest(dir + "/checkpoints").has_value());
+
+  // In the loop: the first signal asks for a save, the second (before the step ends) exits 1.
+  const std::string loop = kOut + "/sigterm-twice";
+  fs::remove_all(loop);
+  const pid_t twice = children.add(spawn_trainer({"model_name=test-tiny", "max_target_length=16", "steps=100000",
+                                                  "checkpoint_period=100000", "base_output_directory=" + kOut,
+                                                  "run_name=sigterm-twice"}, loop + ".log"));
+  REQUIRE(wait_until([&] { return !read_lines(loop + "/metrics.jsonl").empty(); }, 60));
+  kill(twice, SIGTERM);
+  kill(twice, SIGINT);
+  CHECK(children.wait(twice) == 1);
+  // SIGINT may be taken first (pending signals go lowest number first): either is the second.
+  CHECK_THAT(read_file(loop + ".log"), Catch::Contains("a second time: exiting at once without saving (exit 1)"));
 }
 
 TEST_CASE("a crash prints the signal and the native stack, and still dies of that signal", "[checkpoint][cli]") {
@@ -725,6 +767,11 @@ TEST_CASE("safetensors header errors name the file and the problem", "[checkpoin
        "tensor w size does not match its shape"},
       {make("negative.safetensors", R"({"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}})"),
        "tensor w has a negative dimension"},
+      // 2^62 x 4 elements of 4 bytes wrap to 0 bytes in 64 bits; 2.5 would be read as 2.
+      {make("wraps.safetensors", R"({"w": {"dtype": "F32", "shape": [4611686018427387904, 4], "data_offsets": [0, 0]}})"),
+       "tensor w: its shape holds more than 2^64 bytes"},
+      {make("fraction.safetensors", R"({"w": {"dtype": "F32", "shape": [2.5], "data_offsets": [0, 8]}})"),
+       "tensor w: shape entry 2.5 is not an integer"},
       {make("dtype.safetensors", R"({"w": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}})"),
        "tensor w: unsupported safetensors dtype Q7"},
       {make("missing.safetensors", R"({"w": {"shape": [2], "data_offsets": [0, 8]}})"), "tensor w:"},

@@ -506,6 +506,34 @@ TEST_CASE("a re-created loader continues exactly, and the index cache is reused 
   CHECK(read_file(files[0]) == original);
 }
 
+TEST_CASE("an index cache write deletes the temporaries killed writers on this host left, and no other", "[data]") {
+  const auto& g = reference()["gpt"][0];
+  const std::string dir = kDir + "/cache-stale";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  char host[256] = {};
+  REQUIRE(gethostname(host, sizeof host - 1) == 0);
+  const pid_t ended = fork();  // a pid that is gone once reaped
+  if (ended == 0) _exit(0);
+  REQUIRE(wait_exit_code(ended) == 0);
+  const std::string mine = std::string(".gptidx.tmp.") + host + ".";
+  const std::string dead = dir + "/old-1234abcd" + mine + std::to_string(ended);
+  const std::string alive = dir + "/old-1234abcd" + mine + std::to_string(getppid());  // a writer still running
+  const std::string other_host = dir + "/old-1234abcd.gptidx.tmp.some-other-host." + std::to_string(ended);
+  for (const auto& path : {dead, alive, other_host}) std::ofstream(path) << "half";
+  const DataLoader loader(corpus_config(g, "stale", {"steps=30", "per_device_batch_size=1"}), 0);  // builds, writes
+  CHECK_FALSE(fs::exists(dead));
+  CHECK(fs::exists(alive));
+  CHECK(fs::exists(other_host));
+  size_t caches = 0, temporaries = 0;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    caches += e.path().extension() == ".gptidx";
+    temporaries += e.path().string().find(".tmp.") != std::string::npos;
+  }
+  CHECK(caches == 1);
+  CHECK(temporaries == 2);  // its own was renamed
+}
+
 TEST_CASE("ranks meet per index file: rank 0 announces it, the others read it or, not seeing it, build it at once", "[data]") {
   const auto& g = reference()["gpt"][0];
   fs::remove_all(kDir + "/cache-sync");

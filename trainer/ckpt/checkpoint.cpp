@@ -110,25 +110,45 @@ std::string state_to_json(const CheckpointState& s) {
 }
 
 CheckpointState state_from_json(const std::string& text, const std::string& path) {
+  const auto malformed = [&](const std::string& what) {
+    return config_error("checkpoint " + path + ": state.json is malformed: " + what);
+  };
+  // Each field by its name: a missing one, or 2.5 where an integer belongs (get<int64_t> would
+  // read it as 2), is named in the message.
+  const auto member = [&](const nlohmann::json& parent, const std::string& key, const std::string& name) -> const nlohmann::json& {
+    if (!parent.is_object() || !parent.contains(key)) throw malformed(name + " is missing");
+    return parent.at(key);
+  };
+  const auto integer = [&](const nlohmann::json& parent, const std::string& key) {
+    const auto& v = member(parent, key, key);
+    if (!v.is_number_integer()) throw malformed(key + " is " + v.dump() + ", not an integer");
+    return v.get<int64_t>();
+  };
   try {
     const auto j = nlohmann::json::parse(text);
-    const int version = j.at("format_version").get<int>();
+    const int64_t version = integer(j, "format_version");
     if (version != kCheckpointFormatVersion)
       throw config_error("checkpoint " + path + " has format_version " + std::to_string(version) +
                          "; this trainer reads version " + std::to_string(kCheckpointFormatVersion));
     CheckpointState s;
-    s.step = j.at("step").get<int64_t>();
-    s.updates_applied = j.at("updates_applied").get<int64_t>();
-    s.consumed_samples = j.at("consumed_samples").get<int64_t>();
-    s.spike_losses = j.at("spike_guard").at("losses").get<std::vector<double>>();
-    s.spike_grad_norms = j.at("spike_guard").at("grad_norms").get<std::vector<double>>();
-    s.cpu_rng_state = j.at("rng").at("torch_cpu").get<std::string>();
-    s.world_size = j.at("world_size").get<int64_t>();
-    s.config_hash = j.at("config_hash").get<std::string>();
+    s.step = integer(j, "step");
+    s.updates_applied = integer(j, "updates_applied");
+    s.consumed_samples = integer(j, "consumed_samples");
+    s.world_size = integer(j, "world_size");
+    const auto& spike = member(j, "spike_guard", "spike_guard");
+    try {
+      s.spike_losses = member(spike, "losses", "spike_guard.losses").get<std::vector<double>>();
+      s.spike_grad_norms = member(spike, "grad_norms", "spike_guard.grad_norms").get<std::vector<double>>();
+    } catch (const nlohmann::json::exception&) {
+      throw malformed("spike_guard.losses and spike_guard.grad_norms must be lists of numbers");
+    }
+    const auto& rng = member(member(j, "rng", "rng"), "torch_cpu", "rng.torch_cpu");
+    const auto& hash = member(j, "config_hash", "config_hash");
+    if (!rng.is_string()) throw malformed("rng.torch_cpu is " + rng.dump() + ", not a string");
+    if (!hash.is_string()) throw malformed("config_hash is " + hash.dump() + ", not a string");
+    s.cpu_rng_state = rng.get<std::string>();
+    s.config_hash = hash.get<std::string>();
     // A checkpoint directory is named by its step; the counters cannot be negative or disagree.
-    const auto malformed = [&](const std::string& what) {
-      return config_error("checkpoint " + path + ": state.json is malformed: " + what);
-    };
     auto dir = fs::path(path).lexically_normal();
     if (!dir.has_filename()) dir = dir.parent_path();  // "ckpt/12/"
     const std::string name = dir.filename().string();

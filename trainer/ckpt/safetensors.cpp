@@ -166,7 +166,12 @@ SafetensorsFile safetensors_read(const std::string& path, bool with_data) {
     SafetensorsTensor t;
     try {
       t.dtype = value.at("dtype").get<std::string>();
-      t.shape = value.at("shape").get<std::vector<int64_t>>();
+      const auto& shape = value.at("shape");
+      // get<int64_t>() would read 2.5 as 2: a shape entry must be a JSON integer.
+      if (!shape.is_array()) throw fail("tensor " + name + ": \"shape\" is not an array");
+      for (const auto& d : shape)
+        if (!d.is_number_integer()) throw fail("tensor " + name + ": shape entry " + d.dump() + " is not an integer");
+      t.shape = shape.get<std::vector<int64_t>>();
       const auto offsets = value.at("data_offsets").get<std::vector<uint64_t>>();
       if (offsets.size() != 2 || offsets[0] > offsets[1] || offsets[1] > data_size)
         throw fail("tensor " + name + " has data offsets outside the file");
@@ -175,18 +180,20 @@ SafetensorsFile safetensors_read(const std::string& path, bool with_data) {
     } catch (const nlohmann::json::exception& e) {
       throw fail("tensor " + name + ": " + e.what());
     }
-    uint64_t elements = 1;
-    for (auto d : t.shape) {
-      if (d < 0) throw fail("tensor " + name + " has a negative dimension");
-      elements *= static_cast<uint64_t>(d);
-    }
     size_t item = 0;
     try {
       item = dtype_size(t.dtype);
     } catch (const std::exception& e) {
       throw fail("tensor " + name + ": " + e.what());
     }
-    if (elements * item != t.nbytes) throw fail("tensor " + name + " size does not match its shape");
+    // Checked products: a shape whose byte count wraps past 2^64 could otherwise match any size.
+    uint64_t bytes = item;
+    for (auto d : t.shape) {
+      if (d < 0) throw fail("tensor " + name + " has a negative dimension");
+      if (__builtin_mul_overflow(bytes, static_cast<uint64_t>(d), &bytes))
+        throw fail("tensor " + name + ": its shape holds more than 2^64 bytes");
+    }
+    if (bytes != t.nbytes) throw fail("tensor " + name + " size does not match its shape");
     file.tensors[name] = t;
   }
   // As the safetensors format requires (and its reference library checks): the tensors cover

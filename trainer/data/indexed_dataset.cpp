@@ -191,7 +191,8 @@ void indexed_dataset_write(const std::string& prefix, const std::vector<IndexedD
     }
   } partial{{prefix + ".bin" + part, prefix + ".idx" + part}};
   std::ofstream bin(partial.paths[0], std::ios::binary), idx(partial.paths[1], std::ios::binary);
-  if (!bin || !idx) throw Error(kExitFailure, "cannot create " + prefix + ".bin/.idx");
+  if (!bin || !idx)
+    throw Error(kExitFailure, "cannot create " + partial.paths[bin ? 1 : 0] + ": " + std::strerror(errno));
   // Megatron's builder: lengths and pointers per sequence, and after each document the number of
   // sequences so far (document_indices starts at [0]).
   std::vector<int32_t> lengths;
@@ -253,9 +254,13 @@ void indexed_dataset_write(const std::string& prefix, const std::vector<IndexedD
     }
     ::close(fd);
   }
-  if (std::rename(partial.paths[0].c_str(), (prefix + ".bin").c_str()) != 0 ||
-      std::rename(partial.paths[1].c_str(), (prefix + ".idx").c_str()) != 0)
-    throw Error(kExitFailure, "cannot rename " + prefix + ".bin/.idx into place: " + std::strerror(errno));
+  // The .idx last: a reader that opens the new .idx finds the new .bin beside it.
+  if (std::rename(partial.paths[0].c_str(), (prefix + ".bin").c_str()) != 0)
+    throw Error(kExitFailure, "cannot rename " + partial.paths[0] + " to " + prefix + ".bin: " + std::strerror(errno) +
+                                  " (the earlier " + prefix + ".bin/.idx, if any, are unchanged)");
+  if (std::rename(partial.paths[1].c_str(), (prefix + ".idx").c_str()) != 0)
+    throw Error(kExitFailure, "cannot rename " + partial.paths[1] + " to " + prefix + ".idx: " + std::strerror(errno) +
+                                  "; " + prefix + ".bin is already the new one: run preprocess_data again before using the pair");
 }
 
 void indexed_dataset_write(const std::string& prefix, const std::vector<std::vector<int64_t>>& documents,

@@ -2,6 +2,9 @@
 // with Megatron's loss mask, positions and segments (see data.h, docs/data.md).
 #include <unistd.h>
 
+#include <cerrno>
+#include <csignal>
+
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -87,9 +90,35 @@ bool read_cache(const std::string& path, GptIndices& ix) {
   return true;
 }
 
+// A cache file is written as <file>.tmp.<host>.<pid> and renamed. What a process killed while
+// writing left (SIGKILL, a start-up SIGTERM) is deleted by the next write in that directory from
+// the same host, once its pid is gone: another host's may still be writing on a shared disk.
+std::string cache_temporary_suffix() {
+  char host[256] = {};
+  if (::gethostname(host, sizeof host - 1) != 0) std::strcpy(host, "localhost");
+  return ".tmp." + std::string(host) + ".";
+}
+
+void cache_remove_stale_temporaries(const fs::path& dir, const std::string& suffix) {
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    const size_t at = name.find(".gptidx" + suffix);
+    if (at == std::string::npos) continue;
+    const std::string pid_text = name.substr(at + 7 + suffix.size());
+    if (pid_text.empty() || pid_text.find_first_not_of("0123456789") != std::string::npos || pid_text.size() > 9) continue;
+    const pid_t pid = static_cast<pid_t>(std::stol(pid_text));
+    if (pid == ::getpid() || ::kill(pid, 0) == 0 || errno != ESRCH) continue;
+    std::error_code ignored;
+    if (fs::remove(it->path(), ignored)) spdlog::info("deleted {}, left by a process that ended while writing it", it->path().string());
+  }
+}
+
 void write_cache(const std::string& path, const GptIndices& ix) {
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  {
+  const std::string suffix = cache_temporary_suffix();
+  cache_remove_stale_temporaries(fs::path(path).parent_path(), suffix);
+  const std::string tmp = path + suffix + std::to_string(::getpid());
+  try {
     std::ofstream out(tmp, std::ios::binary);
     const uint64_t counts[5] = {ix.document_index.size(), ix.sample_index.size(), ix.shuffle_index.size(),
                                 static_cast<uint64_t>(ix.num_epochs), ix.separate_final_epoch ? 1u : 0u};
@@ -100,9 +129,14 @@ void write_cache(const std::string& path, const GptIndices& ix) {
     out.write(reinterpret_cast<const char*>(ix.document_index.data()), static_cast<std::streamsize>(4 * counts[0]));
     out.write(reinterpret_cast<const char*>(ix.sample_index.data()), static_cast<std::streamsize>(8 * counts[1]));
     out.write(reinterpret_cast<const char*>(ix.shuffle_index.data()), static_cast<std::streamsize>(8 * counts[2]));
-    if (!out) throw std::runtime_error("cannot write " + tmp);
+    out.close();
+    if (!out) throw std::runtime_error("cannot write " + tmp + ": " + std::strerror(errno));
+    fs::rename(tmp, path);
+  } catch (...) {
+    std::error_code ignored;
+    fs::remove(tmp, ignored);  // a failed write (a full disk) leaves nothing behind
+    throw;
   }
-  fs::rename(tmp, path);
 }
 
 struct Component {

@@ -108,6 +108,12 @@ MicroBatchLosses micro_batch_losses(Transformer& model, const MicroBatch& batch,
 // kernel) and whether SDPA reads k and v unrepeated. The dry run and the Trainer's check share it.
 MemoryPlanContext memory_plan_context(int64_t world_size, int64_t local_world_size, bool cuda);
 
+// SIGTERM/SIGINT handling for a training run (docs/checkpoints.md), installed before the Trainer
+// is built: until train() reaches its loop a signal exits 0 at once with a line on stderr (there
+// is nothing to save yet); from then on the first one stops the run after the step with a save,
+// and a second exits 1 at once. Exports keep the default disposition (killed by the signal).
+void stop_signals_install();
+
 class Trainer {
  public:
   explicit Trainer(Config config);

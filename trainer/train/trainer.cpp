@@ -2,6 +2,7 @@
 // stop signals) and metric readout. The step is in step.cpp, the optimizer phase in
 // optimizer.cpp, resume and export in resume.cpp.
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -415,20 +416,43 @@ MetricValues Trainer::evaluate(int64_t index) {
 }
 
 namespace {
-// SIGTERM/SIGINT: the first one asks the loop to finish the step, save and exit 0; a second
-// one exits at once (code 1) without saving.
+// Set by the first SIGTERM/SIGINT once the loop takes over (g_stop_deferred); each step votes on it.
 std::atomic<int> g_stop_signal{0};
-extern "C" void on_stop_signal(int signo) {
-  if (g_stop_signal.exchange(signo) != 0) std::_Exit(kExitFailure);
+std::atomic<bool> g_stop_deferred{false};
+
+// Only async-signal-safe calls here: write(2) of fixed text and _exit.
+void stop_signal_say(const char* text) {
+  size_t n = 0;
+  while (text[n] != '\0') ++n;
+  while (n > 0) {
+    const ssize_t written = ::write(STDERR_FILENO, text, n);
+    if (written <= 0) return;
+    text += written;
+    n -= static_cast<size_t>(written);
+  }
 }
-void install_stop_handlers() {
+extern "C" void on_stop_signal(int signo) {
+  const bool term = signo == SIGTERM;
+  if (!g_stop_deferred.load()) {
+    stop_signal_say(term ? "trainer: received SIGTERM before the first step: exiting (nothing to save)\n"
+                         : "trainer: received SIGINT before the first step: exiting (nothing to save)\n");
+    ::_exit(kExitOk);
+  }
+  if (g_stop_signal.exchange(signo) != 0) {
+    stop_signal_say(term ? "trainer: received SIGTERM a second time: exiting at once without saving (exit 1)\n"
+                         : "trainer: received SIGINT a second time: exiting at once without saving (exit 1)\n");
+    ::_exit(kExitFailure);
+  }
+}
+}  // namespace
+
+void stop_signals_install() {
   struct sigaction action {};
   action.sa_handler = on_stop_signal;
   sigemptyset(&action.sa_mask);
   sigaction(SIGTERM, &action, nullptr);
   sigaction(SIGINT, &action, nullptr);
 }
-}  // namespace
 
 void Trainer::train() {
   const Config& c = config_;
@@ -474,7 +498,7 @@ void Trainer::train() {
   // would otherwise end the run after eval_interval steps, and every resume again.
   if (c.eval_interval > 0) eval_data_open();
   if (c.enable_checkpointing && (writer || sharded_checkpoints())) checkpointer_ = std::make_unique<Checkpointer>(c);
-  install_stop_handlers();
+  g_stop_deferred = true;  // a signal from here on stops the loop after its step (stop_signals_install)
   spdlog::info("run_dir {} | model {}: {} parameters ({} active per token), {:.4g} TFLOP per step per device | "
                "device {} | global batch {} sequences x {} tokens, K = {} | {} normalization | steps {}..{}",
                c.run_dir, c.model_name, size_.total_params, size_.active_params, size_.flops_per_step_per_device / 1e12,
