@@ -231,7 +231,7 @@ void print_samples(const trainer::Config& config, int64_t count) {
 // --dump-logits, --export-hf, --export-safetensors: from the newest checkpoint or load_*_path.
 void run_exports(trainer::Trainer& trainer, const trainer::Config& config, const CommandLine& cl,
                  const std::vector<int64_t>& logits_tokens) {
-  const int64_t step = trainer.load_initial_state();
+  const int64_t step = trainer.load_initial_state(trainer::Trainer::StartingFor::kExport);
   // An export of a run that has no checkpoint and loads nothing would write the random initialization.
   if ((!cl.export_hf_dir.empty() || !cl.export_path.empty()) && !trainer.restored_checkpoint() &&
       config.load_parameters_path.empty())

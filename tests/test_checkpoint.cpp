@@ -604,7 +604,7 @@ TEST_CASE("model.safetensors follows the format spec and HF names (read by hand)
   const auto header = nlohmann::json::parse(bytes.substr(8, n));
   // Compare with the weights the trainer restores from the same checkpoint.
   Trainer t(tiny_config({"model_name=moe-tiny", "mtp_num_layers=1", "base_output_directory=" + kOut, "run_name=format"}));
-  REQUIRE(t.load_initial_state() == 2);
+  REQUIRE(t.load_initial_state(Trainer::StartingFor::kExport) == 2);
   size_t expected_end = 0;
   std::set<std::string> names;
   // Every parameter, the stacked experts one tensor per expert (HF names).
@@ -687,10 +687,10 @@ TEST_CASE("load_parameters_path starts from exported weights with a fresh optimi
   REQUIRE(run_trainer(base + "steps=3 run_name=weights-src").exit_code == 0);
   Trainer t(tiny_config({"run_name=weights-dst", "base_output_directory=" + kOut,
                          "load_parameters_path=" + kOut + "/weights-src/checkpoints/3/model.safetensors"}));
-  CHECK(t.load_initial_state() == 0);
+  CHECK(t.load_initial_state(Trainer::StartingFor::kExport) == 0);
   CHECK(t.updates_applied() == 0);
   Trainer src(tiny_config({"run_name=weights-src", "base_output_directory=" + kOut}));
-  CHECK(src.load_initial_state() == 3);
+  CHECK(src.load_initial_state(Trainer::StartingFor::kExport) == 3);
   CHECK(torch::equal(t.flat_params(), src.flat_params()));
   // A file that is not safetensors is a clear error (exit code 2).
   std::ofstream(kOut + "/bogus.safetensors") << "nonsense";
@@ -823,7 +823,7 @@ TEST_CASE("load_full_state_path continues another run's checkpoint exactly, and 
   }
   // Weights only, from the checkpoint directory: the parameters are the file's, the optimizer fresh.
   Trainer weights(tiny_config({"load_parameters_path=" + checkpoint}));
-  CHECK(weights.load_initial_state() == 0);
+  CHECK(weights.load_initial_state(Trainer::StartingFor::kExport) == 0);
   CHECK(weights.updates_applied() == 0);
   const auto file = safetensors_read(checkpoint + "/model.safetensors");
   const auto& stored = file.tensors.at("model.layers.1.mlp.down_proj.weight");

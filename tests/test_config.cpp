@@ -96,6 +96,16 @@ TEST_CASE("config errors name the key and exit with code 2", "[config]") {
     CHECK(e.exit_code() == kExitUsage);
     CHECK_THAT(e.what(), Catch::Contains("'steps'") && Catch::Contains("'1.5'") && Catch::Contains("integer"));
   }
+  SECTION("sample and token counts past int64 (steps x global batch wrapped negative)") {
+    const Error e = load_error({"steps=1000000000000000000", "per_device_batch_size=16"});
+    CHECK(e.exit_code() == kExitUsage);
+    CHECK_THAT(e.what(), Catch::Contains("steps=1000000000000000000 x global_batch_size (per_device_batch_size=16") &&
+                             Catch::Contains("does not fit in 64 bits"));
+    // 1e17 steps x 1 sample x (128 + 1) tokens: the sample count fits, the tokens do not.
+    CHECK_THAT(load_error({"steps=100000000000000000", "per_device_batch_size=1"}).what(), Catch::Contains("does not fit in 64 bits"));
+    CHECK_THAT(load_error({"steps=1000", "eval_interval=1", "eval_steps=1000000000000000", "per_device_batch_size=1"}).what(),
+               Catch::Contains("evaluation tokens do not fit in 64 bits"));
+  }
   SECTION("value outside the allowed set lists the allowed values") {
     const Error e = load_error({"dtype=float33"});
     CHECK_THAT(e.what(), Catch::Contains("'dtype'") && Catch::Contains("float33") &&

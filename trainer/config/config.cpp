@@ -6,7 +6,9 @@
 #include <cctype>
 #include <ctime>
 #include <filesystem>
+#include <initializer_list>
 #include <map>
+#include <optional>
 #include <set>
 
 #include <yaml-cpp/yaml.h>
@@ -366,7 +368,27 @@ void config_derive_and_validate(Config& c) {
   if (c.steps == -1) c.steps = c.learning_rate_schedule_steps;
   if (c.learning_rate_schedule_steps == -1) c.learning_rate_schedule_steps = c.steps;
   if (c.data_parallel_size < 1) c.data_parallel_size = 1;  // set from the launcher by config_load
-  c.global_batch_size = c.per_device_batch_size * c.data_parallel_size * c.gradient_accumulation_steps;
+  // The data index counts samples (and their tokens) in int64: a run whose sample counts do not
+  // fit is refused here, before anything multiplies them (steps=1e18 with a global batch of 16
+  // wrapped to a negative count).
+  const auto product = [](std::initializer_list<int64_t> factors) -> std::optional<int64_t> {
+    int64_t out = 1;
+    for (int64_t f : factors)
+      if (__builtin_mul_overflow(out, f, &out)) return std::nullopt;
+    return out;
+  };
+  const auto batch = product({c.per_device_batch_size, c.data_parallel_size, c.gradient_accumulation_steps});
+  const auto samples = batch ? product({c.steps, *batch, c.max_target_length + 1}) : std::nullopt;
+  if (!samples)
+    throw config_error("steps=" + std::to_string(c.steps) + " x global_batch_size (per_device_batch_size=" +
+                       std::to_string(c.per_device_batch_size) + " x " + std::to_string(c.data_parallel_size) +
+                       " ranks x gradient_accumulation_steps=" + std::to_string(c.gradient_accumulation_steps) +
+                       ") x (max_target_length + 1) tokens does not fit in 64 bits: lower steps");
+  if (c.eval_interval > 0 && !product({c.steps / c.eval_interval + 1, c.eval_steps, *batch, c.max_target_length + 1}))
+    throw config_error("(steps / eval_interval + 1) x eval_steps=" + std::to_string(c.eval_steps) +
+                       " x global_batch_size x (max_target_length + 1) evaluation tokens do not fit in 64 bits: "
+                       "lower eval_steps or raise eval_interval");
+  c.global_batch_size = *batch;
   if (c.run_name.empty()) c.run_name = c.model_name + "_" + timestamp();
   c.run_dir = (fs::path(c.base_output_directory) / c.run_name).string();
   if (c.metrics_file.empty()) c.metrics_file = (fs::path(c.run_dir) / "metrics.jsonl").string();

@@ -7,8 +7,9 @@
 
 #include <algorithm>
 #include <chrono>
-#include <functional>
 #include <cstdlib>
+#include <functional>
+#include <thread>
 
 #include <spdlog/spdlog.h>
 
@@ -436,18 +437,32 @@ Rendezvous rendezvous_via_mpi(const DistEnv& env, std::chrono::milliseconds time
 #endif
 }
 
-// A MASTER_ADDR no resolver knows (a typo) would be retried until collective_timeout_seconds
-// and reported as a connection timeout; it is named at once (exit 2). A resolver that cannot
-// answer now (EAI_AGAIN) is left to the store's retries.
-void master_addr_check(const DistEnv& env) {
-  addrinfo hints{};
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  const int status = getaddrinfo(env.master_addr.c_str(), nullptr, &hints, &found);
-  if (found) freeaddrinfo(found);
-  if (status == EAI_NONAME)
-    throw config_error("rank " + std::to_string(env.rank) + ": MASTER_ADDR=" + env.master_addr +
-                       " is not a host name or address this machine resolves (" + gai_strerror(status) + ")");
+// MASTER_ADDR must resolve before the store can be reached. A name the resolver does not know
+// yet is waited for: on Kubernetes the master's DNS record appears only once its pod is ready, and
+// workers start first. Still unknown after collective_timeout_seconds, it is named (exit 2: a
+// typo, most likely) instead of being reported as a connection timeout; a resolver that could not
+// answer in that time (EAI_AGAIN) is exit 5.
+void master_addr_wait(const DistEnv& env, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto pause = std::chrono::milliseconds(50);
+  for (bool logged = false;; logged = true) {
+    addrinfo hints{};
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* found = nullptr;
+    const int status = getaddrinfo(env.master_addr.c_str(), nullptr, &hints, &found);
+    if (found) freeaddrinfo(found);
+    if (status == 0 || (status != EAI_NONAME && status != EAI_AGAIN)) return;  // other errors: the store's to report
+    const std::string what = "rank " + std::to_string(env.rank) + ": MASTER_ADDR=" + env.master_addr;
+    if (std::chrono::steady_clock::now() >= deadline) {
+      const std::string waited = " after " + std::to_string(timeout.count() / 1000) + " s (collective_timeout_seconds): ";
+      if (status == EAI_NONAME)
+        throw config_error(what + " is not a host name or address this machine resolves" + waited + gai_strerror(status));
+      throw dist_error(what + " could not be resolved" + waited + gai_strerror(status));
+    }
+    if (!logged) spdlog::info("{} does not resolve yet ({}); waiting for it", what, gai_strerror(status));
+    std::this_thread::sleep_until(std::min(std::chrono::steady_clock::now() + pause, deadline));
+    pause = std::min(2 * pause, std::chrono::milliseconds(1000));
+  }
 }
 
 // The store every rank of this launch meets in: at MASTER_ADDR:MASTER_PORT when they are set,
@@ -456,7 +471,7 @@ Rendezvous rendezvous_open(const DistEnv& env, std::chrono::milliseconds timeout
   std::string address = env.master_addr + ":" + std::to_string(env.master_port);
   try {
     if (!env.master_addr.empty()) {
-      master_addr_check(env);
+      master_addr_wait(env, timeout);
       return {tcp_store_open(env.master_addr, env.master_port, env, /*wait_for_workers=*/true, timeout), address};
     }
     if (env.world_size == 1) {
@@ -546,34 +561,39 @@ std::unique_ptr<Communicator> dist_init(const DistEnv& env, const DistOptions& o
   const std::string backend = dist_backend_resolve(options.backend, options.device);
   if (backend == "nccl" && !options.device.is_cuda())
     throw config_error("dist_backend=nccl needs hardware=gpu (NCCL reduces CUDA tensors only)");
-  std::string address;  // where the ranks met
-#if TRAINER_WITH_GLOO || TRAINER_WITH_NCCL
-  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(options.timeout_seconds * 1000));
-  const Rendezvous meeting = rendezvous_open(env, timeout);
-  address = meeting.address;
-#endif
-  std::unique_ptr<Communicator> comm;
-  if (backend == "gloo") {
-#if TRAINER_WITH_GLOO
-    comm = std::make_unique<C10dCommunicator<c10d::ProcessGroupGloo>>(env, meeting.store, meeting.address, options);
-#else
+  // A backend this build lacks is refused before the rendezvous, which would wait for every rank.
+#if !TRAINER_WITH_GLOO
+  if (backend == "gloo")
     throw config_error("world size " + std::to_string(env.world_size) +
                        " with dist_backend=gloo, but this build has no Gloo (c10d) support");
 #endif
-  } else {
+#if !TRAINER_WITH_NCCL
+  if (backend != "gloo")
+    throw config_error("world size " + std::to_string(env.world_size) +
+                       " with dist_backend=nccl, but this build has no NCCL (build with scripts/gpu/build.sh)");
+#endif
+#if TRAINER_WITH_GLOO || TRAINER_WITH_NCCL
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(options.timeout_seconds * 1000));
+  const Rendezvous meeting = rendezvous_open(env, timeout);
+  const std::string address = meeting.address;  // where the ranks met
+#else
+  const std::string address;
+#endif
+  std::unique_ptr<Communicator> comm;
+#if TRAINER_WITH_GLOO
+  if (backend == "gloo") comm = std::make_unique<C10dCommunicator<c10d::ProcessGroupGloo>>(env, meeting.store, address, options);
+#endif
 #if TRAINER_WITH_NCCL
-    auto nccl = std::make_unique<C10dCommunicator<c10d::ProcessGroupNCCL>>(env, meeting.store, meeting.address, options);
+  if (backend != "gloo") {
+    auto nccl = std::make_unique<C10dCommunicator<c10d::ProcessGroupNCCL>>(env, meeting.store, address, options);
     nccl->host_group_create();
     if (env.rank == 0)
       spdlog::info("NCCL: the host's step values (token count, stop and failure votes) go {}",
                    &nccl->host_group() != nccl.get() ? "over a Gloo host group (no device read)"
                                                      : "through the device (no Gloo in this build: one host read per step)");
     comm = std::move(nccl);
-#else
-    throw config_error("world size " + std::to_string(env.world_size) +
-                       " with dist_backend=nccl, but this build has no NCCL (build with scripts/gpu/build.sh)");
-#endif
   }
+#endif
   auto probe = torch::ones({1}, torch::TensorOptions().dtype(torch::kFloat64).device(options.device));
   comm->all_reduce_sum(probe, "the preflight check");
   const double sum = probe.item<double>();

@@ -396,7 +396,7 @@ void Trainer::restore_state(const CheckpointState& state, const std::string& con
   }
 }
 
-int64_t Trainer::load_initial_state(bool training) {
+int64_t Trainer::load_initial_state(StartingFor use) {
   const Config& c = config_;
   const auto own = checkpoint_find_latest((std::filesystem::path(c.run_dir) / "checkpoints").string());
   // Sharded levels read one tensor at a time and keep their parts; the others read it all.
@@ -420,7 +420,7 @@ int64_t Trainer::load_initial_state(bool training) {
     // before the resume is announced. (A finished run has nothing to skip, an export reads no
     // data; a load_full_state_path of another run starts a new data stream: its position is not
     // checked.)
-    const bool continues = training && state.step < c.steps;
+    const bool continues = use == StartingFor::kTraining && state.step < c.steps;
     if (continues && state.consumed_samples != state.step * c.global_batch_size)
       throw config_error("checkpoint " + *own + " consumed " + std::to_string(state.consumed_samples) + " samples in " +
                          std::to_string(state.step) + " steps, but this run's global_batch_size is " +

@@ -125,9 +125,11 @@ class Trainer {
 
   // Restores the starting state: the newest valid checkpoint in run_dir, else
   // load_full_state_path, else load_parameters_path (weights only), else fresh. Returns the
-  // step index to start at. Throws trainer::Error (exit 2) on a model/checkpoint mismatch, and
-  // when `training` on a resume whose global batch would move the data position.
-  int64_t load_initial_state(bool training = false);
+  // step index to start at. Throws trainer::Error (exit 2) on a model/checkpoint mismatch, and,
+  // for training, on a resume whose global batch would move the data position (an export only
+  // reads the weights).
+  enum class StartingFor { kTraining, kExport };
+  int64_t load_initial_state(StartingFor use);
   // Whether load_initial_state restored a checkpoint (this run's or load_full_state_path's).
   bool restored_checkpoint() const { return restored_consumed_samples_ >= 0; }
   // Host-side copy of everything a bit-exact resume needs, after `completed_steps` steps; every

@@ -480,7 +480,7 @@ void Trainer::train() {
       lock.reset();
     }
   } lock_release{run_dir_lock_, checkpointer_};
-  const int64_t start_step = load_initial_state(/*training=*/true);
+  const int64_t start_step = load_initial_state(StartingFor::kTraining);
   perf_startup_mark("resume");
   if (start_step >= c.steps) {
     spdlog::info("run_dir {} already reached step {} (steps = {}); nothing to do", c.run_dir, start_step, c.steps);
