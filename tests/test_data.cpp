@@ -532,6 +532,11 @@ TEST_CASE("an index cache write deletes the temporaries killed writers on this h
   }
   CHECK(caches == 1);
   CHECK(temporaries == 2);  // its own was renamed
+  // The arrays the loader holds are the cache file's payload (after its 52-byte header): the
+  // memory plan check counts them as resident data, not as runtime.
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().extension() == ".gptidx")
+      CHECK(loader.data_loader_index_bytes() == static_cast<double>(fs::file_size(e.path()) - 52));
 }
 
 TEST_CASE("ranks meet per index file: rank 0 announces it, the others read it or, not seeing it, build it at once", "[data]") {
@@ -547,10 +552,10 @@ TEST_CASE("ranks meet per index file: rank 0 announces it, the others read it or
   // Rank 0 announces each file once it is on disk: after building it, and after a cache hit
   // (another node's rank may still miss it).
   std::vector<std::string> announced;
-  DataIndexSync rank0 = [&](const std::string& file) {
+  DataIndexSync rank0{[&](const std::string& file) {
     CHECK(fs::exists(file));
     announced.push_back(file);
-  };
+  }};
   const DataLoader built(c, 0, rank0);
   const auto files = cached_files(kDir + "/cache-sync");
   REQUIRE(files.size() == 1);
@@ -560,7 +565,7 @@ TEST_CASE("ranks meet per index file: rank 0 announces it, the others read it or
 
   // Rank 1 that finds the file does not wait for rank 0.
   int waits = 0;
-  DataIndexSync rank1_shared = [&](const std::string&) { ++waits; };
+  DataIndexSync rank1_shared{[&](const std::string&) { ++waits; }};
   const DataLoader shared(c, 1, rank1_shared);
   CHECK(waits == 0);
   CHECK(shared.data_loader_sample(3).inputs == built.data_loader_sample(3).inputs);
@@ -569,12 +574,12 @@ TEST_CASE("ranks meet per index file: rank 0 announces it, the others read it or
   const std::string bytes = read_file(files[0]);
   fs::remove(files[0]);
   fs::file_time_type stamp;
-  DataIndexSync rank1_waits = [&](const std::string& file) {
+  DataIndexSync rank1_waits{[&](const std::string& file) {
     ++waits;
     CHECK(file == files[0]);
     std::ofstream(file, std::ios::binary) << bytes;  // rank 0 finishes during the wait
     stamp = fs::last_write_time(file);
-  };
+  }};
   const DataLoader waited(c, 1, rank1_waits);
   CHECK(waits == 1);
   CHECK(fs::last_write_time(files[0]) == stamp);
@@ -590,7 +595,7 @@ TEST_CASE("ranks meet per index file: rank 0 announces it, the others read it or
 
   // Rank 0 never announcing (it failed, or a build outlasting the timeout) is the wait's error.
   fs::remove(files[0]);
-  DataIndexSync times_out = [](const std::string& file) { throw Error(kExitDistributed, "no news of " + file); };
+  DataIndexSync times_out{[](const std::string& file) { throw Error(kExitDistributed, "no news of " + file); }};
   try {
     DataLoader(c, 1, times_out);
     FAIL("expected the wait's error");
@@ -598,6 +603,24 @@ TEST_CASE("ranks meet per index file: rank 0 announces it, the others read it or
     CHECK(e.exit_code() == kExitDistributed);
     CHECK_THAT(e.what(), Catch::Contains("no news of " + files[0]));
   }
+
+  // The index memory check is voted on before any rank builds: a rank whose arrays fit exits 2
+  // with the others when another's do not, and builds nothing.
+  fs::remove_all(kDir + "/cache-sync");
+  std::vector<bool> votes;
+  DataIndexSync other_rank_short{{}, [&](bool does_not_fit) {
+                                   votes.push_back(does_not_fit);
+                                   return int64_t{1};
+                                 }};
+  try {
+    DataLoader(c, 0, other_rank_short);
+    FAIL("expected the vote's error");
+  } catch (const Error& e) {
+    CHECK(e.exit_code() == kExitUsage);
+    CHECK_THAT(e.what(), Catch::Contains("the train split's data index arrays do not fit in host memory on 1 other rank(s)"));
+  }
+  CHECK(votes == std::vector<bool>{false});
+  CHECK_FALSE(fs::exists(kDir + "/cache-sync"));
 }
 
 TEST_CASE("Megatron masks: pad targets, eod_mask_loss, reset_position_ids, reset_attention_mask", "[data]") {

@@ -40,6 +40,8 @@ class SampleSource {
     (void)other_num_samples;
     return true;
   }
+  // Host bytes of the index arrays it holds (Megatron's document, sample, shuffle and blend ids).
+  virtual double index_bytes() const { return 0; }
 };
 
 // Synthetic, learnable data: each sample is a pure function of (global index, seed), so any
@@ -63,12 +65,17 @@ enum class DataSplit { kTrain = 0, kValid = 1, kTest = 2 };
 // Megatron GPTDataset samples of one split (train/valid/test) of a dataset or a blend, with
 // Megatron's masks and positions (eod_mask_loss, reset_position_ids, reset_attention_mask).
 // Index arrays are cached on disk (docs/data.md, "Index cache"). With several ranks, rank 0 builds
-// each missing file; `sync` is how the ranks meet: rank 0 calls sync(file) once the file is
-// written (or found), and another rank that does not find the file calls sync(file) to wait for
-// rank 0, then reads it, or builds it itself where it cannot see rank 0's (a node-local cache
-// directory). Empty (one process): every miss is built here. Errors in the data throw
-// trainer::Error (exit code 3).
-using DataIndexSync = std::function<void(const std::string& file)>;
+// each missing file; `sync` is how the ranks meet (empty members: one process, every miss is
+// built here). Errors in the data throw trainer::Error (exit code 3).
+struct DataIndexSync {
+  // Rank 0 calls announce(file) once the file is written (or found); another rank that does not
+  // find the file calls it to wait for rank 0, then reads it, or builds it itself where it cannot
+  // see rank 0's (a node-local cache directory).
+  std::function<void(const std::string& file)> announce;
+  // Every rank calls vote(whether its index arrays do not fit in memory) before any builds them;
+  // it returns how many ranks' do not, so all exit 2 together.
+  std::function<int64_t(bool does_not_fit)> vote;
+};
 // `ranks_on_host` processes of this machine each hold the index arrays (the memory check).
 std::unique_ptr<SampleSource> megatron_source(const Config& config, DataSplit split, int64_t num_samples,
                                               int64_t rank = 0, const DataIndexSync& sync = {}, int64_t ranks_on_host = 1);
@@ -92,6 +99,8 @@ class DataLoader {
   bool data_loader_same_samples_as_built_for(int64_t other_num_samples) const {
     return source_->same_samples_as_built_for(other_num_samples);
   }
+  // SampleSource::index_bytes of the source: host memory this loader holds.
+  double data_loader_index_bytes() const { return source_->index_bytes(); }
 
  private:
   Config config_;

@@ -193,6 +193,15 @@ class MegatronSource : public SampleSource {
     return true;
   }
 
+  double index_bytes() const override {
+    double bytes = static_cast<double>(blend_dataset_.capacity() * sizeof(int16_t) + blend_sample_.capacity() * sizeof(int64_t));
+    for (const auto& comp : components_)
+      bytes += static_cast<double>(comp.indices.document_index.capacity() * sizeof(int32_t) +
+                                   comp.indices.sample_index.capacity() * sizeof(int64_t) +
+                                   comp.indices.shuffle_index.capacity() * sizeof(int64_t));
+    return bytes;
+  }
+
   void fill_row(int64_t index, MicroBatch& b, int64_t row) const override {
     if (index >= num_samples_)
       throw Error(kExitData, "global sample " + std::to_string(index) + " is past the " + std::to_string(num_samples_) +
@@ -251,7 +260,14 @@ class MegatronSource : public SampleSource {
     }
     const HostMemory host = host_memory_available();
     const double available = host.available_bytes / static_cast<double>(ranks_on_host_);
-    if (needed <= available) return;
+    const bool fits = needed <= available;
+    // Before any rank builds its arrays (which would shrink what the others see), all agree.
+    const int64_t ranks_failing = sync_.vote ? sync_.vote(!fits) : 0;
+    if (fits && ranks_failing > 0)
+      throw config_error("the " + kSplitNames[static_cast<int>(split)] + " split's data index arrays do not fit in host memory on " +
+                         std::to_string(ranks_failing) + " other rank(s) (their message names the arrays); "
+                         "allow_memory_overcommit=true skips this check");
+    if (fits) return;
     const std::string per_rank =
         ranks_on_host_ > 1 ? " per rank (" + std::to_string(ranks_on_host_) + " ranks on this machine each hold a copy)" : "";
     const std::string covers = split == DataSplit::kTrain
@@ -288,14 +304,14 @@ class MegatronSource : public SampleSource {
     // long as rank 0 takes, and one that still cannot see the file (a cache directory local to
     // its node) builds it at once: polling for the file with a timeout instead made such a rank
     // wait the whole collective timeout, and rank 0 then timed out in the next collective.
-    const bool waits_for_rank0 = rank_ > 0 && sync_;
+    const bool waits_for_rank0 = rank_ > 0 && sync_.announce;
     if (read_cache(file, ix)) {
       spdlog::info("data index cache hit: {} ({} samples, {:.3f} s)", file, num_samples, elapsed());
-      if (rank_ == 0 && sync_) sync_(file);
+      if (rank_ == 0 && sync_.announce) sync_.announce(file);
       return ix;
     }
     if (waits_for_rank0) {
-      sync_(file);
+      sync_.announce(file);
       if (read_cache(file, ix)) {
         spdlog::info("data index from rank 0's cache: {} ({:.3f} s)", file, elapsed());
         return ix;
@@ -313,7 +329,7 @@ class MegatronSource : public SampleSource {
     } catch (const std::exception& e) {
       spdlog::warn("data index built in {:.3f} s but not cached ({}); it will be rebuilt next time", elapsed(), e.what());
     }
-    if (rank_ == 0 && sync_) sync_(file);  // written or not: the others build what they cannot read
+    if (rank_ == 0 && sync_.announce) sync_.announce(file);  // written or not: the others build what they cannot read
     return ix;
   }
 

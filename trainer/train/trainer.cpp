@@ -28,10 +28,13 @@ namespace trainer {
 namespace {
 
 // The ranks meet once per data index file through the rendezvous store (DataIndexSync): rank 0
-// publishes the file, the others wait for it as long as a collective may take.
+// publishes the file, the others wait for it as long as a collective may take; and they vote on
+// the index memory check with an all-reduce.
 DataIndexSync data_index_sync(Communicator& comm, double timeout_seconds) {
   if (comm.world_size() == 1) return {};
-  return [&comm, timeout_seconds](const std::string& file) {
+  DataIndexSync sync;
+  sync.vote = [&comm](bool does_not_fit) { return ranks_reporting(does_not_fit, comm, "the data index memory check"); };
+  sync.announce = [&comm, timeout_seconds](const std::string& file) {
     try {
       comm.broadcast_string("data index " + file, "ready");
     } catch (const Error& e) {
@@ -41,6 +44,7 @@ DataIndexSync data_index_sync(Communicator& comm, double timeout_seconds) {
                                      "collective_timeout_seconds)");
     }
   };
+  return sync;
 }
 
 // Every rank must train the same config. Rank 0's run name (which may carry a timestamp) is
@@ -222,12 +226,13 @@ void Trainer::check_memory_plan() {
   } else {
     const HostMemory host = host_memory_available();
     available = host.available_bytes / static_cast<double>(dist_.local_world_size);
-    resident = host.resident_bytes;
+    // Built before this check, the data index arrays are resident but not the plan's runtime part.
+    resident = std::max(0.0, host.resident_bytes - data_.data_loader_index_bytes());
     source = host.source + (dist_.local_world_size > 1
                                 ? ", divided by the " + std::to_string(dist_.local_world_size) + " ranks on this machine"
                                 : "");
   }
-  const double needed = plan.total_bytes - resident;  // the runtime part is already resident
+  const double needed = plan.total_bytes - resident;  // the runtime part (LibTorch, the binary) is resident
   const bool fits = needed <= available;
   spdlog::info("memory plan: {} per rank ({} of it still to allocate), {} available ({}){}",
                memory_bytes_text(plan.total_bytes), memory_bytes_text(needed), memory_bytes_text(available), source,
