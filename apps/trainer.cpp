@@ -82,8 +82,8 @@ void print_dry_run(const trainer::Config& c) {
     std::printf("this machine: checked against the GPU's free memory when training starts\n");
     return;
   }
-  const trainer::HostMemory host = trainer::host_memory_available();
-  const double available = host.available_bytes / static_cast<double>(env.local_world_size);
+  const trainer::HostMemory host = trainer::host_memory_available(env.local_world_size);
+  const double available = host.available_bytes;
   const double needed = plan.total_bytes - host.resident_bytes + index_bytes;
   std::printf("this machine: %s available per rank (%s): %s%s\n", trainer::memory_bytes_text(available).c_str(),
               host.source.c_str(), needed <= available ? "fits" : "does NOT fit",
@@ -195,6 +195,20 @@ void command_line_check(const CLI::App& app, const CommandLine& cl) {
   if ((app.count("--export-hf-dtype") > 0 || app.count("--export-hf-max-shard-mb") > 0) && cl.export_hf_dir.empty())
     throw trainer::config_error("--export-hf-dtype and --export-hf-max-shard-mb need --export-hf DIR");
   std::error_code ec;
+  // An output under a file ("model.bin/out") would fail only at the write, after the model is built.
+  for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--export-hf", cl.export_hf_dir},
+                                   {"--export-safetensors", cl.export_path},
+                                   {"--dump-logits", cl.dump_logits_path}}) {
+    if (path.empty()) continue;
+    for (auto above = std::filesystem::absolute(path).parent_path();; above = above.parent_path()) {
+      if (std::filesystem::exists(above, ec)) {
+        if (!std::filesystem::is_directory(above, ec))
+          throw trainer::config_error(std::string(flag) + " " + path + ": " + above.string() + " is a file, not a directory");
+        break;
+      }
+      if (above == above.parent_path()) break;
+    }
+  }
   if (!cl.export_path.empty() && std::filesystem::exists(cl.export_path, ec))
     throw trainer::config_error("--export-safetensors " + cl.export_path +
                                 ": the path exists; remove it or choose another (an export never replaces a file)");

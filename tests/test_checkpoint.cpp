@@ -538,7 +538,7 @@ TEST_CASE("SIGTERM finishes the step, saves, and exits 0, and a resume continues
   CHECK(read_lines(dir + "/metrics.jsonl").size() == lines.size() + 1);
 }
 
-TEST_CASE("SIGTERM during start-up exits 0 at once with a line; a second signal in the loop exits 1 with one", "[checkpoint]") {
+TEST_CASE("SIGTERM during start-up exits 0 at once with a line and a second signal in the loop exits 1 with one", "[checkpoint]") {
   const std::string dir = kOut + "/sigterm-startup";
   fs::remove_all(dir);
   fs::create_directories(dir);

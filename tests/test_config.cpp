@@ -267,6 +267,13 @@ TEST_CASE("the binary exits 2 on config errors and 0 on --print-config / --dry-r
   r = run_trainer(fresh + "--export-hf " + test_root());  // a directory that is not empty
   CHECK(r.exit_code == 2);
   CHECK_THAT(r.output, Catch::Contains("--export-hf " + test_root() + ": the path exists and is not an empty directory"));
+  // Under a file: refused before the model is built (it used to fail at the write, "cannot remove").
+  for (const std::string flag : {"--export-hf", "--export-safetensors", "--dump-logits"}) {
+    r = run_trainer(fresh + flag + " " + existing + "/sub/out");
+    INFO(r.output);
+    CHECK(r.exit_code == 2);
+    CHECK_THAT(r.output, Catch::Contains(flag + " " + existing + "/sub/out: " + existing + " is a file, not a directory"));
+  }
   r = run_trainer("--dump-samples -3");  // not a count: refused, where it used to start a training run
   CHECK(r.exit_code == 2);
   CHECK_THAT(r.output, Catch::Contains("--dump-samples") && Catch::Contains("not in range"));

@@ -723,6 +723,24 @@ TEST_CASE("a run whose memory plan exceeds the machine exits 2 with the plan and
   const auto dry = run_trainer(big + " --dry-run", limit);
   CHECK_THAT(dry.output, Catch::Contains("does NOT fit") && Catch::Contains("memory plan per rank"));
 
+  // Each process has its own rlimits: two ranks on the machine do not halve them (MemAvailable
+  // and the cgroup, which they share, are divided).
+  const auto available_per_rank = [&](const std::string& prefix) {
+    const auto out = run_trainer("model_name=test-tiny steps=1 --dry-run", prefix).output;
+    std::smatch found;
+    const bool matched = std::regex_search(out, found, std::regex("this machine: ([0-9.]+) (GiB|MiB) available per rank \\(([^)]*\\)?)"));
+    INFO(out);
+    REQUIRE(matched);
+    return std::make_pair(std::stod(found[1].str()) * (found[2].str() == "GiB" ? 1024.0 : 1.0), found[3].str());
+  };
+  const std::string two_ranks = "OMPI_COMM_WORLD_RANK=0 OMPI_COMM_WORLD_SIZE=2 OMPI_COMM_WORLD_LOCAL_RANK=0 "
+                                "OMPI_COMM_WORLD_LOCAL_SIZE=2 ";
+  const auto one_limited = available_per_rank(limit), two_limited = available_per_rank(limit + two_ranks);
+  CHECK(one_limited.second == "RLIMIT_AS (ulimit -v)");
+  CHECK(two_limited.second == "RLIMIT_AS (ulimit -v)");
+  CHECK(two_limited.first == Approx(one_limited.first).epsilon(0.05));
+  CHECK_THAT(available_per_rank(two_ranks).second, Catch::Contains(", divided by the 2 ranks on this machine"));
+
   // A 7B model: nothing fits, said so, and nothing was allocated (it ends at once, exit 2).
   r = run_trainer("model_name=llama2-7b steps=1 base_output_directory=" + test_root() + " run_name=memory-plan-7b", limit);
   CHECK(r.exit_code == 2);

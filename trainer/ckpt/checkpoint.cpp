@@ -381,7 +381,9 @@ std::vector<int64_t> CheckpointReader::shape(const std::string& name) const {
 
 std::istream& CheckpointReader::open_file(const std::string& path) const {
   if (const auto it = open_files_.find(path); it != open_files_.end()) return *it->second;
-  if (open_files_.size() >= kOpenFilesKept) open_files_.clear();  // within the file-descriptor limit
+  // Within the file-descriptor limit: one file makes room (the first by name, the earliest shard
+  // of a model read in name order), so a read of more shards does not reopen every one each time.
+  if (open_files_.size() >= kOpenFilesKept) open_files_.erase(open_files_.begin());
   auto in = std::make_shared<std::ifstream>(path, std::ios::binary);
   if (!*in) throw std::runtime_error("cannot open " + path + ": " + std::strerror(errno));
   return *open_files_.emplace(path, std::move(in)).first->second;

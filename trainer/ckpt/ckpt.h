@@ -145,7 +145,7 @@ class CheckpointReader {
   std::vector<std::string> model_names_;
   std::map<std::string, Alias> aliases_;  // hugging_face: every model name, else empty
   // The files read from, kept open: one open per file, not per tensor (a MoE model has thousands
-  // of tensors, and an open is a round trip on a network filesystem). At most kOpenFilesKept.
+  // of tensors, and an open is a round trip on a network filesystem). At most kOpenFilesKept are kept.
   static constexpr size_t kOpenFilesKept = 16;
   mutable std::map<std::string, std::shared_ptr<std::ifstream>> open_files_;
   std::istream& open_file(const std::string& path) const;

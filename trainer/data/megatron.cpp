@@ -258,8 +258,8 @@ class MegatronSource : public SampleSource {
                " epoch(s): document index " + memory_bytes_text(size.document_bytes) + ", sample index " +
                memory_bytes_text(size.sample_bytes) + ", shuffle index " + memory_bytes_text(size.shuffle_bytes) + ")";
     }
-    const HostMemory host = host_memory_available();
-    const double available = host.available_bytes / static_cast<double>(ranks_on_host_);
+    const HostMemory host = host_memory_available(ranks_on_host_);
+    const double available = host.available_bytes;
     const bool fits = needed <= available;
     // Before any rank builds its arrays (which would shrink what the others see), all agree.
     const int64_t ranks_failing = sync_.vote ? sync_.vote(!fits) : 0;
@@ -268,8 +268,7 @@ class MegatronSource : public SampleSource {
                          std::to_string(ranks_failing) + " other rank(s) (their message names the arrays); "
                          "allow_memory_overcommit=true skips this check");
     if (fits) return;
-    const std::string per_rank =
-        ranks_on_host_ > 1 ? " per rank (" + std::to_string(ranks_on_host_) + " ranks on this machine each hold a copy)" : "";
+    const std::string per_rank = ranks_on_host_ > 1 ? " per rank (each rank holds a copy)" : "";
     const std::string covers = split == DataSplit::kTrain
                                    ? "every training sample of the run (steps x global_batch_size): lower steps or global_batch_size"
                                    : "every evaluation sample of the run ((steps / eval_interval + 1) x eval_steps x "

@@ -399,32 +399,38 @@ double cgroup_value(const std::string& path) {
 
 }  // namespace
 
-HostMemory host_memory_available() {
+HostMemory host_memory_available(int64_t ranks_on_host) {
   HostMemory memory;
-  memory.available_bytes = proc_kb("/proc/meminfo", "MemAvailable");
-  memory.source = "MemAvailable in /proc/meminfo";
+  memory.available_bytes = -1;
   memory.resident_bytes = std::max(0.0, proc_kb("/proc/self/status", "VmRSS"));
-  const auto consider = [&](double bytes, const std::string& source) {
-    if (bytes >= 0 && (memory.available_bytes < 0 || bytes < memory.available_bytes)) {
+  const std::string divided =
+      ranks_on_host > 1 ? ", divided by the " + std::to_string(ranks_on_host) + " ranks on this machine" : "";
+  const auto consider = [&](double bytes, const std::string& source, bool shared) {
+    if (bytes < 0) return;
+    if (shared) bytes /= static_cast<double>(std::max<int64_t>(1, ranks_on_host));
+    if (memory.available_bytes < 0 || bytes < memory.available_bytes) {
       memory.available_bytes = bytes;
-      memory.source = source;
+      memory.source = source + (shared ? divided : "");
     }
   };
+  consider(proc_kb("/proc/meminfo", "MemAvailable"), "MemAvailable in /proc/meminfo", true);
   // cgroup v2, then v1 (a container's limit is below MemAvailable, which shows the host's).
   const double limit2 = cgroup_value("/sys/fs/cgroup/memory.max");
-  if (limit2 >= 0) consider(limit2 - std::max(0.0, cgroup_value("/sys/fs/cgroup/memory.current")), "the cgroup's memory.max");
+  if (limit2 >= 0)
+    consider(limit2 - std::max(0.0, cgroup_value("/sys/fs/cgroup/memory.current")), "the cgroup's memory.max", true);
   const double limit1 = cgroup_value("/sys/fs/cgroup/memory/memory.limit_in_bytes");
   if (limit1 >= 0 && limit1 < 1e18)
     consider(limit1 - std::max(0.0, cgroup_value("/sys/fs/cgroup/memory/memory.usage_in_bytes")),
-             "the cgroup's memory.limit_in_bytes");
+             "the cgroup's memory.limit_in_bytes", true);
   struct rlimit limit {};
   if (getrlimit(RLIMIT_AS, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY)
     consider(static_cast<double>(limit.rlim_cur) - std::max(0.0, proc_kb("/proc/self/status", "VmSize")),
-             "RLIMIT_AS (ulimit -v)");
+             "RLIMIT_AS (ulimit -v)", false);
   if (getrlimit(RLIMIT_DATA, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY)
     consider(static_cast<double>(limit.rlim_cur) - std::max(0.0, proc_kb("/proc/self/status", "VmData")),
-             "RLIMIT_DATA (ulimit -d)");
+             "RLIMIT_DATA (ulimit -d)", false);
   memory.available_bytes = std::max(0.0, memory.available_bytes);
+  if (memory.source.empty()) memory.source = "none readable: /proc/meminfo, the cgroup, the rlimits";
   return memory;
 }
 

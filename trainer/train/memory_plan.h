@@ -44,15 +44,16 @@ MemoryPlan memory_plan(const Config& config, const MemoryPlanContext& context);
 // The plan as aligned lines: "  weights (fp32 flat buffer)   1.53 GiB  (P = 411.0M x 4 B)".
 std::string memory_plan_format(const MemoryPlan& plan);
 
-// What this machine offers one process (CPU): the smallest of MemAvailable, the cgroup's limit
-// minus its usage, and RLIMIT_AS / RLIMIT_DATA minus what the process already maps; `source`
-// names the one that bound. `resident_bytes` is what the process holds already (VmRSS).
+// What this machine offers each of the `ranks_on_host` processes on it (CPU): the smallest of
+// MemAvailable and the cgroup's limit minus its usage (shared by the ranks: divided among them)
+// and RLIMIT_AS / RLIMIT_DATA minus what this process already maps (each process has its own);
+// `source` names the one that bound. `resident_bytes` is what the process holds already (VmRSS).
 struct HostMemory {
   double available_bytes = 0;
   std::string source;
   double resident_bytes = 0;
 };
-HostMemory host_memory_available();
+HostMemory host_memory_available(int64_t ranks_on_host = 1);
 
 // Overrides that would make the plan fit in `available_bytes` (per rank), as "key=value ..."
 // strings, smallest change first: a smaller per_device_batch_size with gradient_accumulation_steps

@@ -2,6 +2,7 @@
 // named), choosing the starting state, and writing the weights alone.
 #include <unistd.h>
 
+#include <charconv>
 #include <exception>
 #include <filesystem>
 #include <functional>
@@ -392,7 +393,12 @@ void Trainer::restore_state(const CheckpointState& state, const std::string& con
     for (const auto& [key, value] : after)
       if (before.count(key) && before[key] != value) changed += (changed.empty() ? "" : ", ") + key + " " + before[key] + " -> " + value;
     if (!changed.empty()) spdlog::warn("resuming with a config that differs from the checkpoint's: {}", changed);
-    if (before.count("steps")) restored_steps_ = std::stoll(before["steps"]);
+    // An edited config.yml whose steps is not an integer leaves it unknown (no steps warning).
+    if (before.count("steps")) {
+      const std::string& text = before["steps"];
+      int64_t steps = 0;
+      if (std::from_chars(text.data(), text.data() + text.size(), steps).ptr == text.data() + text.size()) restored_steps_ = steps;
+    }
   }
 }
 
@@ -414,21 +420,24 @@ int64_t Trainer::load_initial_state(StartingFor use) {
     return contents.state;
   };
   if (own) {
-    const auto state = restore_full(*own, "checkpoint " + *own);
     // The data position is step x global_batch_size (data_first_sample_index): with another global
     // batch a resumed run would skip or repeat samples, so a changed one is refused, not followed,
-    // before the resume is announced. (A finished run has nothing to skip, an export reads no
-    // data; a load_full_state_path of another run starts a new data stream: its position is not
-    // checked.)
+    // from state.json alone, before minutes of reading tensors. (A finished run has nothing to
+    // skip, an export reads no data; a load_full_state_path of another run starts a new data
+    // stream: its position is not checked.)
+    if (use == StartingFor::kTraining) {
+      const CheckpointState peek = checkpoint_load_state(*own).first;
+      if (peek.step < c.steps && peek.consumed_samples != peek.step * c.global_batch_size)
+        throw config_error("checkpoint " + *own + " consumed " + std::to_string(peek.consumed_samples) + " samples in " +
+                           std::to_string(peek.step) + " steps, but this run's global_batch_size is " +
+                           std::to_string(c.global_batch_size) + " (per_device_batch_size " +
+                           std::to_string(c.per_device_batch_size) + " x " + std::to_string(c.data_parallel_size) +
+                           " ranks x gradient_accumulation_steps " + std::to_string(c.gradient_accumulation_steps) +
+                           "): it would skip or repeat samples; keep the product at " +
+                           (peek.step > 0 ? std::to_string(peek.consumed_samples / peek.step) : std::string("the checkpoint's")));
+    }
+    const auto state = restore_full(*own, "checkpoint " + *own);
     const bool continues = use == StartingFor::kTraining && state.step < c.steps;
-    if (continues && state.consumed_samples != state.step * c.global_batch_size)
-      throw config_error("checkpoint " + *own + " consumed " + std::to_string(state.consumed_samples) + " samples in " +
-                         std::to_string(state.step) + " steps, but this run's global_batch_size is " +
-                         std::to_string(c.global_batch_size) + " (per_device_batch_size " +
-                         std::to_string(c.per_device_batch_size) + " x " + std::to_string(c.data_parallel_size) +
-                         " ranks x gradient_accumulation_steps " + std::to_string(c.gradient_accumulation_steps) +
-                         "): it would skip or repeat samples; keep the product at " +
-                         (state.step > 0 ? std::to_string(state.consumed_samples / state.step) : std::string("the checkpoint's")));
     // Megatron's index is shuffled over whole epochs of the run's steps x global_batch_size
     // samples: another `steps` that changes a dataset's epochs is another sample order (as in
     // Megatron when --train-iters changes).

@@ -224,13 +224,11 @@ void Trainer::check_memory_plan() {
     available = device_free_memory_bytes(device_);
     source = "free memory of " + device_name(device_) + " " + device_.str();
   } else {
-    const HostMemory host = host_memory_available();
-    available = host.available_bytes / static_cast<double>(dist_.local_world_size);
+    const HostMemory host = host_memory_available(dist_.local_world_size);
+    available = host.available_bytes;
     // Built before this check, the data index arrays are resident but not the plan's runtime part.
     resident = std::max(0.0, host.resident_bytes - data_.data_loader_index_bytes());
-    source = host.source + (dist_.local_world_size > 1
-                                ? ", divided by the " + std::to_string(dist_.local_world_size) + " ranks on this machine"
-                                : "");
+    source = host.source;
   }
   const double needed = plan.total_bytes - resident;  // the runtime part (LibTorch, the binary) is resident
   const bool fits = needed <= available;
