@@ -186,9 +186,11 @@ TEST_CASE("kill -9 at random moments never leaves a checkpoint that is taken for
   CHECK(*checkpoint_find_latest(dir + "/checkpoints") == latest);
   // Names no save writes, which the cleanup below must leave alone.
   fs::create_directories(dir + "/checkpoints/.tmp-notes");
-  fs::remove_all(dir + "/checkpoints/.tmp-7");  // a random kill may have left step 7's save there
-  std::ofstream(dir + "/checkpoints/.tmp-7") << "a file, not a save's directory";
-  REQUIRE(fs::is_regular_file(dir + "/checkpoints/.tmp-7"));
+  // A file under a save's name, of a step this run does not save (it saves step + 2 alone: a
+  // fixed .tmp-7 was that save's own directory whenever the kills left step 5 as the latest).
+  const std::string not_a_save = ".tmp-" + std::to_string(step + 70);
+  std::ofstream(dir + "/checkpoints/" + not_a_save) << "a file, not a save's directory";
+  REQUIRE(fs::is_regular_file(dir + "/checkpoints/" + not_a_save));
   // The run resumes from it and completes.
   auto finish = run_trainer("model_name=default per_device_batch_size=2 max_target_length=64 checkpoint_period=1000 "
                             "steps=" + std::to_string(step + 2) + " base_output_directory=" + kOut + " run_name=killed");
@@ -201,7 +203,7 @@ TEST_CASE("kill -9 at random moments never leaves a checkpoint that is taken for
   std::set<std::string> left;
   for (const auto& entry : fs::directory_iterator(dir + "/checkpoints"))
     if (entry.path().filename().string().rfind(".tmp", 0) == 0) left.insert(entry.path().filename().string());
-  CHECK(left == std::set<std::string>{".tmp-7", ".tmp-notes"});
+  CHECK(left == std::set<std::string>{not_a_save, ".tmp-notes"});
   CHECK(fs::exists(dir + "/checkpoints/" + std::to_string(step + 50)));
   const auto lines = read_lines(dir + "/metrics.jsonl");
   REQUIRE(lines.size() == static_cast<size_t>(step + 2));

@@ -324,6 +324,26 @@ TEST_CASE("a Megatron resume with steps that change the epochs warns that the sa
   }
   // More tokens than an int64 counts (steps=1e18): a config error, not a wrapped epoch count.
   CHECK_THROWS_WITH(gpt_epochs(54, 8, int64_t{2} << 60), Catch::Contains("more tokens than an int64 counts"));
+
+  // The validation split holds (steps / eval_interval + 1) x eval_steps x global batch samples.
+  // 12 documents split 50/50: 54 tokens each way. With eval_steps=3 and a batch of 1, steps=2 asks
+  // for 9 validation samples (2 epochs) and steps=4 for 15 (3 epochs); the training split's 2
+  // and 4 samples are 1 epoch either way: only the validation warning fires.
+  std::vector<std::vector<int64_t>> halves(12);
+  for (int64_t d = 0; d < 12; ++d)
+    for (int64_t t = 0; t < 9; ++t) halves[static_cast<size_t>(d)].push_back(1 + (d * 9 + t) % 60);
+  indexed_dataset_write(kDir + "/resume-eval", halves, 8);
+  fs::remove_all(kDir + "/resume-eval-run");
+  const std::string eval_args = "dataset_type=megatron dataset_path=" + kDir + "/resume-eval split=50,50,0 model_name=test-tiny "
+                                "pad_id=-1 eod_id=-1 max_target_length=8 per_device_batch_size=1 eval_interval=1 eval_steps=3 "
+                                "checkpoint_period=1 async_checkpointing=false base_output_directory=" + kDir +
+                                " run_name=resume-eval-run data_cache_path=" + kDir + "/cache-resume-eval ";
+  REQUIRE(run_trainer(eval_args + "steps=2").exit_code == 0);
+  const auto eval_longer = run_trainer(eval_args + "steps=4");
+  INFO(eval_longer.output);
+  CHECK(eval_longer.exit_code == 0);
+  CHECK_THAT(eval_longer.output, Catch::Contains("steps changed from 2 to 4, and the validation index built for 15 samples") &&
+                                     Catch::Contains("(9 samples)") && !Catch::Contains("the data index built for"));
 }
 
 TEST_CASE("GPTDataset samples equal the numpy reference (epochs, separate final epoch, splits)", "[data]") {

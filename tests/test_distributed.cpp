@@ -968,14 +968,15 @@ TEST_CASE("exports stream unit by unit: R=4 optim_grads_params, R=2 expert_paral
   for (const std::string dir : {"hf4", "hf2"}) CHECK(std::distance(fs::directory_iterator(out + dir), fs::directory_iterator()) == 2);
   CHECK(safetensors_read(out + "hf1/model.safetensors").tensors.count("model.layers.0.attention.query_key_value.weight") == 1);
 
-  // A write that fails on rank 0 (the parent of the path is a file): rank 0 still takes part in
-  // every gather, then exits 1 naming the path; nothing is left behind.
-  { std::ofstream(out + "blocked") << "a file"; }
+  // A write that fails on rank 0 (a file name longer than the filesystem allows: ENAMETOOLONG at
+  // the open; a parent that is a file is refused before the model is built): rank 0 still takes
+  // part in every gather, then exits 1 naming the path; nothing is left behind.
+  const std::string blocked_path = out + std::string(300, 'b') + ".safetensors";
   const auto blocked = mpirun(2, common + "gradient_accumulation_steps=2 data_parallel_sharding=optim_grads_params remat_policy=full "
-                                          "--export-safetensors " + out + "blocked/model.safetensors");
+                                          "--export-safetensors " + blocked_path);
   INFO(blocked.output);
   CHECK(blocked.exit_code == 1);
-  CHECK_THAT(blocked.output, Catch::Contains("cannot export weights") && Catch::Contains(out + "blocked"));
+  CHECK_THAT(blocked.output, Catch::Contains("cannot export weights") && Catch::Contains(blocked_path));
   size_t leftovers = 0;
   for (const auto& entry : fs::directory_iterator(kOut))
     leftovers += entry.path().filename().string().find(".partial-") != std::string::npos;

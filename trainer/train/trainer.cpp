@@ -387,6 +387,13 @@ void Trainer::eval_data_open() {
                              dist_.local_world_size);
   }
   eval_data_ = std::make_unique<DataLoader>(c, dist_.rank, std::move(source));
+  // As for training (load_initial_state): another steps can mean other validation epochs.
+  const int64_t samples_before = (restored_steps_ / interval + 1) * c.eval_steps * c.global_batch_size;
+  if (restored_steps_ > 0 && restored_steps_ != c.steps && !eval_data_->data_loader_same_samples_as_built_for(samples_before))
+    spdlog::warn("steps changed from {} to {}, and the validation index built for {} samples spans other epochs than "
+                 "the checkpoint's run had ({} samples): the evaluation losses from here on are over other samples "
+                 "than that run's (docs/data.md)",
+                 restored_steps_, c.steps, samples, samples_before);
 }
 
 MetricValues Trainer::evaluate(int64_t index) {
