@@ -106,6 +106,11 @@ TEST_CASE("config errors name the key and exit with code 2", "[config]") {
     CHECK_THAT(load_error({"steps=1000", "eval_interval=1", "eval_steps=1000000000000000", "per_device_batch_size=1"}).what(),
                Catch::Contains("evaluation tokens do not fit in 64 bits"));
   }
+  SECTION("a top-k on a dense model (it was ignored)") {
+    const Error e = load_error({"model_name=test-tiny", "num_experts_per_tok=4"});
+    CHECK(e.exit_code() == kExitUsage);
+    CHECK_THAT(e.what(), Catch::Contains("num_experts_per_tok=4 on a dense model (num_experts=1)"));
+  }
   SECTION("value outside the allowed set lists the allowed values") {
     const Error e = load_error({"dtype=float33"});
     CHECK_THAT(e.what(), Catch::Contains("'dtype'") && Catch::Contains("float33") &&

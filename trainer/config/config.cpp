@@ -282,6 +282,10 @@ std::vector<std::string> validation_errors(const Config& c) {
   require(c.gradient_clipping_threshold >= 0,
           "gradient_clipping_threshold must be >= 0 (0 disables clipping)");
   require(c.skip_step_scaling_factor > 0, "skip_step_scaling_factor must be > 0");
+  // A dense model has no router: a top-k other than the default would be silently ignored.
+  require(c.num_experts > 1 || c.num_experts_per_tok == 1,
+          "num_experts_per_tok=" + std::to_string(c.num_experts_per_tok) + " on a dense model (num_experts=" +
+              std::to_string(c.num_experts) + "): set num_experts > 1 for a MoE model, or leave it at 1");
   if (c.num_experts > 1) {
     require(c.num_experts_per_tok >= 1 && c.num_experts_per_tok <= c.num_experts,
             "num_experts_per_tok (" + std::to_string(c.num_experts_per_tok) + ") must be in [1, num_experts (" +

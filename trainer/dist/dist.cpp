@@ -418,8 +418,8 @@ Rendezvous rendezvous_via_mpi(const DistEnv& env, std::chrono::milliseconds time
   MPI_Finalize();
   const std::string text(buffer);
   if (text.rfind('!', 0) == 0)
-    throw dist_error("rank " + std::to_string(env.rank) + ": rank 0 could not open the rendezvous store on " +
-                     text.substr(1));
+    throw dist_error((env.rank == 0 ? std::string("rank 0") : "rank " + std::to_string(env.rank) + ": rank 0") +
+                     " could not open the rendezvous store on " + text.substr(1));
   const auto space = text.find(' ');
   meeting.address = text.substr(0, space) + ":" + text.substr(space + 1);
   if (env.rank == 0) return meeting;
