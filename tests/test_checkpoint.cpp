@@ -574,6 +574,33 @@ TEST_CASE("SIGTERM during start-up exits 0 at once with a line and a second sign
   CHECK_THAT(read_file(loop + ".log"), Catch::Contains("a second time: exiting at once without saving (exit 1)"));
 }
 
+TEST_CASE("SIGTERM during a long evaluation drops it, saves the step before it, and exits 0", "[checkpoint]") {
+  // eval_steps = 1e9 would take days: the signal used to wait for the evaluation to end.
+  const std::string dir = kOut + "/sigterm-eval";
+  fs::remove_all(dir);
+  ChildProcesses children;
+  const pid_t pid = children.add(spawn_trainer({"model_name=test-tiny", "max_target_length=16", "steps=100000",
+                                                "checkpoint_period=100000", "eval_interval=3", "eval_steps=1000000000",
+                                                "base_output_directory=" + kOut, "run_name=sigterm-eval"},
+                                               dir + ".log"));
+  // Step 2's metrics line is written just before the evaluation after step 2 starts.
+  REQUIRE(wait_until([&] { return read_lines(dir + "/metrics.jsonl").size() >= 3; }, 60));
+  kill(pid, SIGTERM);
+  const auto exit_code = children.wait_for(pid, 60);
+  const std::string log = read_file(dir + ".log");
+  INFO(log);
+  REQUIRE(exit_code.has_value());
+  CHECK(*exit_code == 0);
+  CHECK_THAT(log, Catch::Contains("evaluation dropped after") && Catch::Contains("of its 1000000000 steps"));
+  CHECK_THAT(log, Catch::Contains("received SIGTERM: stopped after step 2, checkpoint 3 saved"));
+  const auto lines = read_lines(dir + "/metrics.jsonl");
+  CHECK(lines.size() == 3);
+  for (const auto& line : lines) CHECK(line.find("eval/") == std::string::npos);
+  const auto latest = checkpoint_find_latest(dir + "/checkpoints");
+  REQUIRE(latest.has_value());
+  CHECK(fs::path(*latest).filename().string() == "3");
+}
+
 TEST_CASE("a crash prints the signal and the native stack, and still dies of that signal", "[checkpoint][cli]") {
   // SIGSEGV sent from outside takes the same handler as a real fault: the log names it and shows
   // frames, and the exit status stays 128 + 11, so scripts and the tests above still see a crash.
@@ -918,6 +945,13 @@ TEST_CASE("Hugging Face directories: config.json round trips the model keys, and
   CHECK_THROWS_WITH(hf_config_model_keys(edited("act", "\"silu\"", "\"gelu\"")), Catch::Contains("field 'hidden_act'"));
   CHECK_THROWS_WITH(hf_config_model_keys(edited("layers", "\"num_hidden_layers\": 3", "\"num_hidden_layers\": \"3\"")),
                     Catch::Contains("field 'num_hidden_layers' must be an integer"));
+  // The exporter writes score_function; another value than sigmoid is refused (the modeling code
+  // ignores the field and routes by sigmoid; it used to be ignored here too).
+  CHECK_THROWS_WITH(hf_config_model_keys(edited("score", "\"score_function\": \"sigmoid\"", "\"score_function\": \"softmax\"")),
+                    Catch::Contains("config.json: field 'score_function' is \"softmax\": BailingMoeV2ForCausalLM's "
+                                    "modeling code routes by sigmoid"));
+  CHECK_THROWS_WITH(hf_config_model_keys(edited("score-type", "\"score_function\": \"sigmoid\"", "\"score_function\": 1")),
+                    Catch::Contains("field 'score_function' must be a string"));
   // Zero heads used to divide by zero (SIGFPE) deriving head_dim.
   CHECK_THROWS_WITH(hf_config_model_keys(edited("heads", "\"num_attention_heads\": 4", "\"num_attention_heads\": 0")),
                     Catch::Contains("field 'num_attention_heads' must be > 0, not 0"));

@@ -932,7 +932,7 @@ TEST_CASE("evaluation on the validation split: token-mean lm_loss and perplexity
   Trainer t(tiny_config({"dataset_type=megatron", "dataset_path=" + kDir + "/evalcorpus", "split=80,20,0", "pad_id=-1",
                          "eod_id=-1", "max_target_length=8", "per_device_batch_size=2", "gradient_accumulation_steps=2",
                          "steps=6", "eval_interval=3", "eval_steps=2", "data_cache_path=" + kDir + "/cache-eval"}));
-  const auto values = t.evaluate(1);
+  const auto values = t.evaluate(1).value();
   const DataLoader valid(t.config(), 0, megatron_source(t.config(), DataSplit::kValid, (6 / 3 + 1) * 2 * 4));
   torch::NoGradGuard no_grad;
   double ce = 0, count = 0;

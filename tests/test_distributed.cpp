@@ -1044,6 +1044,29 @@ TEST_CASE("evaluation under data parallelism, with EOD masks, equals one process
   }
 }
 
+namespace {
+// Starts `mpirun -np 2 <args>` in the background (output to `log`) and returns the launcher's pid.
+pid_t mpirun_spawn(ChildProcesses& children, const std::string& args, const std::string& log) {
+  fs::create_directories(fs::path(log).parent_path());
+  const pid_t launcher = children.add(fork());
+  if (launcher == 0) {
+    const std::string command = "exec mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 " + args + " > " + log + " 2>&1";
+    execl("/bin/sh", "sh", "-c", command.c_str(), nullptr);
+    _exit(127);
+  }
+  return launcher;
+}
+
+// The rank processes of run `run`: command lines that start with the binary (mpirun's starts with "mpirun").
+std::vector<pid_t> rank_pids_of(const std::string& run) {
+  const auto ranks = run_command("pgrep -f '^" + std::string(TRAINER_BINARY) + " .*run_name=" + run + "( |$)'");
+  std::istringstream pids(ranks.output);
+  std::vector<pid_t> rank_pids;
+  for (pid_t pid; pids >> pid;) rank_pids.push_back(pid);
+  return rank_pids;
+}
+}  // namespace
+
 TEST_CASE("SIGTERM to one rank: all ranks finish the same step, save, exit 0, and the run resumes", "[dist][cli]") {
   // The signal reaches rank 1 only (not mpirun, which would forward it to all): the stop vote in
   // the step's all-reduce makes every rank stop after the same step.
@@ -1053,21 +1076,10 @@ TEST_CASE("SIGTERM to one rank: all ranks finish the same step, save, exit 0, an
                            " model_name=test-tiny max_target_length=16 steps=100000 checkpoint_period=100000 "
                            "base_output_directory=" + kOut + " run_name=" + run;
   const std::string log = kOut + "/" + run + ".log";
-  fs::create_directories(kOut);
   ChildProcesses children;
-  const pid_t launcher = children.add(fork());
-  if (launcher == 0) {
-    const std::string command = "exec mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 " + args + " > " + log + " 2>&1";
-    execl("/bin/sh", "sh", "-c", command.c_str(), nullptr);
-    _exit(127);
-  }
+  const pid_t launcher = mpirun_spawn(children, args, log);
   REQUIRE(wait_until([&] { return read_lines(kOut + "/" + run + "/metrics.jsonl").size() >= 3; }, 120));
-  // The rank processes: command lines that start with the binary (mpirun's starts with "mpirun").
-  const auto ranks = run_command("pgrep -f '^" + std::string(TRAINER_BINARY) + " .*run_name=" + run + "( |$)'");
-  std::istringstream pids(ranks.output);
-  std::vector<pid_t> rank_pids;
-  for (pid_t pid; pids >> pid;) rank_pids.push_back(pid);
-  INFO("pgrep: " << ranks.output);
+  const auto rank_pids = rank_pids_of(run);
   REQUIRE(rank_pids.size() == 2);
   kill(rank_pids.back(), SIGTERM);
   CHECK(children.wait(launcher) == 0);
@@ -1082,6 +1094,41 @@ TEST_CASE("SIGTERM to one rank: all ranks finish the same step, save, exit 0, an
                                    std::regex_replace(args, std::regex("steps=100000"), "steps=" + std::to_string(lines.size() + 2)));
   CHECK(resumed.exit_code == 0);
   CHECK(read_lines(kOut + "/" + run + "/metrics.jsonl").size() == lines.size() + 2);
+}
+
+TEST_CASE("SIGTERM to one rank during a long evaluation: both ranks drop it at the same step, save, and exit 0", "[dist][cli]") {
+  // Rank 1 alone gets the signal; the vote before each evaluation step stops rank 0 with it (a rank
+  // stopping alone would leave the other in the evaluation's next collective).
+  const std::string run = "dp-sigterm-eval";
+  fs::remove_all(kOut + "/" + run);
+  const std::string args = std::string(TRAINER_BINARY) + " " + source_path("configs/base.yml") + " " + kSyntheticData +
+                           " model_name=test-tiny max_target_length=16 steps=100000 checkpoint_period=100000 "
+                           "eval_interval=2 eval_steps=1000000000 base_output_directory=" + kOut + " run_name=" + run;
+  const std::string log = kOut + "/" + run + ".log";
+  ChildProcesses children;
+  const pid_t launcher = mpirun_spawn(children, args, log);
+  REQUIRE(wait_until([&] { return read_lines(kOut + "/" + run + "/metrics.jsonl").size() >= 2; }, 120));
+  const auto rank_pids = rank_pids_of(run);
+  REQUIRE(rank_pids.size() == 2);
+  kill(rank_pids.back(), SIGTERM);
+  const auto exit_code = children.wait_for(launcher, 120);
+  const auto output = read_file(log);
+  INFO(output);
+  REQUIRE(exit_code.has_value());
+  CHECK(*exit_code == 0);
+  CHECK_THAT(output, Catch::Contains("received SIGTERM: stopped after step 1"));
+  CHECK_THAT(output, Catch::Contains("received a stop signal on another rank: stopped after step 1"));
+  // Both ranks name the same evaluation step.
+  const std::regex dropped("evaluation dropped after (\\d+) of its");
+  std::vector<std::string> at;
+  for (std::sregex_iterator it(output.begin(), output.end(), dropped), end; it != end; ++it) at.push_back((*it)[1]);
+  REQUIRE(at.size() == 2);
+  CHECK(at[0] == at[1]);
+  const auto lines = read_lines(kOut + "/" + run + "/metrics.jsonl");
+  CHECK(lines.size() == 2);
+  const auto latest = checkpoint_find_latest(kOut + "/" + run + "/checkpoints");
+  REQUIRE(latest.has_value());
+  CHECK(fs::path(*latest).filename().string() == "2");
 }
 
 TEST_CASE("ranks launched with different configs stop with exit 2 naming the differing key", "[dist][cli]") {

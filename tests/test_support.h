@@ -125,6 +125,7 @@ inline double json_metric(const std::string& line, const std::string& name) {
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -177,6 +178,17 @@ class ChildProcesses {
   int wait(pid_t pid) {  // exit code, or 128 + signal
     running_.erase(std::remove(running_.begin(), running_.end(), pid), running_.end());
     return wait_exit_code(pid);
+  }
+  // As wait, but nullopt if `pid` is still running after `seconds` (it is killed at the end).
+  std::optional<int> wait_for(pid_t pid, double seconds) {
+    int status = 0;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+    while (waitpid(pid, &status, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() > deadline) return std::nullopt;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    running_.erase(std::remove(running_.begin(), running_.end(), pid), running_.end());
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   }
 
  private:

@@ -154,7 +154,13 @@ std::vector<Translated> translate(const ConfigJson& f) {
     add_int("base_moe_mlp_dim", "moe_intermediate_size");
     add("shared_experts", std::to_string(f.integer("num_shared_experts", 0)), "num_shared_experts", true);
     add_int("first_num_dense_layers", "first_k_dense_replace", 0);
-    add("routed_score_func", "sigmoid", "architectures", false);
+    // BailingMoeV2Gate applies sigmoid whatever score_function says; a file naming another function
+    // was meant for other modeling code (or is wrong), and reading it as sigmoid would be silent.
+    const std::string score = f.text("score_function", "sigmoid");
+    if (score != "sigmoid")
+      f.fail("score_function", "is \"" + score + "\": BailingMoeV2ForCausalLM's modeling code routes by sigmoid scores "
+                               "whatever this field says; set it to \"sigmoid\" (or remove it) if the model was trained so");
+    add("routed_score_func", "sigmoid", f.has("score_function") ? "score_function" : "architectures", false);
     // The Gate renormalizes the top-k weights only when k > 1 (a single weight stays the score).
     add("norm_topk_prob", top_k > 1 ? "true" : "false", "num_experts_per_tok", false);
     add("routed_scaling_factor", number_text(f.number("routed_scaling_factor", 1.0)), "routed_scaling_factor", false);
@@ -272,6 +278,7 @@ std::string hf_config_json(const Config& c, const std::string& torch_dtype) {
     j["moe_intermediate_size"] = c.base_moe_mlp_dim;
     j["num_shared_experts"] = c.shared_experts > 0 ? json(c.shared_experts) : json(nullptr);
     j["first_k_dense_replace"] = c.first_num_dense_layers;
+    j["score_function"] = "sigmoid";  // informational: the modeling code always routes by sigmoid
     j["routed_scaling_factor"] = c.routed_scaling_factor;
     j["n_group"] = c.n_routing_groups == -1 ? 1 : c.n_routing_groups;
     j["topk_group"] = c.topk_routing_group == -1 ? 1 : c.topk_routing_group;

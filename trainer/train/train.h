@@ -6,6 +6,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -157,7 +158,9 @@ class Trainer {
   NamedTensors logits_for(const std::vector<int64_t>& tokens, bool with_gradients = false);
   // Forward-only evaluation on `eval_steps` global batches of the validation split (the
   // `index`-th evaluation reads the next batches): {eval/lm_loss (token mean), eval/perplexity}.
-  MetricValues evaluate(int64_t index);
+  // nullopt when a SIGTERM/SIGINT on any rank stopped it between two of its steps (all ranks
+  // return nullopt at the same step; logs at most one progress line a minute on rank 0).
+  std::optional<MetricValues> evaluate(int64_t index);
   // Builds the validation split's loader (and its index) once; train() calls it at the start when
   // eval_interval > 0, so an empty or unreadable validation split stops the run before step 0.
   void eval_data_open();

@@ -396,35 +396,6 @@ void Trainer::eval_data_open() {
                  restored_steps_, c.steps, samples, samples_before);
 }
 
-MetricValues Trainer::evaluate(int64_t index) {
-  const Config& c = config_;
-  eval_data_open();
-  torch::NoGradGuard no_grad;
-  if (sharded_state_) sharded_state_->params_ensure();  // the decoder layers gather as they run
-  // The same quantity as learning/lm_loss in per-token mode: the token-weighted mean of CE plus
-  // the z-loss term (the loss term being optimized); eval/z_loss is that z part, and perplexity
-  // is of the cross-entropy alone.
-  double ce = 0, z = 0, weights = 0;
-  for (int64_t s = 0; s < c.eval_steps; ++s)
-    for (int64_t micro = 0; micro < c.gradient_accumulation_steps; ++micro) {
-      const auto batch = eval_data_->data_loader_next(index * c.eval_steps + s, micro);
-      const auto m = micro_batch_losses(model_, batch, c, device_);
-      const auto host = torch::stack({m.ce.to(torch::kFloat64), m.z.to(torch::kFloat64)}).cpu();
-      perf_note_host_read();
-      ce += host[0].item<double>();
-      z += host[1].item<double>();
-      weights += m.weights;
-    }
-  auto sums = torch::tensor({ce, z, weights}, torch::kFloat64);
-  comm_->all_reduce_sum(sums, "the evaluation loss sums");
-  ce = sums[0].item<double>(), z = sums[1].item<double>(), weights = sums[2].item<double>();
-  const double lm_loss = weights > 0 ? ce / weights : 0.0, z_loss = weights > 0 ? z / weights : 0.0;
-  return {{"eval/lm_loss", lm_loss},
-          {"eval/z_loss", z_loss},
-          {"eval/perplexity", std::exp(lm_loss - z_loss)},
-          {"eval/total_weights", weights}};
-}
-
 namespace {
 // Set by the first SIGTERM/SIGINT once the loop takes over (g_stop_deferred); each step votes on it.
 std::atomic<int> g_stop_signal{0};
@@ -455,6 +426,60 @@ extern "C" void on_stop_signal(int signo) {
   }
 }
 }  // namespace
+
+std::optional<MetricValues> Trainer::evaluate(int64_t index) {
+  const Config& c = config_;
+  eval_data_open();
+  torch::NoGradGuard no_grad;
+  if (sharded_state_) sharded_state_->params_ensure();  // the decoder layers gather as they run
+  // The same quantity as learning/lm_loss in per-token mode: the token-weighted mean of CE plus
+  // the z-loss term (the loss term being optimized); eval/z_loss is that z part, and perplexity
+  // is of the cross-entropy alone.
+  double ce = 0, z = 0, weights = 0;
+  using Clock = std::chrono::steady_clock;
+  const auto begin = Clock::now();
+  auto last_progress = begin;
+  for (int64_t s = 0; s < c.eval_steps; ++s) {
+    // A SIGTERM (a scheduler's notice before the kill) must not wait out a long evaluation: the
+    // ranks agree before each evaluation step (their forwards may hold collectives, so all stop
+    // at the same one), drop the evaluation, and the loop saves and stops as after a step.
+    // One element per evaluation step is nothing beside the forwards, which read the host anyway.
+    bool stop = g_stop_signal.load() != 0;
+    if (!comm_->is_local()) {
+      auto vote = torch::tensor({stop ? 1.0 : 0.0}, torch::kFloat64);
+      comm_->all_reduce_sum(vote, "the stop vote of evaluation step " + std::to_string(s));
+      stop = vote.item<double>() > 0;
+    }
+    if (stop) {
+      spdlog::warn("evaluation dropped after {} of its {} steps ({:.1f} s): a stop signal arrived", s,
+                   c.eval_steps, std::chrono::duration<double>(Clock::now() - begin).count());
+      return std::nullopt;
+    }
+    if (dist_.rank == 0 && Clock::now() - last_progress > std::chrono::seconds(60)) {
+      last_progress = Clock::now();
+      const double elapsed = std::chrono::duration<double>(last_progress - begin).count();
+      spdlog::info("evaluating: {} of {} steps in {:.0f} s, about {:.0f} s to go", s, c.eval_steps, elapsed,
+                   elapsed / static_cast<double>(s) * static_cast<double>(c.eval_steps - s));
+    }
+    for (int64_t micro = 0; micro < c.gradient_accumulation_steps; ++micro) {
+      const auto batch = eval_data_->data_loader_next(index * c.eval_steps + s, micro);
+      const auto m = micro_batch_losses(model_, batch, c, device_);
+      const auto host = torch::stack({m.ce.to(torch::kFloat64), m.z.to(torch::kFloat64)}).cpu();
+      perf_note_host_read();
+      ce += host[0].item<double>();
+      z += host[1].item<double>();
+      weights += m.weights;
+    }
+  }
+  auto sums = torch::tensor({ce, z, weights}, torch::kFloat64);
+  comm_->all_reduce_sum(sums, "the evaluation loss sums");
+  ce = sums[0].item<double>(), z = sums[1].item<double>(), weights = sums[2].item<double>();
+  const double lm_loss = weights > 0 ? ce / weights : 0.0, z_loss = weights > 0 ? z / weights : 0.0;
+  return MetricValues{{"eval/lm_loss", lm_loss},
+                      {"eval/z_loss", z_loss},
+                      {"eval/perplexity", std::exp(lm_loss - z_loss)},
+                      {"eval/total_weights", weights}};
+}
 
 void stop_signals_install() {
   struct sigaction action {};
@@ -589,10 +614,12 @@ void Trainer::train() {
   if (c.enable_checkpointing && c.save_checkpoint_on_start && start_step == 0) save(0, c.async_checkpointing);
   prefetcher_ = std::make_unique<DataPrefetcher>(data_, start_step, c.steps, c.gradient_accumulation_steps,
                                                  static_cast<size_t>(2 * c.gradient_accumulation_steps));
+  // False when a stop signal dropped the evaluation (all ranks agree, evaluate()).
   auto run_eval = [&](int64_t completed) {
     flush(Clock::now());
-    const MetricValues values = evaluate(completed / c.eval_interval - 1 + (completed % c.eval_interval != 0));
-    if (logger_) own_work([&] { logger_->log_eval(completed - 1, values); });
+    const auto values = evaluate(completed / c.eval_interval - 1 + (completed % c.eval_interval != 0));
+    if (values && logger_) own_work([&] { logger_->log_eval(completed - 1, *values); });
+    return values.has_value();
   };
 
   for (int64_t step = start_step; step < c.steps; ++step) {
@@ -612,9 +639,10 @@ void Trainer::train() {
     pending_start = start;
 
     const int64_t completed = step + 1;
-    const int signal = stop ? std::max(g_stop_signal.load(), 1) : 0;
+    int signal = stop ? std::max(g_stop_signal.load(), 1) : 0;
+    if (c.eval_interval > 0 && (completed % c.eval_interval == 0 || completed == c.steps) && !signal && !run_eval(completed))
+      signal = std::max(g_stop_signal.load(), 1);
     const bool final_step = completed == c.steps || signal != 0;
-    if (c.eval_interval > 0 && (completed % c.eval_interval == 0 || completed == c.steps)) run_eval(completed);
     if (c.enable_checkpointing &&
         (completed % c.checkpoint_period == 0 || (final_step && (c.save_checkpoint_on_completion || signal))))
       save(completed, c.async_checkpointing && !final_step);
