@@ -414,6 +414,25 @@ TEST_CASE("ranks started with different world sizes are named, not left to Gloo'
   CHECK_THAT(log0 + log1, !Catch::Contains("enforce fail"));
 }
 
+TEST_CASE("rank 0 whose other ranks never come says how long it waited for how many, and under Slurm to use srun", "[dist][cli]") {
+  // An sbatch script that runs the trainer itself: one process, with SLURM_NTASKS=2 from the
+  // allocation. It used to end with a bare "Socket Timeout".
+  std::random_device entropy;
+  CommandResult r;
+  for (int attempt = 0; attempt < 4; ++attempt) {  // another on this port: try another
+    const int port = 20000 + static_cast<int>(entropy() % 40000);
+    r = run_trainer("model_name=test-tiny max_target_length=16 steps=1 collective_timeout_seconds=2 "
+                    "base_output_directory=" + kOut + " run_name=alone",
+                    "SLURM_PROCID=0 SLURM_NTASKS=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port));
+    if (r.output.find("in use") == std::string::npos) break;
+  }
+  INFO(r.output);
+  CHECK(r.exit_code == 5);
+  CHECK_THAT(r.output, Catch::Contains("rank 0 waited up to 2 s, collective_timeout_seconds, for the other 1 rank(s) of "
+                                       "world size 2, as the slurm environment says; were they started? In an sbatch "
+                                       "script, start the trainer with srun"));
+}
+
 TEST_CASE("a MASTER_ADDR no resolver knows is waited for, then named with exit 2", "[dist][cli]") {
   // It used to be reported as a connection timeout. It is waited for (a Kubernetes master's DNS
   // record appears late), so the run ends after collective_timeout_seconds either way; where this

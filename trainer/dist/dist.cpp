@@ -96,6 +96,21 @@ std::string world_size_note(c10d::Store& store) {
   }
 }
 
+// Rank 0 waits for the others at the store; when they never come, the likely cause is a launch
+// that started fewer processes than its environment announces: an sbatch script that runs the
+// trainer itself (one process) while SLURM_NTASKS counts the allocation's tasks.
+// Only said after a failure that took the whole timeout (not, e.g., a port in use).
+std::string rendezvous_hint(const DistEnv& env, std::chrono::milliseconds timeout,
+                            std::chrono::steady_clock::time_point begin) {
+  if (env.rank != 0 || env.world_size < 2 || std::chrono::steady_clock::now() - begin < timeout * 9 / 10) return "";
+  std::string hint = " (rank 0 waited up to " + std::to_string(timeout.count() / 1000) +
+                     " s, collective_timeout_seconds, for the other " + std::to_string(env.world_size - 1) +
+                     " rank(s) of world size " + std::to_string(env.world_size) + ", as the " + env.launcher +
+                     " environment says; were they started?";
+  if (env.launcher == "slurm") hint += " In an sbatch script, start the trainer with srun: the script itself is one process";
+  return hint + ")";
+}
+
 // A c10d work in flight; `fail` turns its exception into the caller's trainer::Error. WorkPtr is
 // what the group's collectives return (ProcessGroup::Work in LibTorch 1.13, c10d::Work in 2.x).
 template <class WorkPtr>
@@ -157,6 +172,7 @@ class C10dCommunicator : public Communicator {
       : rank_(env.rank), world_(env.world_size), global_rank_(env.rank), device_(options.device),
         timeout_(std::chrono::milliseconds(static_cast<int64_t>(options.timeout_seconds * 1000))),
         store_(std::move(store)) {
+    const auto begin = std::chrono::steady_clock::now();
     try {
       world_size_agree(*store_, env);
       auto group_options = Group::Options::create();
@@ -166,8 +182,9 @@ class C10dCommunicator : public Communicator {
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
+      const std::string note = world_size_note(*store_);
       throw dist_error("rank " + std::to_string(rank_) + ": rendezvous at " + address + " failed: " + first_line(e.what()) +
-                       world_size_note(*store_));
+                       (note.empty() ? rendezvous_hint(env, timeout_, begin) : note));
     }
   }
   ~C10dCommunicator() override { shutdown(); }
@@ -468,10 +485,12 @@ void master_addr_wait(const DistEnv& env, std::chrono::milliseconds timeout) {
 // The store every rank of this launch meets in: at MASTER_ADDR:MASTER_PORT when they are set,
 // else on a free port (one process on loopback; under mpirun on rank 0's host).
 Rendezvous rendezvous_open(const DistEnv& env, std::chrono::milliseconds timeout) {
+  auto begin = std::chrono::steady_clock::now();
   std::string address = env.master_addr + ":" + std::to_string(env.master_port);
   try {
     if (!env.master_addr.empty()) {
       master_addr_wait(env, timeout);
+      begin = std::chrono::steady_clock::now();
       return {tcp_store_open(env.master_addr, env.master_port, env, /*wait_for_workers=*/true, timeout), address};
     }
     if (env.world_size == 1) {
@@ -484,7 +503,8 @@ Rendezvous rendezvous_open(const DistEnv& env, std::chrono::milliseconds timeout
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
-    throw dist_error("rank " + std::to_string(env.rank) + ": rendezvous at " + address + " failed: " + first_line(e.what()));
+    throw dist_error("rank " + std::to_string(env.rank) + ": rendezvous at " + address + " failed: " + first_line(e.what()) +
+                     rendezvous_hint(env, timeout, begin));
   }
   throw dist_error("rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size) + " (" + env.launcher +
                    "): set MASTER_ADDR and MASTER_PORT (only mpirun agrees on them by itself)");
