@@ -407,6 +407,12 @@ TEST_CASE("damaged checkpoints: none usable stops the run with exit 3 and overwr
     CHECK_THAT(load_error(), Catch::Contains("state.json is malformed: config_hash is 7, not a string"));
     with("\"consumed_samples\": ", "\"consumed_samples\": -");
     CHECK_THAT(load_error(), Catch::Contains("consumed_samples -") && Catch::Contains("consumed_samples >= 0"));
+    {  // the resume used to pop an empty window (SIGSEGV) when the two lists differed in length
+      nlohmann::json j = nlohmann::json::parse(state);
+      j["spike_guard"] = {{"losses", {2.5, 2.4}}, {"grad_norms", {1.0}}};
+      std::ofstream(state_path, std::ios::binary | std::ios::trunc) << j.dump(2);
+      CHECK_THAT(load_error(), Catch::Contains("spike_guard.losses has 2 values and spike_guard.grad_norms 1"));
+    }
     // A generator state of the wrong size, with the manifest made to match: the resume names the field.
     nlohmann::json j = nlohmann::json::parse(state);
     j["rng"]["torch_cpu"] = "00ff";

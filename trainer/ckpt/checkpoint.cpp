@@ -142,6 +142,11 @@ CheckpointState state_from_json(const std::string& text, const std::string& path
     } catch (const nlohmann::json::exception&) {
       throw malformed("spike_guard.losses and spike_guard.grad_norms must be lists of numbers");
     }
+    // The guard keeps one (loss, grad norm) pair per accepted step and pops both together.
+    if (s.spike_losses.size() != s.spike_grad_norms.size())
+      throw malformed("spike_guard.losses has " + std::to_string(s.spike_losses.size()) +
+                      " values and spike_guard.grad_norms " + std::to_string(s.spike_grad_norms.size()) +
+                      " (one pair per accepted step)");
     const auto& rng = member(member(j, "rng", "rng"), "torch_cpu", "rng.torch_cpu");
     const auto& hash = member(j, "config_hash", "config_hash");
     if (!rng.is_string()) throw malformed("rng.torch_cpu is " + rng.dump() + ", not a string");
