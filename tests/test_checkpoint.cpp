@@ -401,6 +401,8 @@ TEST_CASE("damaged checkpoints: none usable stops the run with exit 3 and overwr
     CHECK_THAT(load_error(), Catch::Contains("/2: state.json is malformed: step 99 in the checkpoint of step 2"));
     with("\"step\": 2", "\"step\": 2.5");  // read as 2 before fields were checked one by one
     CHECK_THAT(load_error(), Catch::Contains("state.json is malformed: step is 2.5, not an integer"));
+    with("\"world_size\": ", "\"world_size\": -");  // 0 or less used to be only a warning
+    CHECK_THAT(load_error(), Catch::Contains("state.json is malformed: world_size -1 (a run has at least one rank)"));
     with("\"world_size\": ", "\"world_sizes\": ");
     CHECK_THAT(load_error(), Catch::Contains("state.json is malformed: world_size is missing"));
     with("\"config_hash\": ", "\"config_hash\": 7, \"x\": ");

@@ -161,6 +161,7 @@ CheckpointState state_from_json(const std::string& text, const std::string& path
       throw malformed("step " + std::to_string(s.step) + ", updates_applied " + std::to_string(s.updates_applied) +
                       ", consumed_samples " + std::to_string(s.consumed_samples) +
                       " (need 0 <= updates_applied <= step, consumed_samples >= 0)");
+    if (s.world_size < 1) throw malformed("world_size " + std::to_string(s.world_size) + " (a run has at least one rank)");
     if (!name.empty() && std::all_of(name.begin(), name.end(), ::isdigit) && name != std::to_string(s.step))
       throw malformed("step " + std::to_string(s.step) + " in the checkpoint of step " + name);
     if (s.cpu_rng_state.size() % 2 != 0 || !std::all_of(s.cpu_rng_state.begin(), s.cpu_rng_state.end(), ::isxdigit))
