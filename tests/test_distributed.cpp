@@ -3,6 +3,7 @@
 // makes the other exit 5, resume across world sizes, and scripts/pretrain_ling2.sh.
 #include <fcntl.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/file.h>
 #include <unistd.h>
@@ -431,6 +432,34 @@ TEST_CASE("rank 0 whose other ranks never come says how long it waited for how m
   CHECK_THAT(r.output, Catch::Contains("rank 0 waited up to 2 s, collective_timeout_seconds, for the other 1 rank(s) of "
                                        "world size 2, as the slurm environment says; were they started? In an sbatch "
                                        "script, start the trainer with srun"));
+}
+
+TEST_CASE("a worker whose MASTER_PORT accepts connections but never answers ends after the timeout, exit 5", "[dist][cli]") {
+  // Another program listening on MASTER_PORT: the kernel completes the connection and nobody
+  // answers the store's handshake. The worker used to wait forever.
+  const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(listener >= 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = 0;  // a free port
+  REQUIRE(::bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0);
+  REQUIRE(::listen(listener, 8) == 0);  // never accepted: the backlog completes the connections
+  socklen_t length = sizeof address;
+  REQUIRE(::getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length) == 0);
+  const std::string port = std::to_string(ntohs(address.sin_port));
+  const auto start = std::chrono::steady_clock::now();
+  const auto r = run_trainer("model_name=test-tiny max_target_length=16 steps=1 collective_timeout_seconds=2 "
+                             "base_output_directory=" + kOut + " run_name=mute-port",
+                             "RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ::close(listener);
+  INFO(r.output);
+  CHECK(r.exit_code == 5);
+  CHECK_THAT(r.output, Catch::Contains("rank 1: rendezvous at 127.0.0.1:" + port + ": a connection was accepted but "
+                                       "nothing answered like rank 0's store within 2 s (collective_timeout_seconds) + 5 s"));
+  CHECK(seconds >= 7);
+  CHECK(seconds < 60);
 }
 
 TEST_CASE("a MASTER_ADDR no resolver knows is waited for, then named with exit 2", "[dist][cli]") {

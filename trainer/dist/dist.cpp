@@ -7,8 +7,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <functional>
+#include <mutex>
+#include <optional>
 #include <thread>
 
 #include <spdlog/spdlog.h>
@@ -393,10 +396,50 @@ struct Rendezvous {
   std::string address;  // "host:port", for messages and the start-up line
 };
 
+// Ends this process, exit 5 with `message`, unless disarmed (destroyed) within `deadline`. For a
+// wait c10d gives no deadline of its own. Only before training: nothing is lost.
+class StartupWatchdog {
+ public:
+  StartupWatchdog(std::chrono::milliseconds deadline, std::string message)
+      : thread_([this, deadline, message = std::move(message)] {
+          std::unique_lock<std::mutex> lock(mutex_);
+          if (disarmed_.wait_for(lock, deadline, [this] { return done_; })) return;
+          spdlog::error("{}", message);
+          spdlog::default_logger()->flush();
+          ::_exit(kExitDistributed);
+        }) {}
+  ~StartupWatchdog() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_ = true;
+    }
+    disarmed_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable disarmed_;
+  bool done_ = false;
+  std::thread thread_;  // last: it starts once the members above exist
+};
+
 // The TCPStore at host:port. Rank 0 serves it; with port 0 it binds a free port (store->getPort()
 // says which) and keeps it, so no other process can take the port between its choice and its use.
+//
+// A client retries its connect for `timeout`, but once connected it reads the store's answers
+// with no deadline: when MASTER_PORT belongs to a program that accepts connections and never
+// answers (another service, a stale process), it used to wait forever. The watchdog allows the
+// connect's `timeout` plus 5 s for the answers a store gives at once.
 c10::intrusive_ptr<c10d::TCPStore> tcp_store_open(const std::string& host, int port, const DistEnv& env,
                                                   bool wait_for_workers, std::chrono::milliseconds timeout) {
+  std::optional<StartupWatchdog> watchdog;
+  if (env.rank != 0)
+    watchdog.emplace(timeout + std::chrono::seconds(5),
+                     "rank " + std::to_string(env.rank) + ": rendezvous at " + host + ":" + std::to_string(port) +
+                         ": a connection was accepted but nothing answered like rank 0's store within " +
+                         std::to_string(timeout.count() / 1000) + " s (collective_timeout_seconds) + 5 s; "
+                         "is MASTER_PORT right, and is another program listening on it?");
   c10d::TCPStoreOptions options;
   options.port = static_cast<uint16_t>(port);
   options.isServer = env.rank == 0;
