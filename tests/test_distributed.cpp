@@ -5,6 +5,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/file.h>
 #include <unistd.h>
 
@@ -1177,6 +1178,52 @@ TEST_CASE("SIGTERM to one rank during a long evaluation: both ranks drop it at t
   const auto latest = checkpoint_find_latest(kOut + "/" + run + "/checkpoints");
   REQUIRE(latest.has_value());
   CHECK(fs::path(*latest).filename().string() == "2");
+}
+
+TEST_CASE("SIGTERM to one rank during start-up: both ranks stop before the first step and exit 0", "[dist][cli]") {
+  // Rank 0 is held in start-up by its metrics_file, a FIFO: opening it for writing waits for a
+  // reader. Rank 1 then waits in the collective after it, the world group built. It used to exit 0
+  // alone at the signal, and rank 0 exited 5 blaming a dead peer.
+  const std::string run = "dp-sigterm-startup";
+  fs::remove_all(kOut + "/" + run);
+  fs::create_directories(kOut + "/" + run + "-fifo");
+  const std::string fifo = kOut + "/" + run + "-fifo/metrics.jsonl";
+  REQUIRE(mkfifo(fifo.c_str(), 0600) == 0);
+  const std::string args = std::string(TRAINER_BINARY) + " " + source_path("configs/base.yml") + " " + kSyntheticData +
+                           " model_name=test-tiny max_target_length=16 steps=3 collective_timeout_seconds=300 "
+                           "metrics_file=" + fifo + " base_output_directory=" + kOut + " run_name=" + run;
+  const std::string log = kOut + "/" + run + ".log";
+  ChildProcesses children;
+  const pid_t launcher = mpirun_spawn(children, args, log);
+  // The rank waiting in the FIFO's open (its kernel wait channel says so) is rank 0.
+  const auto waiting_for_reader = [](pid_t pid) {
+    return read_file("/proc/" + std::to_string(pid) + "/wchan").find("wait_for_partner") == 0;
+  };
+  std::vector<pid_t> rank_pids;
+  REQUIRE(wait_until([&] {
+    rank_pids = rank_pids_of(run);
+    return rank_pids.size() == 2 && (waiting_for_reader(rank_pids[0]) || waiting_for_reader(rank_pids[1]));
+  }, 120));
+  for (pid_t pid : rank_pids) children.kill_at_end(pid);  // rank 0 would wait at the FIFO forever
+  const pid_t rank1 = waiting_for_reader(rank_pids[0]) ? rank_pids[1] : rank_pids[0];
+  kill(rank1, SIGTERM);
+  REQUIRE(wait_until([&] { return read_file(log).find("received SIGTERM during start-up") != std::string::npos; }, 60));
+  const int reader = ::open(fifo.c_str(), O_RDONLY | O_CLOEXEC);  // lets rank 0 go on
+  REQUIRE(reader >= 0);
+  const auto exit_code = children.wait_for(launcher, 120);
+  char byte;
+  const ssize_t written = ::read(reader, &byte, 1);  // rank 0 has exited: end of file, nothing was written
+  ::close(reader);
+  const auto output = read_file(log);
+  INFO(output);
+  REQUIRE(exit_code.has_value());
+  CHECK(*exit_code == 0);
+  CHECK(written == 0);
+  CHECK_THAT(output, Catch::Contains("trainer: received SIGTERM during start-up: the ranks stop together before the first step"));
+  CHECK_THAT(output, Catch::Contains("received SIGTERM during start-up: stopping before step 0, nothing to save"));
+  CHECK_THAT(output, Catch::Contains("received a stop signal on another rank during start-up: stopping before step 0"));
+  CHECK_THAT(output, !Catch::Contains("[error]"));
+  CHECK_FALSE(fs::exists(kOut + "/" + run + "/checkpoints/3"));
 }
 
 TEST_CASE("ranks launched with different configs stop with exit 2 naming the differing key", "[dist][cli]") {

@@ -125,9 +125,11 @@ inline double json_metric(const std::string& line, const std::string& name) {
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <iterator>
 #include <optional>
 #include <sstream>
 #include <thread>
+#include <utility>
 
 namespace trainer::testing {
 
@@ -166,6 +168,10 @@ class ChildProcesses {
   ChildProcesses(const ChildProcesses&) = delete;
   ChildProcesses& operator=(const ChildProcesses&) = delete;
   ~ChildProcesses() {
+    // First: mpirun killed by SIGKILL cannot end its ranks. Only a process still running the same
+    // command line: the pid of one that exited may belong to another process by now.
+    for (const auto& [pid, command] : grandchildren_)
+      if (!command.empty() && command_line_of(pid) == command) kill(pid, SIGKILL);
     for (pid_t pid : running_) {
       kill(pid, SIGKILL);
       waitpid(pid, nullptr, 0);
@@ -175,6 +181,9 @@ class ChildProcesses {
     running_.push_back(pid);
     return pid;
   }
+  // A descendant that is not our child (a rank under mpirun): killed at the end if a check failed
+  // before it exited.
+  void kill_at_end(pid_t pid) { grandchildren_.emplace_back(pid, command_line_of(pid)); }
   int wait(pid_t pid) {  // exit code, or 128 + signal
     running_.erase(std::remove(running_.begin(), running_.end(), pid), running_.end());
     return wait_exit_code(pid);
@@ -193,6 +202,12 @@ class ChildProcesses {
 
  private:
   std::vector<pid_t> running_;
+  std::vector<std::pair<pid_t, std::string>> grandchildren_;
+
+  static std::string command_line_of(pid_t pid) {
+    std::ifstream in("/proc/" + std::to_string(pid) + "/cmdline", std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
 };
 
 // Polls `done` every 20 ms for at most `seconds`; returns whether it became true. For waiting on

@@ -95,11 +95,72 @@ std::string index_ranges(const std::vector<int64_t>& indices) {
 
 }  // namespace
 
+namespace {
+// SIGTERM/SIGINT (stop_signals_install). Until the ranks can agree, the first signal ends the
+// process at once (nothing to save). Once several ranks are connected, a rank that exited alone
+// would leave the others failing their next collective (exit 5, blaming a dead peer): the signal
+// is held, and the ranks stop together, exit 0, at the vote before the first step. In the loop,
+// each step's all-reduce carries the vote and the run saves and stops after that step.
+enum StopMode : int { kStopExitAtOnce, kStopBeforeFirstStep, kStopAfterStep };
+std::atomic<int> g_stop_mode{kStopExitAtOnce};
+std::atomic<int> g_stop_signal{0};          // the first held signal
+std::atomic<int64_t> g_stop_signal_ns{0};   // when it came (CLOCK_MONOTONIC)
+
+// Only async-signal-safe calls here: write(2) of fixed text, clock_gettime and _exit.
+void stop_signal_say(const char* text) {
+  size_t n = 0;
+  while (text[n] != '\0') ++n;
+  while (n > 0) {
+    const ssize_t written = ::write(STDERR_FILENO, text, n);
+    if (written <= 0) return;
+    text += written;
+    n -= static_cast<size_t>(written);
+  }
+}
+int64_t stop_signal_clock_ns() {
+  timespec now{};
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  return static_cast<int64_t>(now.tv_sec) * 1000000000 + now.tv_nsec;
+}
+extern "C" void on_stop_signal(int signo) {
+  const bool term = signo == SIGTERM;
+  const int mode = g_stop_mode.load();
+  if (mode == kStopExitAtOnce) {
+    stop_signal_say(term ? "trainer: received SIGTERM before the first step: exiting (nothing to save)\n"
+                         : "trainer: received SIGINT before the first step: exiting (nothing to save)\n");
+    ::_exit(kExitOk);
+  }
+  const int64_t now = stop_signal_clock_ns();
+  int first = 0;
+  if (!g_stop_signal.compare_exchange_strong(first, signo)) {
+    // timeout(1) signals the process and then its process group, and a terminal's Ctrl-C reaches
+    // mpirun and its ranks, which mpirun then forwards: the same signal twice within moments is
+    // one request. A later one, or the other signal, means: now.
+    if (first == signo && now - g_stop_signal_ns.load() < 1000000000) return;
+    stop_signal_say(term ? "trainer: received SIGTERM a second time: exiting at once without saving (exit 1)\n"
+                         : "trainer: received SIGINT a second time: exiting at once without saving (exit 1)\n");
+    ::_exit(kExitFailure);
+  }
+  g_stop_signal_ns = now;
+  if (mode == kStopBeforeFirstStep)
+    stop_signal_say(term ? "trainer: received SIGTERM during start-up: the ranks stop together before the first step "
+                           "(nothing to save; a second signal exits at once)\n"
+                         : "trainer: received SIGINT during start-up: the ranks stop together before the first step "
+                           "(nothing to save; a second signal exits at once)\n");
+}
+
+// The world communicator, and from here on a start-up signal is held when there are other ranks.
+std::unique_ptr<Communicator> stop_signals_hold_with(std::unique_ptr<Communicator> comm) {
+  if (comm->world_size() > 1) g_stop_mode = kStopBeforeFirstStep;
+  return comm;
+}
+}  // namespace
+
 Trainer::Trainer(Config config)
     : config_(std::move(config)),
       dist_(dist_env_resolve()),
       device_(device_select(config_, dist_.local_rank)),
-      comm_(dist_init(dist_, {config_.collective_timeout_seconds, config_.dist_backend, device_})),
+      comm_(stop_signals_hold_with(dist_init(dist_, {config_.collective_timeout_seconds, config_.dist_backend, device_}))),
       data_(agree_on_config(config_, dist_, *comm_), dist_.rank,
             data_index_sync(*comm_, config_.collective_timeout_seconds), dist_.local_world_size),
       size_(model_size(config_)) {
@@ -396,37 +457,6 @@ void Trainer::eval_data_open() {
                  restored_steps_, c.steps, samples, samples_before);
 }
 
-namespace {
-// Set by the first SIGTERM/SIGINT once the loop takes over (g_stop_deferred); each step votes on it.
-std::atomic<int> g_stop_signal{0};
-std::atomic<bool> g_stop_deferred{false};
-
-// Only async-signal-safe calls here: write(2) of fixed text and _exit.
-void stop_signal_say(const char* text) {
-  size_t n = 0;
-  while (text[n] != '\0') ++n;
-  while (n > 0) {
-    const ssize_t written = ::write(STDERR_FILENO, text, n);
-    if (written <= 0) return;
-    text += written;
-    n -= static_cast<size_t>(written);
-  }
-}
-extern "C" void on_stop_signal(int signo) {
-  const bool term = signo == SIGTERM;
-  if (!g_stop_deferred.load()) {
-    stop_signal_say(term ? "trainer: received SIGTERM before the first step: exiting (nothing to save)\n"
-                         : "trainer: received SIGINT before the first step: exiting (nothing to save)\n");
-    ::_exit(kExitOk);
-  }
-  if (g_stop_signal.exchange(signo) != 0) {
-    stop_signal_say(term ? "trainer: received SIGTERM a second time: exiting at once without saving (exit 1)\n"
-                         : "trainer: received SIGINT a second time: exiting at once without saving (exit 1)\n");
-    ::_exit(kExitFailure);
-  }
-}
-}  // namespace
-
 std::optional<MetricValues> Trainer::evaluate(int64_t index) {
   const Config& c = config_;
   eval_data_open();
@@ -444,13 +474,8 @@ std::optional<MetricValues> Trainer::evaluate(int64_t index) {
     // ranks agree before each evaluation step (their forwards may hold collectives, so all stop
     // at the same one), drop the evaluation, and the loop saves and stops as after a step.
     // One element per evaluation step is nothing beside the forwards, which read the host anyway.
-    bool stop = g_stop_signal.load() != 0;
-    if (!comm_->is_local()) {
-      auto vote = torch::tensor({stop ? 1.0 : 0.0}, torch::kFloat64);
-      comm_->all_reduce_sum(vote, "the stop vote of evaluation step " + std::to_string(s));
-      stop = vote.item<double>() > 0;
-    }
-    if (stop) {
+    if (ranks_reporting(g_stop_signal.load() != 0, comm_->host_group(),
+                        "the stop vote of evaluation step " + std::to_string(s)) > 0) {
       spdlog::warn("evaluation dropped after {} of its {} steps ({:.1f} s): a stop signal arrived", s,
                    c.eval_steps, std::chrono::duration<double>(Clock::now() - begin).count());
       return std::nullopt;
@@ -533,7 +558,14 @@ void Trainer::train() {
   // would otherwise end the run after eval_interval steps, and every resume again.
   if (c.eval_interval > 0) eval_data_open();
   if (c.enable_checkpointing && (writer || sharded_checkpoints())) checkpointer_ = std::make_unique<Checkpointer>(c);
-  g_stop_deferred = true;  // a signal from here on stops the loop after its step (stop_signals_install)
+  // A signal held during start-up (g_stop_mode) stops every rank here, before any work is lost.
+  g_stop_mode = kStopAfterStep;
+  if (ranks_reporting(g_stop_signal.load() != 0, comm_->host_group(), "the stop vote before the first step") > 0) {
+    const int signal = g_stop_signal.load();
+    spdlog::warn("received {} during start-up: stopping before step {}, nothing to save; exiting",
+                 signal == SIGTERM ? "SIGTERM" : signal == SIGINT ? "SIGINT" : "a stop signal on another rank", start_step);
+    return;
+  }
   spdlog::info("run_dir {} | model {}: {} parameters ({} active per token), {:.4g} TFLOP per step per device | "
                "device {} | global batch {} sequences x {} tokens, K = {} | {} normalization | steps {}..{}",
                c.run_dir, c.model_name, size_.total_params, size_.active_params, size_.flops_per_step_per_device / 1e12,
@@ -622,6 +654,7 @@ void Trainer::train() {
     return values.has_value();
   };
 
+  int64_t steps_done = start_step;  // below c.steps after a stop signal
   for (int64_t step = start_step; step < c.steps; ++step) {
     const auto start = Clock::now();
     stop_vote_ = g_stop_signal.load() != 0;
@@ -639,6 +672,7 @@ void Trainer::train() {
     pending_start = start;
 
     const int64_t completed = step + 1;
+    steps_done = completed;
     int signal = stop ? std::max(g_stop_signal.load(), 1) : 0;
     if (c.eval_interval > 0 && (completed % c.eval_interval == 0 || completed == c.steps) && !signal && !run_eval(completed))
       signal = std::max(g_stop_signal.load(), 1);
@@ -665,7 +699,11 @@ void Trainer::train() {
     const std::string error = checkpointer_->wait();
     if (!error.empty()) throw Error(kExitFailure, error);
   }
-  spdlog::info("done: {} steps, {} updates applied, metrics in {}", c.steps, updates_applied_, c.metrics_file);
+  if (steps_done == c.steps)
+    spdlog::info("done: {} steps, {} updates applied, metrics in {}", c.steps, updates_applied_, c.metrics_file);
+  else
+    spdlog::info("stopped: {} of {} steps, {} updates applied, metrics in {}", steps_done, c.steps, updates_applied_,
+                 c.metrics_file);
 }
 
 }  // namespace trainer
