@@ -401,6 +401,9 @@ TEST_CASE("damaged checkpoints: none usable stops the run with exit 3 and overwr
     CHECK_THAT(load_error(), Catch::Contains("/2: state.json is malformed: step 99 in the checkpoint of step 2"));
     with("\"step\": 2", "\"step\": 2.5");  // read as 2 before fields were checked one by one
     CHECK_THAT(load_error(), Catch::Contains("state.json is malformed: step is 2.5, not an integer"));
+    with("\"consumed_samples\": ", "\"consumed_samples\": 9223372036854775808, \"x\": ");  // read as -2^63
+    CHECK_THAT(load_error(), Catch::Contains("state.json is malformed: consumed_samples is 9223372036854775808, beyond "
+                                             "the 64-bit integer range"));
     with("\"world_size\": ", "\"world_size\": -");  // 0 or less used to be only a warning
     CHECK_THAT(load_error(), Catch::Contains("state.json is malformed: world_size -1 (a run has at least one rank)"));
     with("\"world_size\": ", "\"world_sizes\": ");
@@ -754,6 +757,22 @@ TEST_CASE("load_parameters_path starts from exported weights with a fresh optimi
   const auto r = run_trainer(base + "steps=1 run_name=weights-bogus load_parameters_path=" + kOut + "/bogus.safetensors");
   CHECK(r.exit_code == 2);
   CHECK_THAT(r.output, Catch::Contains("bogus.safetensors"));
+  // A NaN weight: exit 3 naming the file and the tensor, read whole or one tensor at a time (it
+  // used to surface only as a NaN loss at step 0, naming nothing).
+  auto tensors = checkpoint_read_tensors(kOut + "/weights-src/checkpoints/3/model.safetensors");
+  const std::string nan_name = tensors.at(1).first;
+  tensors.at(1).second.view(-1)[0] = std::numeric_limits<float>::quiet_NaN();
+  const std::string nan_file = kOut + "/weights-nan.safetensors";
+  fs::remove(nan_file);
+  checkpoint_write_tensors(nan_file, tensors);
+  for (const std::string sharding : {"none", "optim_grads_params remat_policy=full"}) {
+    INFO(sharding);
+    const auto damaged = run_trainer(base + "steps=1 run_name=weights-nan-" + sharding.substr(0, 4) +
+                                     " data_parallel_sharding=" + sharding + " load_parameters_path=" + nan_file);
+    INFO(damaged.output);
+    CHECK(damaged.exit_code == 3);
+    CHECK_THAT(damaged.output, Catch::Contains(nan_file + ": " + nan_name + " holds 1 non-finite values (NaN or Inf)"));
+  }
 }
 
 TEST_CASE("bit-exact resume on Megatron data (the data position is restored)", "[checkpoint][data]") {
@@ -829,6 +848,15 @@ TEST_CASE("safetensors header errors name the file and the problem", "[checkpoin
        "tensor w: its shape holds more than 2^64 bytes"},
       {make("fraction.safetensors", R"({"w": {"dtype": "F32", "shape": [2.5], "data_offsets": [0, 8]}})"),
        "tensor w: shape entry 2.5 is not an integer"},
+      // 2^63 used to be read as -2^63; 0.9 as offset 0, -1 as 2^64 - 1.
+      {make("huge.safetensors", R"({"w": {"dtype": "F32", "shape": [9223372036854775808], "data_offsets": [0, 8]}})"),
+       "tensor w: shape entry 9223372036854775808 is beyond the 64-bit integer range"},
+      {make("offset-fraction.safetensors", R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0.9, 8]}})"),
+       "tensor w: \"data_offsets\" is [0.9,8], not two non-negative integers"},
+      {make("offset-negative.safetensors", R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [-1, 8]}})"),
+       "tensor w: \"data_offsets\" is [-1,8], not two non-negative integers"},
+      {make("metadata-list.safetensors", R"({"__metadata__": ["pt"], "w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})"),
+       "__metadata__ is [\"pt\"], not an object of strings"},
       {make("dtype.safetensors", R"({"w": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}})"),
        "tensor w: unsupported safetensors dtype Q7"},
       {make("missing.safetensors", R"({"w": {"shape": [2], "data_offsets": [0, 8]}})"), "tensor w:"},
@@ -973,6 +1001,14 @@ TEST_CASE("Hugging Face directories: config.json round trips the model keys, and
   CHECK_THROWS_WITH(hf_config_model_keys(edited("act", "\"silu\"", "\"gelu\"")), Catch::Contains("field 'hidden_act'"));
   CHECK_THROWS_WITH(hf_config_model_keys(edited("layers", "\"num_hidden_layers\": 3", "\"num_hidden_layers\": \"3\"")),
                     Catch::Contains("field 'num_hidden_layers' must be an integer"));
+  CHECK_THROWS_WITH(hf_config_model_keys(edited("mtp-factor", "\"mtp_loss_scaling_factor\": ", "\"mtp_loss_scaling_factor\": -1, \"x\": ")),
+                    Catch::Contains("field 'mtp_loss_scaling_factor' must be >= 0, not -1"));
+  CHECK_THROWS_WITH(hf_config_model_keys(edited("experts-0", "\"num_experts\": 8", "\"num_experts\": 0")),
+                    Catch::Contains("field 'num_experts' must be >= 1, not 0"));
+  CHECK_THROWS_WITH(hf_config_model_keys(edited("top-k", "\"num_experts_per_tok\": 2", "\"num_experts_per_tok\": 9")),
+                    Catch::Contains("field 'num_experts_per_tok' must be in [1, num_experts 8], not 9"));
+  CHECK_THROWS_WITH(hf_config_model_keys(edited("layers-huge", "\"num_hidden_layers\": 3", "\"num_hidden_layers\": 9223372036854775808")),
+                    Catch::Contains("field 'num_hidden_layers' is 9223372036854775808, beyond the 64-bit integer range"));
   // The exporter writes score_function; another value than sigmoid is refused (the modeling code
   // ignores the field and routes by sigmoid; it used to be ignored here too).
   CHECK_THROWS_WITH(hf_config_model_keys(edited("score", "\"score_function\": \"sigmoid\"", "\"score_function\": \"softmax\"")),

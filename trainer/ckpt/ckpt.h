@@ -125,6 +125,9 @@ class CheckpointReader {
   std::vector<int64_t> shape(const std::string& name) const;  // empty if absent
   torch::Tensor read(const std::string& name) const;          // config_error (exit 2) if absent or unreadable
   const std::vector<std::string>& model_names() const { return model_names_; }  // weights and buffers
+  // Every tensor read from here on passes `check` (name, name in the files, tensor), which may throw.
+  using ReadCheck = std::function<void(const std::string&, const std::string&, const torch::Tensor&)>;
+  void check_reads(ReadCheck check) { check_read_ = std::move(check); }
 
  private:
   struct Location {
@@ -149,12 +152,15 @@ class CheckpointReader {
   static constexpr size_t kOpenFilesKept = 16;
   mutable std::map<std::string, std::shared_ptr<std::ifstream>> open_files_;
   std::istream& open_file(const std::string& path) const;
-  // Every tensor read passes it (if set): (name, name in the files, tensor).
-  std::function<void(const std::string&, const std::string&, const torch::Tensor&)> check_read_;
+  ReadCheck check_read_;  // check_reads
 };
 
 // Reads the tensors of one safetensors file as fp32 CPU tensors (F32, BF16, F16, F64 accepted).
 NamedTensors checkpoint_read_tensors(const std::string& path);
+
+// Exit 3 naming `name` and `source` when a floating-point tensor read from a weights file holds
+// NaN or Inf: such a weight would surface only as a NaN loss at step 0, naming no tensor.
+void checkpoint_check_finite(const std::string& name, const torch::Tensor& tensor, const std::string& source);
 
 // Writes tensors (contiguous fp32 or bf16, CPU) to a safetensors file (fsynced); returns its CRC32C.
 uint32_t checkpoint_write_tensors(const std::string& path, const NamedTensors& tensors);

@@ -126,19 +126,10 @@ std::vector<std::pair<std::string, HfTensorSource>> hf_checkpoint_sources(
 // BailingMoeV2Gate adds expert_bias to the scores whatever moe_router_enable_expert_bias says, so
 // a nonzero one with routed_bias false would compute differently here: refused.
 // `name` is the checkpoint name, `stored` the one the message shows.
-// Each tensor as it is read: finite (a NaN weight would surface only as a NaN loss at step 0,
-// naming no tensor), and an expert bias the config would ignore must be zero.
+// Each tensor as it is read: finite, and an expert bias the config would ignore must be zero.
 void hf_check_tensor(const Config& c, const std::string& name, const std::string& stored, const torch::Tensor& tensor,
                      const std::string& source) {
-  // In float64 a sum of finite fp32/bf16/f16 values cannot overflow, so a finite sum proves every
-  // element finite in one cheap pass; counting with isfinite (a bool tensor of the weights' size,
-  // ~45 ns/element here) runs only for a file that has a non-finite value.
-  if (tensor.is_floating_point() && !std::isfinite(tensor.sum(torch::kFloat64).item<double>())) {
-    const int64_t non_finite = tensor.numel() - torch::isfinite(tensor).sum().item<int64_t>();
-    if (non_finite > 0)
-      throw Error(kExitData, source + ": " + stored + " holds " + std::to_string(non_finite) +
-                                 " non-finite values (NaN or Inf); the file is damaged or not a trained model");
-  }
+  checkpoint_check_finite(stored, tensor, source);
   if (ends_with(name, ".e_score_correction_bias") && !c.routed_bias && tensor.abs().max().item<float>() != 0)
     throw config_error(source + ": " + stored + " is nonzero, but routed_bias is false (it would be ignored): "
                        "pass routed_bias=true (override_model_config=true with a model file)");
@@ -187,9 +178,9 @@ CheckpointReader CheckpointReader::hugging_face(const std::string& dir, const Co
     reader.model_names_.push_back(name);
     reader.aliases_[name] = {from.stored, from.row_begin, from.rows};
   }
-  reader.check_read_ = [config, source](const std::string& name, const std::string& stored, const torch::Tensor& tensor) {
+  reader.check_reads([config, source](const std::string& name, const std::string& stored, const torch::Tensor& tensor) {
     hf_check_tensor(config, name, stored, tensor, source);
-  };
+  });
   return reader;
 }
 

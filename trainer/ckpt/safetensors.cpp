@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <set>
 #include <stdexcept>
 #include <tuple>
@@ -157,6 +158,7 @@ SafetensorsFile safetensors_read(const std::string& path, bool with_data) {
   if (!header.is_object()) throw fail("header is not a JSON object");
   for (const auto& [name, value] : header.items()) {
     if (name == "__metadata__") {
+      if (!value.is_object()) throw fail("__metadata__ is " + value.dump() + ", not an object of strings");
       for (const auto& [k, v] : value.items()) {
         if (!v.is_string()) throw fail("__metadata__ entry " + k + " is not a string");
         file.metadata[k] = v.get<std::string>();
@@ -169,10 +171,19 @@ SafetensorsFile safetensors_read(const std::string& path, bool with_data) {
       const auto& shape = value.at("shape");
       // get<int64_t>() would read 2.5 as 2: a shape entry must be a JSON integer.
       if (!shape.is_array()) throw fail("tensor " + name + ": \"shape\" is not an array");
-      for (const auto& d : shape)
+      // Above 2^63 - 1 a JSON integer is parsed unsigned: get<int64_t>() would wrap it negative.
+      for (const auto& d : shape) {
         if (!d.is_number_integer()) throw fail("tensor " + name + ": shape entry " + d.dump() + " is not an integer");
+        if (d.is_number_unsigned() && d.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+          throw fail("tensor " + name + ": shape entry " + d.dump() + " is beyond the 64-bit integer range");
+      }
       t.shape = shape.get<std::vector<int64_t>>();
-      const auto offsets = value.at("data_offsets").get<std::vector<uint64_t>>();
+      // get<uint64_t>() would read 0.9 as 0 and -1 as 2^64 - 1.
+      const auto& offsets_json = value.at("data_offsets");
+      if (!offsets_json.is_array() || offsets_json.size() != 2 || !offsets_json[0].is_number_unsigned() ||
+          !offsets_json[1].is_number_unsigned())
+        throw fail("tensor " + name + ": \"data_offsets\" is " + offsets_json.dump() + ", not two non-negative integers");
+      const auto offsets = offsets_json.get<std::vector<uint64_t>>();
       if (offsets.size() != 2 || offsets[0] > offsets[1] || offsets[1] > data_size)
         throw fail("tensor " + name + " has data offsets outside the file");
       t.offset = offsets[0];

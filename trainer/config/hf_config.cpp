@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <optional>
 
 #include <nlohmann/json.hpp>
@@ -96,6 +97,9 @@ class ConfigJson {
     }
     const json& v = root_[field];
     if (!(v.*is_kind)()) fail(field, "must be " + kind + ", not " + v.dump());
+    // Above 2^63 - 1, JSON's integer is parsed unsigned and get<int64_t> would wrap it negative.
+    if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+      fail(field, "is " + v.dump() + ", beyond the 64-bit integer range");
     return v.get<T>();
   }
   std::string path_;
@@ -149,6 +153,10 @@ std::vector<Translated> translate(const ConfigJson& f) {
   const bool moe = bailing && f.has("num_experts");
   if (moe) {
     const int64_t experts = f.integer("num_experts"), top_k = f.integer("num_experts_per_tok");
+    // Named here: num_experts 0 used to surface as an n_group error.
+    if (experts < 1) f.fail("num_experts", "must be >= 1, not " + std::to_string(experts));
+    if (top_k < 1 || top_k > experts)
+      f.fail("num_experts_per_tok", "must be in [1, num_experts " + std::to_string(experts) + "], not " + std::to_string(top_k));
     add_int("num_experts", "num_experts");
     add("num_experts_per_tok", std::to_string(top_k), "num_experts_per_tok", false);
     add_int("base_moe_mlp_dim", "moe_intermediate_size");
@@ -185,8 +193,9 @@ std::vector<Translated> translate(const ConfigJson& f) {
     add("mtp_moe_mlp", "true", "num_nextn_predict_layers", true);
     add("mtp_input_after_final_norm", "true", "num_nextn_predict_layers", false);
     // A training coefficient, not part of the model: taken when the file sets one.
-    if (f.number("mtp_loss_scaling_factor", 0.0) > 0)
-      add("mtp_loss_scaling_factor", number_text(f.number("mtp_loss_scaling_factor")), "mtp_loss_scaling_factor", false);
+    const double factor = f.number("mtp_loss_scaling_factor", 0.0);
+    if (factor < 0) f.fail("mtp_loss_scaling_factor", "must be >= 0, not " + number_text(factor));  // was ignored
+    if (factor > 0) add("mtp_loss_scaling_factor", number_text(factor), "mtp_loss_scaling_factor", false);
   }
   return out;
 }

@@ -105,11 +105,13 @@ std::string world_size_note(c10d::Store& store) {
 // Only said after a failure that took the whole timeout (not, e.g., a port in use).
 std::string rendezvous_hint(const DistEnv& env, std::chrono::milliseconds timeout,
                             std::chrono::steady_clock::time_point begin) {
-  if (env.rank != 0 || env.world_size < 2 || std::chrono::steady_clock::now() - begin < timeout * 9 / 10) return "";
-  std::string hint = " (rank 0 waited up to " + std::to_string(timeout.count() / 1000) +
-                     " s, collective_timeout_seconds, for the other " + std::to_string(env.world_size - 1) +
-                     " rank(s) of world size " + std::to_string(env.world_size) + ", as the " + env.launcher +
-                     " environment says; were they started?";
+  const auto waited = std::chrono::steady_clock::now() - begin;
+  if (env.rank != 0 || env.world_size < 2 || waited < timeout * 9 / 10) return "";
+  // Measured: the store and then the group each wait up to the timeout, so it can be twice that.
+  std::string hint = " (rank 0 waited " + std::to_string(std::chrono::duration_cast<std::chrono::seconds>(waited).count()) +
+                     " s for the other " + std::to_string(env.world_size - 1) + " rank(s) of world size " +
+                     std::to_string(env.world_size) + ", as the " + env.launcher + " environment says " +
+                     "(collective_timeout_seconds " + std::to_string(timeout.count() / 1000) + " s); were they started?";
   if (env.launcher == "slurm") hint += " In an sbatch script, start the trainer with srun: the script itself is one process";
   return hint + ")";
 }

@@ -466,10 +466,16 @@ int64_t Trainer::load_initial_state(StartingFor use) {
     const bool dir = std::filesystem::is_directory(path);
     if (!dir && !std::filesystem::exists(path)) throw config_error("load_parameters_path: no file " + path);
     if (sharded_state_) {
-      restore_streamed(CheckpointReader::weights(path), /*full_state=*/false, "load_parameters_path " + path);
+      auto reader = CheckpointReader::weights(path);
+      reader.check_reads([&path](const std::string&, const std::string& stored, const torch::Tensor& tensor) {
+        checkpoint_check_finite(stored, tensor, path);
+      });
+      restore_streamed(reader, /*full_state=*/false, "load_parameters_path " + path);
     } else {
       CheckpointContents weights;
       weights.model = dir ? hf_read_directory(path) : checkpoint_read_tensors(path);
+      // Initial weights must be finite (a resume may read what a diverged run saved; these not).
+      for (const auto& [name, tensor] : weights.model) checkpoint_check_finite(name, tensor, path);
       restore(weights, /*full_state=*/false, "load_parameters_path " + path);
     }
     spdlog::info("loaded weights from {}{}; optimizer and step start fresh", path,
