@@ -1039,6 +1039,10 @@ TEST_CASE("Hugging Face directories: config.json round trips the model keys, and
     first = "../hf-escaping/" + first.get<std::string>();  // the same file, reached from outside
     std::ofstream(escaping + "/model.safetensors.index.json", std::ios::trunc) << index.dump(2);
     CHECK_THROWS_WITH(hf_read_directory(escaping), Catch::Contains("outside " + escaping));
+    first = "";  // the directory itself: it used to be opened as a file
+    const std::string name = index["weight_map"].begin().key();
+    std::ofstream(escaping + "/model.safetensors.index.json", std::ios::trunc) << index.dump(2);
+    CHECK_THROWS_WITH(hf_read_directory(escaping), Catch::Contains("puts " + name + " in \"\", which is not a file"));
   }
   auto with = [&](const std::string& name, const torch::Tensor& replacement) {
     NamedTensors out = tensors;

@@ -218,6 +218,8 @@ std::map<std::string, std::set<std::string>> hf_directory_files(const std::strin
     const fs::path path = root / listed;
     if (!fs::exists(path))
       throw config_error(index_path.string() + " lists " + file.get<std::string>() + " (for " + name + "), which is missing");
+    if (!fs::is_regular_file(path))  // "" or "." names the directory itself
+      throw config_error(index_path.string() + " puts " + name + " in \"" + file.get<std::string>() + "\", which is not a file");
     names_in_file[path.string()].insert(name);
   }
   return names_in_file;
