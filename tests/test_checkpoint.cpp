@@ -551,7 +551,7 @@ TEST_CASE("SIGTERM finishes the step, saves, and exits 0, and a resume continues
   CHECK(read_lines(dir + "/metrics.jsonl").size() == lines.size() + 1);
 }
 
-TEST_CASE("SIGTERM during start-up exits 0 at once with a line and a second signal in the loop exits 1 with one, the same signal twice at once counts once", "[checkpoint]") {
+TEST_CASE("SIGTERM during start-up exits 0 at once with a line, and SIGINT with SIGTERM in the loop is one request", "[checkpoint]") {
   const std::string dir = kOut + "/sigterm-startup";
   fs::remove_all(dir);
   fs::create_directories(dir);
@@ -571,38 +571,27 @@ TEST_CASE("SIGTERM during start-up exits 0 at once with a line and a second sign
   CHECK_THAT(log, !Catch::Contains("steps 0..4"));
   CHECK_FALSE(checkpoint_find_latest(dir + "/checkpoints").has_value());
 
-  // In the loop: the first signal asks for a save, the second (before the step ends) exits 1.
+  // In the loop: SIGTERM and SIGINT together (Ctrl-C reaches torchrun and its ranks, and torchrun
+  // then sends SIGTERM) are one request: the step finishes and is saved. Two different signals
+  // are both delivered (one of each can be pending), so the second one meets the rule. They used
+  // to exit 1 without saving. (A second signal past the window: test_distributed.cpp.)
   const std::string loop = kOut + "/sigterm-twice";
   fs::remove_all(loop);
   const pid_t twice = children.add(spawn_trainer({"model_name=test-tiny", "max_target_length=16", "steps=100000",
                                                   "checkpoint_period=100000", "base_output_directory=" + kOut,
                                                   "run_name=sigterm-twice"}, loop + ".log"));
   REQUIRE(wait_until([&] { return !read_lines(loop + "/metrics.jsonl").empty(); }, 60));
-  kill(twice, SIGTERM);
   kill(twice, SIGINT);
-  CHECK(children.wait(twice) == 1);
-  // SIGINT may be taken first (pending signals go lowest number first): either is the second.
-  CHECK_THAT(read_file(loop + ".log"), Catch::Contains("a second time: exiting at once without saving (exit 1)"));
-
-  // timeout(1) sends its SIGTERM to the process and then to the process group: one request, not
-  // two. It used to exit 1 without saving about once in seven.
-  const std::string same = kOut + "/sigterm-same-twice";
-  fs::remove_all(same);
-  const pid_t again = children.add(spawn_trainer({"model_name=test-tiny", "max_target_length=16", "steps=100000",
-                                                  "checkpoint_period=100000", "base_output_directory=" + kOut,
-                                                  "run_name=sigterm-same-twice"}, same + ".log"));
-  REQUIRE(wait_until([&] { return !read_lines(same + "/metrics.jsonl").empty(); }, 60));
-  kill(again, SIGTERM);
-  kill(again, SIGTERM);
-  CHECK(children.wait(again) == 0);
-  const std::string same_log = read_file(same + ".log");
-  INFO(same_log);
-  CHECK_THAT(same_log, !Catch::Contains("a second time"));
-  const auto latest = checkpoint_find_latest(same + "/checkpoints");
+  kill(twice, SIGTERM);
+  CHECK(children.wait(twice) == 0);
+  const std::string loop_log = read_file(loop + ".log");
+  INFO(loop_log);
+  CHECK_THAT(loop_log, !Catch::Contains("a second stop signal"));
+  const auto steps = read_lines(loop + "/metrics.jsonl").size();
+  const auto latest = checkpoint_find_latest(loop + "/checkpoints");
   REQUIRE(latest.has_value());
-  CHECK(fs::path(*latest).filename().string() == std::to_string(read_lines(same + "/metrics.jsonl").size()));
-  CHECK_THAT(same_log, Catch::Contains("stopped: " + std::to_string(read_lines(same + "/metrics.jsonl").size()) +
-                                       " of 100000 steps"));
+  CHECK(fs::path(*latest).filename().string() == std::to_string(steps));
+  CHECK_THAT(loop_log, Catch::Contains("stopped: " + std::to_string(steps) + " of 100000 steps"));
 }
 
 TEST_CASE("SIGTERM during a long evaluation drops it, saves the step before it, and exits 0", "[checkpoint]") {

@@ -51,6 +51,10 @@ class ConfigJson {
     throw config_error(path_ + ": field '" + field + "' " + why);
   }
   int64_t integer(const std::string& field, std::optional<int64_t> fallback = std::nullopt) const {
+    // Above 2^63 - 1, JSON's integer is parsed unsigned and get<int64_t> would wrap it negative.
+    if (has(field) && root_[field].is_number_unsigned() &&
+        root_[field].get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+      fail(field, "is " + root_[field].dump() + ", beyond the 64-bit integer range");
     return typed(field, fallback, &json::is_number_integer, "an integer");
   }
   double number(const std::string& field, std::optional<double> fallback = std::nullopt) const {
@@ -97,9 +101,6 @@ class ConfigJson {
     }
     const json& v = root_[field];
     if (!(v.*is_kind)()) fail(field, "must be " + kind + ", not " + v.dump());
-    // Above 2^63 - 1, JSON's integer is parsed unsigned and get<int64_t> would wrap it negative.
-    if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
-      fail(field, "is " + v.dump() + ", beyond the 64-bit integer range");
     return v.get<T>();
   }
   std::string path_;

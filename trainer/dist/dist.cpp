@@ -108,10 +108,10 @@ std::string rendezvous_hint(const DistEnv& env, std::chrono::milliseconds timeou
   const auto waited = std::chrono::steady_clock::now() - begin;
   if (env.rank != 0 || env.world_size < 2 || waited < timeout * 9 / 10) return "";
   // Measured: the store and then the group each wait up to the timeout, so it can be twice that.
-  std::string hint = " (rank 0 waited " + std::to_string(std::chrono::duration_cast<std::chrono::seconds>(waited).count()) +
-                     " s for the other " + std::to_string(env.world_size - 1) + " rank(s) of world size " +
-                     std::to_string(env.world_size) + ", as the " + env.launcher + " environment says " +
-                     "(collective_timeout_seconds " + std::to_string(timeout.count() / 1000) + " s); were they started?";
+  std::string hint = fmt::format(" (rank 0 waited {:.0f} s for the other {} rank(s) of world size {}, as the {} environment "
+                                 "says (collective_timeout_seconds {:g} s); were they started?",
+                                 std::chrono::duration<double>(waited).count(), env.world_size - 1, env.world_size,
+                                 env.launcher, static_cast<double>(timeout.count()) / 1000);
   if (env.launcher == "slurm") hint += " In an sbatch script, start the trainer with srun: the script itself is one process";
   return hint + ")";
 }
@@ -429,19 +429,22 @@ class StartupWatchdog {
 // The TCPStore at host:port. Rank 0 serves it; with port 0 it binds a free port (store->getPort()
 // says which) and keeps it, so no other process can take the port between its choice and its use.
 //
-// A client retries its connect for `timeout`, but once connected it reads the store's answers
-// with no deadline: when MASTER_PORT belongs to a program that accepts connections and never
-// answers (another service, a stale process), it used to wait forever. The watchdog allows the
-// connect's `timeout` plus 5 s for the answers a store gives at once.
+// A client retries its connect for `timeout` (LibTorch 2.x: a second round after a backoff of up
+// to a minute), but once connected it reads the store's answers with no deadline: when
+// MASTER_PORT belongs to a program that accepts connections and never answers (another service,
+// a stale process), it used to wait forever. The watchdog fires only after the client's own
+// attempts would all have ended (2 x timeout + 60 s), so it never cuts a slow but live rendezvous.
 c10::intrusive_ptr<c10d::TCPStore> tcp_store_open(const std::string& host, int port, const DistEnv& env,
                                                   bool wait_for_workers, std::chrono::milliseconds timeout) {
   std::optional<StartupWatchdog> watchdog;
-  if (env.rank != 0)
-    watchdog.emplace(timeout + std::chrono::seconds(5),
-                     "rank " + std::to_string(env.rank) + ": rendezvous at " + host + ":" + std::to_string(port) +
-                         ": a connection was accepted but nothing answered like rank 0's store within " +
-                         std::to_string(timeout.count() / 1000) + " s (collective_timeout_seconds) + 5 s; "
-                         "is MASTER_PORT right, and is another program listening on it?");
+  if (env.rank != 0) {
+    const auto deadline = 2 * timeout + std::chrono::seconds(60);
+    watchdog.emplace(deadline, fmt::format("rank {}: rendezvous at {}:{}: no answer from rank 0's store in {:g} s "
+                                           "(2 x collective_timeout_seconds + 60 s), though connecting gives up sooner: "
+                                           "a program that is not rank 0's store accepts connections there; is "
+                                           "MASTER_PORT right, and is another program listening on it?",
+                                           env.rank, host, port, static_cast<double>(deadline.count()) / 1000));
+  }
   c10d::TCPStoreOptions options;
   options.port = static_cast<uint16_t>(port);
   options.isServer = env.rank == 0;

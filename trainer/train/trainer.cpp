@@ -5,9 +5,11 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -93,9 +95,6 @@ std::string index_ranges(const std::vector<int64_t>& indices) {
   return out;
 }
 
-}  // namespace
-
-namespace {
 // SIGTERM/SIGINT (stop_signals_install). Until the ranks can agree, the first signal ends the
 // process at once (nothing to save). Once several ranks are connected, a rank that exited alone
 // would leave the others failing their next collective (exit 5, blaming a dead peer): the signal
@@ -104,7 +103,14 @@ namespace {
 enum StopMode : int { kStopExitAtOnce, kStopBeforeFirstStep, kStopAfterStep };
 std::atomic<int> g_stop_mode{kStopExitAtOnce};
 std::atomic<int> g_stop_signal{0};          // the first held signal
-std::atomic<int64_t> g_stop_signal_ns{0};   // when it came (CLOCK_MONOTONIC)
+std::atomic<int64_t> g_stop_signal_ns{0};   // when it came (CLOCK_MONOTONIC); 0 while being recorded
+static_assert(std::atomic<int>::is_always_lock_free && std::atomic<int64_t>::is_always_lock_free,
+              "the stop-signal handler needs lock-free atomics");
+// One request may arrive as several signals: timeout(1) signals the process and then its process
+// group; Ctrl-C reaches torchrun (or mpirun) and its ranks, and the launcher then sends them
+// SIGTERM. Each used to count as a second request: exit 1 without saving. A stop signal within
+// this window of the first is the same request; a later one means: now.
+constexpr int64_t kStopRepeatWindowNs = 2'000'000'000;
 
 // Only async-signal-safe calls here: write(2) of fixed text, clock_gettime and _exit.
 void stop_signal_say(const char* text) {
@@ -123,6 +129,7 @@ int64_t stop_signal_clock_ns() {
   return static_cast<int64_t>(now.tv_sec) * 1000000000 + now.tv_nsec;
 }
 extern "C" void on_stop_signal(int signo) {
+  const int saved_errno = errno;  // the interrupted code may be about to read it
   const bool term = signo == SIGTERM;
   const int mode = g_stop_mode.load();
   if (mode == kStopExitAtOnce) {
@@ -132,21 +139,25 @@ extern "C" void on_stop_signal(int signo) {
   }
   const int64_t now = stop_signal_clock_ns();
   int first = 0;
-  if (!g_stop_signal.compare_exchange_strong(first, signo)) {
-    // timeout(1) signals the process and then its process group, and a terminal's Ctrl-C reaches
-    // mpirun and its ranks, which mpirun then forwards: the same signal twice within moments is
-    // one request. A later one, or the other signal, means: now.
-    if (first == signo && now - g_stop_signal_ns.load() < 1000000000) return;
-    stop_signal_say(term ? "trainer: received SIGTERM a second time: exiting at once without saving (exit 1)\n"
-                         : "trainer: received SIGINT a second time: exiting at once without saving (exit 1)\n");
-    ::_exit(kExitFailure);
+  if (g_stop_signal.compare_exchange_strong(first, signo)) {
+    g_stop_signal_ns = now;
+    if (mode == kStopBeforeFirstStep)
+      stop_signal_say(term ? "trainer: received SIGTERM during start-up: the ranks stop together before the first "
+                             "step (nothing to save; another signal more than 2 s later exits at once)\n"
+                           : "trainer: received SIGINT during start-up: the ranks stop together before the first "
+                             "step (nothing to save; another signal more than 2 s later exits at once)\n");
+    errno = saved_errno;
+    return;
   }
-  g_stop_signal_ns = now;
-  if (mode == kStopBeforeFirstStep)
-    stop_signal_say(term ? "trainer: received SIGTERM during start-up: the ranks stop together before the first step "
-                           "(nothing to save; a second signal exits at once)\n"
-                         : "trainer: received SIGINT during start-up: the ranks stop together before the first step "
-                           "(nothing to save; a second signal exits at once)\n");
+  // Another thread may still be recording the first (ns 0): the two came together.
+  const int64_t first_ns = g_stop_signal_ns.load();
+  if (first_ns == 0 || now - first_ns < kStopRepeatWindowNs) {
+    errno = saved_errno;
+    return;
+  }
+  stop_signal_say(term ? "trainer: received SIGTERM, a second stop signal: exiting at once without saving (exit 1)\n"
+                       : "trainer: received SIGINT, a second stop signal: exiting at once without saving (exit 1)\n");
+  ::_exit(kExitFailure);
 }
 
 // The world communicator, and from here on a start-up signal is held when there are other ranks.
@@ -510,6 +521,11 @@ void stop_signals_install() {
   struct sigaction action {};
   action.sa_handler = on_stop_signal;
   sigemptyset(&action.sa_mask);
+  sigaddset(&action.sa_mask, SIGTERM);  // one handler at a time per thread
+  sigaddset(&action.sa_mask, SIGINT);
+  // A held signal returns to the interrupted call: restarted, a blocking open or read goes on
+  // instead of failing with EINTR (which would end the run with exit 1, not the agreed stop).
+  action.sa_flags = SA_RESTART;
   sigaction(SIGTERM, &action, nullptr);
   sigaction(SIGINT, &action, nullptr);
 }
