@@ -1,4 +1,10 @@
 // Config: layering, coercion, errors with exit code 2, derived values, parameter counts.
+// LibTorch (through test_support.h) before Catch: else a failing CHECK is glog's and aborts.
+#include "test_support.h"
+#include "trainer/model/model_size.h"
+#include "trainer/train/schedule.h"
+#include "trainer/util/error.h"
+
 #include <catch2/catch.hpp>
 
 #include <filesystem>
@@ -6,11 +12,6 @@
 #include <regex>
 #include <set>
 #include <sstream>
-
-#include "test_support.h"
-#include "trainer/model/model_size.h"
-#include "trainer/train/schedule.h"
-#include "trainer/util/error.h"
 
 using namespace trainer;
 using namespace trainer::testing;
@@ -79,6 +80,26 @@ TEST_CASE("resolved config round-trips through --print-config's YAML", "[config]
   }
   CHECK(differing == 1);
   CHECK(lines >= 100);  // every key of base.yml was compared (100 today)
+}
+
+TEST_CASE("string values with quotes, backslashes and control bytes round-trip through the YAML", "[config]") {
+  // Written between quotes unescaped, `run_name=x"y` gave a line no YAML parser reads, and `b\\n`
+  // loaded back as another value.
+  // (A newline in a key=value override is folded to a space by YAML; a tab and \x01 stay.)
+  const std::string odd = "x\"y\\z\\n\ttab\x01 \xc3\xa9";
+  const Config a = tiny_config({"run_name=" + odd, "dataset_path=a\"b\\c"});
+  REQUIRE(a.run_name == odd);
+  const std::string yaml = config_to_yaml(a);
+  CHECK_THAT(yaml, Catch::Contains("run_name: \"x\\\"y\\\\z\\\\n\\x09tab\\x01 \xc3\xa9\"\n"));
+  const std::string path = test_root() + "/odd-strings.yml";
+  std::ofstream(path) << yaml;
+  const Config b = config_load(path, {"model_name="}, {});
+  CHECK(b.run_name == odd);
+  CHECK(b.dataset_path == "a\"b\\c");
+  CHECK(b.run_dir == a.run_dir);
+  // Every line but the derived comments is a key: the run_dir comment stays on one line.
+  std::istringstream lines(yaml);
+  for (std::string line; std::getline(lines, line);) CHECK((line.empty() || line[0] == '#' || line.find(": ") != std::string::npos));
 }
 
 TEST_CASE("config errors name the key and exit with code 2", "[config]") {

@@ -493,7 +493,7 @@ std::string config_to_yaml(const Config& config) {
   out += "# derived\n";
   out += "# data_parallel_size: " + std::to_string(config.data_parallel_size) + "\n";
   out += "# global_batch_size: " + std::to_string(config.global_batch_size) + "\n";
-  out += "# run_dir: " + config.run_dir + "\n";
+  out += "# run_dir: " + config_detail::yaml_double_quoted(config.run_dir) + "\n";  // one line, whatever run_name holds
   return out;
 }
 

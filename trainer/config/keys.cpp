@@ -43,6 +43,31 @@ std::string join(const std::vector<std::string>& items) {
   return out;
 }
 
+}  // namespace
+
+// YAML's escapes for what would end the quotes or the line, so the file loads back to the same
+// value (`run_name=x"y` used to print a line no YAML parser reads); quoted, so "" and values like
+// "1e3" stay strings.
+std::string yaml_double_quoted(const std::string& value) {
+  std::string out = "\"";
+  for (const char ch : value) {
+    const auto byte = static_cast<unsigned char>(ch);
+    if (ch == '"' || ch == '\\') {
+      out += '\\';
+      out += ch;
+    } else if (byte < 0x20 || byte == 0x7f) {
+      char escaped[8];
+      std::snprintf(escaped, sizeof escaped, "\\x%02x", byte);
+      out += escaped;
+    } else {
+      out += ch;  // UTF-8 as it is
+    }
+  }
+  return out + "\"";
+}
+
+namespace {
+
 [[noreturn]] void bad_value(const std::string& key, const YAML::Node& node,
                             const std::string& source, const std::string& expected) {
   throw config_error("config key '" + key + "': value '" + node_text(node) + "' (from " + source +
@@ -116,9 +141,7 @@ struct Codec<std::string> {
                            const std::string& source) {
     return scalar_of(key, node, source, "a string");
   }
-  static std::string format(const std::string& v) {
-    return "\"" + v + "\"";  // quoted so "" and values like "1e3" stay strings
-  }
+  static std::string format(const std::string& v) { return yaml_double_quoted(v); }
 };
 
 template <>

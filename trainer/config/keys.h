@@ -29,4 +29,7 @@ std::string nearest_key(const std::string& name);
 // Text of a node for messages: a scalar as written, anything else in YAML flow style.
 std::string node_text(const YAML::Node& node);
 
+// `value` as a YAML double-quoted scalar that loads back to it (", \ and control bytes escaped).
+std::string yaml_double_quoted(const std::string& value);
+
 }  // namespace trainer::config_detail
