@@ -109,6 +109,13 @@ int main(int argc, char** argv) {
         try {
           // Strict: invalid UTF-8 (Megatron opens the input with encoding='utf-8', errors strict),
           // a blank line, or anything but one JSON object fails, naming the line.
+          // nlohmann's parser ends at a NUL byte and drops the rest of the line; Python's json.loads
+          // refuses the byte (and a byte-order mark: "decode using utf-8-sig").
+          if (const auto nul = lines[i].find('\0'); nul != std::string::npos)
+            throw std::runtime_error("byte " + std::to_string(nul + 1) + " is a NUL byte, which JSON text cannot hold");
+          if (lines[i].rfind("\xEF\xBB\xBF", 0) == 0)
+            throw std::runtime_error("starts with a UTF-8 byte-order mark, which Megatron's json.loads refuses; "
+                                     "save the file as UTF-8 without a BOM");
           const auto j = nlohmann::json::parse(lines[i]);
           if (!j.is_object()) throw std::runtime_error("not a JSON object");
           for (size_t k = 0; k < json_keys.size(); ++k) {

@@ -842,6 +842,10 @@ TEST_CASE("preprocess_data fails with exit 3 naming the line where Megatron's sc
       {"a number, not text", "{\"text\": 7}\n", "", "line 1: field \"text\" is number"},
       {"a list holding a number", "{\"text\": [\"a\", 7]}\n", "", "line 1: field \"text\" is a list with a non-string"},
       {"not an object", "[1, 2]\n", "", "line 1: not a JSON object"},
+      // nlohmann's parser stopped at the NUL and the rest of the line vanished, exit 0.
+      {"a NUL byte", std::string("{\"text\": \"keep\"}") + '\0' + "{\"text\": \"lost\"}\n", "",
+       "line 1: byte 17 is a NUL byte"},
+      {"a byte-order mark", "{\"text\": \"a\"}\n\xEF\xBB\xBF{\"text\": \"b\"}\n", "", "line 2: starts with a UTF-8 byte-order mark"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     INFO(cases[i].what);
