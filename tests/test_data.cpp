@@ -196,6 +196,16 @@ TEST_CASE("corrupt .idx/.bin files fail with exit code 3 naming the problem", "[
   std::memcpy(odd.data() + 34 + 12 + 8, &one_byte_in, 8);
   CHECK_THAT(open_with(odd, bin).what(),
              Catch::Contains("sequence 1 starts at byte 1") && Catch::Contains("not a multiple of the 2-byte token size"));
+  // Sequences that overlap (the same tokens read twice, others never) or leave a gap: the total
+  // size matches, so this used to train on the wrong tokens silently.
+  for (const auto& [at, what] : {std::pair<int64_t, std::string>{0, "overlap"}, {8, "gap"}}) {
+    std::string moved = idx;
+    std::memcpy(moved.data() + 34 + 12 + 8, &at, 8);
+    const Error e = open_with(moved, bin);
+    CHECK(e.exit_code() == kExitData);
+    CHECK_THAT(e.what(), Catch::Contains("sequence 1 starts at byte " + std::to_string(at) + " of " + kDir +
+                                         "/bad.bin, not at byte 6 where the one before it ends (" + what));
+  }
   // Float token files (codes 6 and 7) would be cut to integers: refused.
   for (const auto& [code, name] : {std::pair<char, std::string>{6, "float64"}, {7, "float32"}}) {
     std::string floats = idx;

@@ -125,6 +125,18 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
                        std::to_string(item_size_) + "-byte tokens (dtype code " + std::to_string(dtype_code_) +
                        " at offset 17), but " + bin_path + " has " + std::to_string(bin_size) +
                        ": the dtype code does not match the tokens, or the two files are not one pair");
+    // Megatron's pointers are the running sum of the lengths: sequences that overlap (read the
+    // same tokens twice, others never) or leave gaps pass the total above.
+    uint64_t sequence_end = 0;  // where the sequence before i ends in the .bin
+    for (uint64_t i = 0; i < S; ++i) {
+      const auto pointer = static_cast<uint64_t>(sequence_pointer(static_cast<int64_t>(i)));
+      if (pointer != sequence_end)
+        throw data_error(idx_path + ": sequence " + std::to_string(i) + " starts at byte " + std::to_string(pointer) +
+                         " of " + bin_path + ", not at byte " + std::to_string(sequence_end) + " where the one before it ends (" +
+                         (pointer < sequence_end ? "overlap" : "gap") +
+                         "; a Megatron writer puts them back to back: the index is corrupt)");
+      sequence_end += static_cast<uint64_t>(lengths_[i]) * item_size_;
+    }
     int64_t previous = 0;
     for (uint64_t i = 0; i < D; ++i) {
       const int64_t d = document_index(static_cast<int64_t>(i));
