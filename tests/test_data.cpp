@@ -973,6 +973,18 @@ TEST_CASE("evaluation on the validation split: token-mean lm_loss and perplexity
   CHECK(none.exit_code == 3);
   CHECK_THAT(none.output, Catch::Contains("valid split"));
   CHECK(read_lines(kDir + "/evalnone/metrics.jsonl").empty());
+  // Validation sequences that are all empty documents: the message names the file and the split
+  // (it read "the data split has 0 tokens", naming neither).
+  std::vector<std::vector<int64_t>> empty_tail(docs.begin(), docs.begin() + 80);
+  empty_tail.resize(100);
+  indexed_dataset_write(kDir + "/evalempty", empty_tail, 8);
+  const auto empty = run_trainer("dataset_type=megatron dataset_path=" + kDir + "/evalempty split=80,20,0 model_name=test-tiny "
+                                 "pad_id=-1 eod_id=-1 max_target_length=8 per_device_batch_size=2 steps=6 eval_interval=3 "
+                                 "data_cache_path=" + kDir + "/cache-eval base_output_directory=" + kDir + " run_name=evalempty");
+  INFO(empty.output);
+  CHECK(empty.exit_code == 3);
+  CHECK_THAT(empty.output, Catch::Contains(kDir + "/evalempty: the valid split (split \"80,20,0\", 20 sequences): "
+                                           "the data split has 0 tokens; at least 2 are needed"));
 }
 
 namespace {

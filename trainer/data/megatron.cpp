@@ -171,8 +171,13 @@ class MegatronSource : public SampleSource {
       if (documents[d].empty())
         throw Error(kExitData, blend[d].second + ": split \"" + c.split + "\" leaves no sequences for the " +
                                    kSplitNames[s] + " split (" + std::to_string(comp.data->num_sequences()) + " sequences)");
+      try {  // the message names the file and the split (empty documents can leave it without tokens)
+        comp.tokens_per_epoch = gpt_tokens_per_epoch(comp.data->sequence_lengths(), documents[d]);
+      } catch (const Error& e) {
+        throw Error(e.exit_code(), blend[d].second + ": the " + kSplitNames[s] + " split (split \"" + c.split + "\", " +
+                                       std::to_string(documents[d].size()) + " sequences): " + e.what());
+      }
       index_sizes.push_back(gpt_indices_size(comp.data->sequence_lengths(), documents[d], c.max_target_length, sizes[d]));
-      comp.tokens_per_epoch = gpt_tokens_per_epoch(comp.data->sequence_lengths(), documents[d]);
       components_.push_back(std::move(comp));
     }
     if (!c.allow_memory_overcommit) index_memory_check(blend, index_sizes, split);
