@@ -2,6 +2,8 @@
 // reference (tests/fixtures/make_fixtures.py), blending, masks, corrupt inputs, cache, tools.
 #include <catch2/catch.hpp>
 
+#include <sys/stat.h>
+
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -219,6 +221,16 @@ TEST_CASE("corrupt .idx/.bin files fail with exit code 3 naming the problem", "[
   std::memcpy(docs.data() + idx.size() - 8, &two, 8);  // document index must end at S = 3
   CHECK_THAT(open_with(docs, bin).what(), Catch::Contains("document index runs from 0 to 2 (expected 0 to S = 3)"));
   CHECK(error_of([&] { IndexedDataset d(kDir + "/missing"); }).exit_code() == kExitData);
+  // A directory read "cannot map ...: No such device"; a FIFO's open waited for a writer forever.
+  fs::remove_all(kDir + "/dir.idx");
+  fs::create_directories(kDir + "/dir.idx");
+  CHECK_THAT(error_of([&] { IndexedDataset d(kDir + "/dir"); }).what(), Catch::Contains(kDir + "/dir.idx is a directory"));
+  write_bytes(kDir + "/fifo.idx", idx);
+  fs::remove(kDir + "/fifo.bin");
+  REQUIRE(mkfifo((kDir + "/fifo.bin").c_str(), 0600) == 0);
+  const Error fifo = error_of([&] { IndexedDataset d(kDir + "/fifo"); });
+  CHECK(fifo.exit_code() == kExitData);
+  CHECK_THAT(fifo.what(), Catch::Contains(kDir + "/fifo.bin is not a regular file"));
 }
 
 TEST_CASE("NumpyRandomState reproduces numpy.random.RandomState(seed).shuffle", "[data]") {

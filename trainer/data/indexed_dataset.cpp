@@ -41,10 +41,16 @@ int64_t indexed_dtype_size(uint8_t code) {
 }
 
 MappedFile::MappedFile(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO's open would wait for a writer forever; it is refused below instead.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) throw data_error("cannot open " + path + ": " + std::strerror(errno));
   struct stat st {};
   ::fstat(fd, &st);
+  if (!S_ISREG(st.st_mode)) {  // a directory read "cannot map: No such device"; a FIFO hung
+    ::close(fd);
+    throw data_error(path + " is " + (S_ISDIR(st.st_mode) ? "a directory" : "not a regular file") +
+                     ", not a token file");
+  }
   size_ = static_cast<uint64_t>(st.st_size);
   if (size_ > 0) {
     void* p = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd, 0);
