@@ -265,6 +265,10 @@ TEST_CASE("split boundaries round half to even as Megatron's get_split_indices",
     INFO(bad);
     CHECK_THROWS_WITH(gpt_split_boundaries(bad, 100), Catch::Contains("config key 'split': '" + bad + "'"));
   }
+  // A tiny subnormal is a finite number (it was "not a list of finite numbers"); parts that sum
+  // past a double are named as such (it was "must be non-negative with a positive sum").
+  CHECK(gpt_split_boundaries("1e-320,1,0", 100) == std::vector<int64_t>{0, 0, 100, 100});
+  CHECK_THROWS_WITH(gpt_split_boundaries("1e308,1e308,0", 100), Catch::Contains("its parts sum past the largest double"));
 }
 
 TEST_CASE("dataset_path weights that are infinite or sum past a double are refused with exit 2", "[data][cli]") {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <numeric>
 #include <sstream>
@@ -41,18 +42,18 @@ std::vector<int64_t> gpt_split_boundaries(const std::string& split, int64_t n) {
   std::vector<double> weights;
   std::stringstream ss(split);
   for (std::string part; std::getline(ss, part, split.find(',') != std::string::npos ? ',' : '/');) {
-    size_t used = 0;
-    try {
-      weights.push_back(std::stod(part, &used));
-    } catch (const std::exception&) {
-      used = 0;
-    }
+    // strtod, not stod: stod throws for a tiny subnormal such as 1e-320, a finite number.
+    char* end = nullptr;
+    weights.push_back(std::strtod(part.c_str(), &end));
+    const size_t used = static_cast<size_t>(end - part.c_str());
     if (used == 0 || part.find_first_not_of(' ', used) != std::string::npos || !std::isfinite(weights.back()))
       throw config_error("config key 'split': '" + split + "' is not a list of finite numbers like \"969,30,1\"");
   }
   while (weights.size() < 3) weights.push_back(0.0);
   if (weights.size() != 3) throw config_error("config key 'split': '" + split + "' must have at most 3 parts");
   const double total = weights[0] + weights[1] + weights[2];
+  if (std::isinf(total))
+    throw config_error("config key 'split': '" + split + "': its parts sum past the largest double; scale them down");
   if (!(total > 0) || !std::isfinite(total) || weights[0] < 0 || weights[1] < 0 || weights[2] < 0)
     throw config_error("config key 'split': '" + split + "' must be non-negative with a positive sum");
   std::vector<int64_t> bounds = {0};
