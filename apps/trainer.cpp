@@ -209,9 +209,24 @@ void command_line_check(const CLI::App& app, const CommandLine& cl) {
       if (above == above.parent_path()) break;
     }
   }
-  if (!cl.export_path.empty() && std::filesystem::exists(cl.export_path, ec))
-    throw trainer::config_error("--export-safetensors " + cl.export_path +
-                                ": the path exists; remove it or choose another (an export never replaces a file)");
+  // No output replaces a file (--dump-logits over a checkpoint's model.safetensors destroyed it).
+  for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--export-safetensors", cl.export_path},
+                                   {"--dump-logits", cl.dump_logits_path}})
+    if (!path.empty() && std::filesystem::exists(path, ec))
+      throw trainer::config_error(std::string(flag) + " " + path +
+                                  ": the path exists; remove it or choose another (an export never replaces a file)");
+  // Two outputs under one name: the second would replace the first (or fail after the first is written).
+  {
+    const std::vector<std::pair<const char*, const std::string*>> outputs = {
+        {"--export-hf", &cl.export_hf_dir}, {"--export-safetensors", &cl.export_path}, {"--dump-logits", &cl.dump_logits_path}};
+    for (size_t i = 0; i < outputs.size(); ++i)
+      for (size_t j = i + 1; j < outputs.size(); ++j)
+        if (!outputs[i].second->empty() && !outputs[j].second->empty() &&
+            std::filesystem::weakly_canonical(std::filesystem::absolute(*outputs[i].second), ec) ==
+                std::filesystem::weakly_canonical(std::filesystem::absolute(*outputs[j].second), ec))
+          throw trainer::config_error(std::string(outputs[i].first) + " and " + outputs[j].first + " name the same path " +
+                                      *outputs[j].second + "; give each its own");
+  }
   if (!cl.export_hf_dir.empty() && std::filesystem::exists(cl.export_hf_dir, ec) &&
       !(std::filesystem::is_directory(cl.export_hf_dir, ec) && std::filesystem::is_empty(cl.export_hf_dir, ec)))
     throw trainer::config_error("--export-hf " + cl.export_hf_dir +

@@ -320,6 +320,22 @@ TEST_CASE("the binary exits 2 on config errors and 0 on --print-config / --dry-r
   r = run_trainer(fresh + "--export-hf " + hf_dir + " --export-safetensors " + hf_dir + "/sub/../model.safetensors");
   CHECK(r.exit_code == 2);
   CHECK_THAT(r.output, Catch::Contains("lies inside --export-hf " + hf_dir));
+  // --dump-logits over an existing file (a checkpoint's model.safetensors was replaced by logits),
+  // and two outputs under one name (the second replaced the first, or failed after it).
+  r = run_trainer(fresh + "--dump-logits " + existing + " --dump-logits-tokens 1,2");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.output, Catch::Contains("--dump-logits " + existing + ": the path exists"));
+  CHECK(read_file(existing) == "keep me");
+  for (const auto& [flags, named] : std::vector<std::pair<std::string, std::string>>{
+           {"--export-hf " + hf_dir + " --export-safetensors " + hf_dir, "--export-hf and --export-safetensors"},
+           {"--export-safetensors " + hf_dir + " --dump-logits " + hf_dir + " --dump-logits-tokens 1",
+            "--export-safetensors and --dump-logits"}}) {
+    r = run_trainer(fresh + flags);
+    INFO(flags << ": " << r.output);
+    CHECK(r.exit_code == 2);
+    CHECK_THAT(r.output, Catch::Contains(named + " name the same path " + hf_dir));
+  }
+  CHECK_FALSE(std::filesystem::exists(hf_dir));
 }
 
 TEST_CASE("parameter counts from the config alone", "[config][model]") {
