@@ -762,6 +762,18 @@ TEST_CASE("load_parameters_path starts from exported weights with a fresh optimi
     CHECK(damaged.exit_code == 3);
     CHECK_THAT(damaged.output, Catch::Contains(nan_file + ": " + nan_name + " holds 1 non-finite values (NaN or Inf)"));
   }
+  // A checkpoint directory is verified against its manifest: a flipped byte used to load silently.
+  const std::string flipped = kOut + "/weights-flipped";
+  fs::remove_all(flipped);
+  fs::copy(kOut + "/weights-src/checkpoints/3", flipped, fs::copy_options::recursive);
+  std::string bytes = read_file(flipped + "/model.safetensors");
+  bytes.back() = static_cast<char>(bytes.back() ^ 0x40);
+  std::ofstream(flipped + "/model.safetensors", std::ios::binary | std::ios::trunc) << bytes;
+  const auto corrupt = run_trainer(base + "steps=1 run_name=weights-flipped-run load_parameters_path=" + flipped);
+  INFO(corrupt.output);
+  CHECK(corrupt.exit_code == 3);
+  CHECK_THAT(corrupt.output, Catch::Contains("load_parameters_path " + flipped + " is not usable") &&
+                                 Catch::Contains("model.safetensors"));
 }
 
 TEST_CASE("bit-exact resume on Megatron data (the data position is restored)", "[checkpoint][data]") {

@@ -465,6 +465,11 @@ int64_t Trainer::load_initial_state(StartingFor use) {
     const std::string& path = c.load_parameters_path;
     const bool dir = std::filesystem::is_directory(path);
     if (!dir && !std::filesystem::exists(path)) throw config_error("load_parameters_path: no file " + path);
+    // A checkpoint directory is verified as a resume verifies it (sizes and CRC32C against its
+    // manifest): a flipped byte used to load as a weight of 5051.
+    if (dir && std::filesystem::exists(std::filesystem::path(path) / "manifest.json"))
+      if (const std::string problem = checkpoint_verify(path); !problem.empty())
+        throw Error(kExitData, "load_parameters_path " + path + " is not usable: " + problem);
     if (sharded_state_) {
       auto reader = CheckpointReader::weights(path);
       reader.check_reads([&path](const std::string&, const std::string& stored, const torch::Tensor& tensor) {
