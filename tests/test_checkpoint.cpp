@@ -924,6 +924,32 @@ TEST_CASE("load_full_state_path continues another run's checkpoint exactly, and 
   CHECK_THAT(missing.output, Catch::Contains("load_parameters_path: no file " + kOut + "/nothing"));
 }
 
+TEST_CASE("load_parameters_path refuses a nonzero expert bias that routed_bias=false would ignore, as HF directories do", "[checkpoint]") {
+  // It used to load and drop the bias silently from a checkpoint or .safetensors file.
+  const std::string file = kOut + "/bias-source.safetensors", biased = kOut + "/bias-nonzero.safetensors";
+  fs::remove(file);
+  fs::remove(biased);
+  Trainer source(tiny_config({"model_name=ling-mini-tiny", "run_name=bias-source"}));
+  source.export_model(file);
+  auto tensors = checkpoint_read_tensors(file);
+  std::string bias;
+  for (auto& [name, tensor] : tensors)
+    if (name.find("e_score_correction_bias") != std::string::npos && bias.empty()) {
+      bias = name;
+      tensor.fill_(0.004f);
+    }
+  REQUIRE_FALSE(bias.empty());
+  checkpoint_write_tensors(biased, tensors);
+  for (const std::string sharding : {"none", "optim_grads_params"}) {
+    INFO(sharding);
+    Trainer target(tiny_config({"model_name=ling-mini-tiny", "override_model_config=true", "routed_bias=false",
+                                "run_name=bias-target-" + sharding, "data_parallel_sharding=" + sharding,
+                                "remat_policy=full", "load_parameters_path=" + biased}));
+    CHECK_THROWS_WITH(target.load_initial_state(Trainer::StartingFor::kExport),
+                      Catch::Contains(biased + ": " + bias + " is nonzero, but routed_bias is false"));
+  }
+}
+
 TEST_CASE("Hugging Face directories: config.json round trips the model keys, and what cannot be read or written is refused by name",
           "[checkpoint]") {
   const std::string dir = kOut + "/hf-ling-mini-tiny";

@@ -162,6 +162,12 @@ NamedTensors checkpoint_read_tensors(const std::string& path);
 // NaN or Inf: such a weight would surface only as a NaN loss at step 0, naming no tensor.
 void checkpoint_check_finite(const std::string& name, const torch::Tensor& tensor, const std::string& source);
 
+// Initial weights (load_parameters_path) as each tensor is read: finite, and a nonzero expert
+// bias (checkpoint name `name`) refused when routed_bias is false, which would ignore it
+// (config_error naming `stored`, the tensor's name in the files). hf_checkpoint.cpp.
+void checkpoint_check_initial_weight(const Config& config, const std::string& name, const std::string& stored,
+                                     const torch::Tensor& tensor, const std::string& source);
+
 // Writes tensors (contiguous fp32 or bf16, CPU) to a safetensors file (fsynced); returns its CRC32C.
 uint32_t checkpoint_write_tensors(const std::string& path, const NamedTensors& tensors);
 

@@ -123,18 +123,6 @@ std::vector<std::pair<std::string, HfTensorSource>> hf_checkpoint_sources(
   return out;
 }
 
-// BailingMoeV2Gate adds expert_bias to the scores whatever moe_router_enable_expert_bias says, so
-// a nonzero one with routed_bias false would compute differently here: refused.
-// `name` is the checkpoint name, `stored` the one the message shows.
-// Each tensor as it is read: finite, and an expert bias the config would ignore must be zero.
-void hf_check_tensor(const Config& c, const std::string& name, const std::string& stored, const torch::Tensor& tensor,
-                     const std::string& source) {
-  checkpoint_check_finite(stored, tensor, source);
-  if (ends_with(name, ".e_score_correction_bias") && !c.routed_bias && tensor.abs().max().item<float>() != 0)
-    throw config_error(source + ": " + stored + " is nonzero, but routed_bias is false (it would be ignored): "
-                       "pass routed_bias=true (override_model_config=true with a model file)");
-}
-
 // Some tied checkpoints store the head anyway; the embedding is what the model uses.
 void hf_warn_if_stored_head_differs(const Config& c, const torch::Tensor& head, const torch::Tensor& embedding,
                                     const std::string& source) {
@@ -148,6 +136,19 @@ std::string hf_embedding_name(const std::string& architecture) {
 
 }  // namespace
 
+// BailingMoeV2Gate adds expert_bias to the scores whatever moe_router_enable_expert_bias says, so
+// a nonzero one with routed_bias false would compute differently here: refused.
+// `name` is the checkpoint name, `stored` the one the message shows.
+// Each tensor as it is read: finite, and an expert bias the config would ignore must be zero.
+void checkpoint_check_initial_weight(const Config& c, const std::string& name, const std::string& stored,
+                                     const torch::Tensor& tensor, const std::string& source) {
+  checkpoint_check_finite(stored, tensor, source);
+  if (ends_with(name, ".e_score_correction_bias") && !c.routed_bias && tensor.abs().max().item<float>() != 0)
+    throw config_error(source + ": " + stored + " is nonzero, but routed_bias is false (it would be ignored): "
+                       "pass routed_bias=true (override_model_config=true with a model file)");
+}
+
+
 NamedTensors hf_tensors_to_checkpoint(const Config& c, const NamedTensors& hf, const std::string& architecture,
                                       const std::string& source) {
   std::map<std::string, torch::Tensor> by_name(hf.begin(), hf.end());
@@ -159,7 +160,7 @@ NamedTensors hf_tensors_to_checkpoint(const Config& c, const NamedTensors& hf, c
   for (const auto& [name, from] : hf_checkpoint_sources(c, shapes, architecture, source)) {
     auto tensor = by_name.at(from.stored);
     if (from.rows >= 0) tensor = tensor.narrow(0, from.row_begin, from.rows).contiguous();
-    hf_check_tensor(c, name, from.stored, tensor, source);
+    checkpoint_check_initial_weight(c, name, from.stored, tensor, source);
     out.emplace_back(name, tensor);
   }
   return out;
@@ -179,7 +180,7 @@ CheckpointReader CheckpointReader::hugging_face(const std::string& dir, const Co
     reader.aliases_[name] = {from.stored, from.row_begin, from.rows};
   }
   reader.check_reads([config, source](const std::string& name, const std::string& stored, const torch::Tensor& tensor) {
-    hf_check_tensor(config, name, stored, tensor, source);
+    checkpoint_check_initial_weight(config, name, stored, tensor, source);
   });
   return reader;
 }

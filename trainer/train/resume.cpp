@@ -472,15 +472,15 @@ int64_t Trainer::load_initial_state(StartingFor use) {
         throw Error(kExitData, "load_parameters_path " + path + " is not usable: " + problem);
     if (sharded_state_) {
       auto reader = CheckpointReader::weights(path);
-      reader.check_reads([&path](const std::string&, const std::string& stored, const torch::Tensor& tensor) {
-        checkpoint_check_finite(stored, tensor, path);
+      reader.check_reads([&](const std::string& name, const std::string& stored, const torch::Tensor& tensor) {
+        checkpoint_check_initial_weight(c, name, stored, tensor, path);
       });
       restore_streamed(reader, /*full_state=*/false, "load_parameters_path " + path);
     } else {
       CheckpointContents weights;
       weights.model = dir ? hf_read_directory(path) : checkpoint_read_tensors(path);
       // Initial weights must be finite (a resume may read what a diverged run saved; these not).
-      for (const auto& [name, tensor] : weights.model) checkpoint_check_finite(name, tensor, path);
+      for (const auto& [name, tensor] : weights.model) checkpoint_check_initial_weight(c, name, name, tensor, path);
       restore(weights, /*full_state=*/false, "load_parameters_path " + path);
     }
     spdlog::info("loaded weights from {}{}; optimizer and step start fresh", path,
