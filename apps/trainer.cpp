@@ -2,6 +2,7 @@
 #include <execinfo.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
@@ -103,11 +104,13 @@ std::vector<int64_t> parse_token_list(const std::string& text, int64_t vocab_siz
     } catch (const std::exception&) {
       used = 0;
     }
-    if (used != item.size() || id < 0 || id >= vocab_size)
+    if (used != item.size() || item.empty() || !std::isdigit(static_cast<unsigned char>(item[0])) || id < 0 || id >= vocab_size)
       throw trainer::config_error("--dump-logits-tokens: '" + item + "' is not a token id in [0, " +
                                   std::to_string(vocab_size) + ")");
     tokens.push_back(id);
   }
+  if (!text.empty() && text.back() == ',')  // getline yields no empty last item: "1," read as "1"
+    throw trainer::config_error("--dump-logits-tokens: '" + text + "' ends with a comma; give token ids like 1,5,9");
   if (tokens.empty()) throw trainer::config_error("--dump-logits needs --dump-logits-tokens, e.g. 1,5,9");
   return tokens;
 }

@@ -336,6 +336,14 @@ TEST_CASE("the binary exits 2 on config errors and 0 on --print-config / --dry-r
     CHECK_THAT(r.output, Catch::Contains(named + " name the same path " + hf_dir));
   }
   CHECK_FALSE(std::filesystem::exists(hf_dir));
+  // Token lists: "1," and "+3" used to be read as 1 and 3.
+  for (const std::string tokens : {"1,", "+3", "1,,5", "-1", "1 ,2"}) {
+    r = run_trainer(fresh + "--dump-logits " + test_root() + "/logits-out --dump-logits-tokens '" + tokens + "'");
+    INFO(tokens << ": " << r.output);
+    CHECK(r.exit_code == 2);
+    CHECK_THAT(r.output, Catch::Contains("--dump-logits-tokens"));
+  }
+  CHECK_FALSE(std::filesystem::exists(test_root() + "/logits-out"));
 }
 
 TEST_CASE("parameter counts from the config alone", "[config][model]") {
