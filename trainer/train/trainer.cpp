@@ -160,6 +160,11 @@ extern "C" void on_stop_signal(int signo) {
   ::_exit(kExitFailure);
 }
 
+// For log lines: this rank's held signal, or 0 when another rank's vote stopped it.
+const char* stop_signal_name(int signo) {
+  return signo == SIGTERM ? "SIGTERM" : signo == SIGINT ? "SIGINT" : "a stop signal on another rank";
+}
+
 // The world communicator, and from here on a start-up signal is held when there are other ranks.
 std::unique_ptr<Communicator> stop_signals_hold_with(std::unique_ptr<Communicator> comm) {
   if (comm->world_size() > 1) g_stop_mode = kStopBeforeFirstStep;
@@ -577,9 +582,8 @@ void Trainer::train() {
   // A signal held during start-up (g_stop_mode) stops every rank here, before any work is lost.
   g_stop_mode = kStopAfterStep;
   if (ranks_reporting(g_stop_signal.load() != 0, comm_->host_group(), "the stop vote before the first step") > 0) {
-    const int signal = g_stop_signal.load();
     spdlog::warn("received {} during start-up: stopping before step {}, nothing to save; exiting",
-                 signal == SIGTERM ? "SIGTERM" : signal == SIGINT ? "SIGINT" : "a stop signal on another rank", start_step);
+                 stop_signal_name(g_stop_signal.load()), start_step);
     return;
   }
   spdlog::info("run_dir {} | model {}: {} parameters ({} active per token), {:.4g} TFLOP per step per device | "
@@ -700,7 +704,7 @@ void Trainer::train() {
     if (signal != 0) {
       flush(Clock::now());
       spdlog::warn("received {}: stopped after step {}{}; exiting",
-                   signal == SIGTERM ? "SIGTERM" : signal == SIGINT ? "SIGINT" : "a stop signal on another rank", step,
+                   stop_signal_name(signal), step,
                    checkpointer_          ? ", checkpoint " + std::to_string(completed) + " saved"
                    : dist_.rank > 0 ? " (rank 0 saves the checkpoint)"
                                     : " (checkpointing disabled)");
