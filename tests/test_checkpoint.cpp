@@ -484,7 +484,30 @@ TEST_CASE("damaged checkpoints: none usable stops the run with exit 3 and overwr
   }
   SECTION("load_full_state_path that does not exist says so") {
     const Error e = error_of("run_name=damaged-fresh load_full_state_path=" + kOut + "/nowhere steps=1");
-    CHECK_THAT(e.what(), Catch::Contains(kOut + "/nowhere is not usable: it does not exist"));
+    CHECK(e.exit_code() == kExitUsage);
+    CHECK_THAT(e.what(), Catch::Contains("load_full_state_path " + kOut + "/nowhere: no such directory"));
+  }
+  SECTION("a manifest of another format_version stops the run instead of falling back to an older checkpoint") {
+    // Falling back to step 1 would let this run's save of step 2 delete the newer-format one.
+    const std::string manifest = checkpoints + "/2/manifest.json";
+    auto j = nlohmann::json::parse(read_file(manifest));
+    j["format_version"] = 2;
+    std::ofstream(manifest) << j.dump(2) << "\n";
+    const Error e = error_of("steps=3");
+    CHECK(e.exit_code() == kExitUsage);
+    CHECK_THAT(e.what(), Catch::Contains("checkpoint " + checkpoints + "/2 has format_version 2 in its manifest; "
+                                         "this trainer reads version 1"));
+    CHECK(fs::exists(checkpoints + "/2/model.safetensors"));
+    CHECK_FALSE(fs::exists(checkpoints + "/3"));
+  }
+  SECTION("checkpoints/latest that is not a file is refused before the first step, not at the first save") {
+    const auto lines = read_lines(kOut + "/damaged/metrics.jsonl").size();
+    fs::remove(checkpoints + "/latest");
+    fs::create_directories(checkpoints + "/latest/inside");
+    const auto r = run_trainer(std::string(kSyntheticData) + " " + args + "steps=3");
+    CHECK(r.exit_code == 2);
+    CHECK_THAT(r.output, Catch::Contains(checkpoints + "/latest is not a file: every save replaces it"));
+    CHECK(read_lines(kOut + "/damaged/metrics.jsonl").size() == lines);  // no step ran
   }
 }
 
@@ -922,6 +945,32 @@ TEST_CASE("load_full_state_path continues another run's checkpoint exactly, and 
   const auto missing = run_trainer(common + " run_name=missing-weights load_parameters_path=" + kOut + "/nothing");
   CHECK(missing.exit_code == 2);
   CHECK_THAT(missing.output, Catch::Contains("load_parameters_path: no file " + kOut + "/nothing"));
+
+  // The directories mistaken for a checkpoint are named, with the checkpoint probably meant.
+  const auto from = [&](const std::string& path) { return run_trainer(common + " run_name=wrong-full load_full_state_path=" + path); };
+  const auto run_dir = from(kOut + "/source"), checkpoints = from(kOut + "/source/checkpoints");
+  CHECK(run_dir.exit_code == 2);
+  CHECK_THAT(run_dir.output, Catch::Contains("load_full_state_path " + kOut + "/source is a run directory, not a checkpoint: "
+                                             "name one of its checkpoints, e.g. " + kOut + "/source/checkpoints/4 (the newest)"));
+  CHECK(checkpoints.exit_code == 2);
+  CHECK_THAT(checkpoints.output, Catch::Contains("/source/checkpoints is a checkpoints directory, not a checkpoint: "
+                                                 "name one of its checkpoints, e.g. " + kOut + "/source/checkpoints/4"));
+  const auto not_directory = from(checkpoint + "/state.json");
+  CHECK(not_directory.exit_code == 2);
+  CHECK_THAT(not_directory.output, Catch::Contains("/state.json is not a directory"));
+  // A damaged checkpoint is a data error (exit 3), as for load_parameters_path and a resume.
+  const std::string damaged = kOut + "/damaged-copy";
+  fs::remove_all(damaged);
+  fs::copy(checkpoint, damaged);
+  std::ofstream(damaged + "/state.json", std::ios::app) << " ";
+  const auto bad = from(damaged);
+  CHECK(bad.exit_code == 3);
+  CHECK_THAT(bad.output, Catch::Contains("load_full_state_path " + damaged + " is not usable: state.json has"));
+  // A state already at `steps` names where it came from (it said "run_dir ... already reached").
+  fs::remove_all(kOut + "/at-end");
+  const auto at_end = run_trainer(common + " run_name=at-end load_full_state_path=" + kOut + "/source/checkpoints/4");
+  CHECK(at_end.exit_code == 0);
+  CHECK_THAT(at_end.output, Catch::Contains("load_full_state_path " + kOut + "/source/checkpoints/4 already reached step 4"));
 }
 
 TEST_CASE("load_parameters_path refuses a nonzero expert bias that routed_bias=false would ignore, as HF directories do", "[checkpoint]") {

@@ -117,6 +117,14 @@ TEST_CASE("config errors name the key and exit with code 2", "[config]") {
     CHECK(e.exit_code() == kExitUsage);
     CHECK_THAT(e.what(), Catch::Contains("'steps'") && Catch::Contains("'1.5'") && Catch::Contains("integer"));
   }
+  SECTION("a real value past float32's range (routed_scaling_factor=1e40 ended step 0 as a numerical abort)") {
+    const Error e = load_error({"model_name=moe-tiny", "routed_scaling_factor=1e40"});
+    CHECK(e.exit_code() == kExitUsage);
+    CHECK_THAT(e.what(), Catch::Contains("'routed_scaling_factor'") && Catch::Contains("'1e40'") &&
+                             Catch::Contains("within float32 range"));
+    CHECK(load_error({"learning_rate=-4e38"}).exit_code() == kExitUsage);
+    CHECK_NOTHROW(config_load(source_path("configs/base.yml"), {"model_name=moe-tiny", "pad_id=0", "eod_id=-1", "routed_scaling_factor=3e38"}, {}));
+  }
   SECTION("sample and token counts past int64 (steps x global batch wrapped negative)") {
     const Error e = load_error({"steps=1000000000000000000", "per_device_batch_size=16"});
     CHECK(e.exit_code() == kExitUsage);

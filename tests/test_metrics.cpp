@@ -9,10 +9,12 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <regex>
 
 #include "test_support.h"
@@ -61,6 +63,7 @@ struct Event {
   double wall_time = 0;
   int64_t step = -1;
   std::string file_version;
+  int64_t session_status = -1;  // SessionLog.status (START = 1), -1 when the event has none
   std::map<std::string, float> scalars;
 };
 
@@ -77,6 +80,12 @@ Event decode_event(const std::string& data) {
       e.step = static_cast<int64_t>(r.varint());
     } else if (field == 3 && wire == 2) {
       e.file_version = r.bytes(r.varint());
+    } else if (field == 7 && wire == 2) {  // SessionLog {status = 1}
+      const std::string log = r.bytes(r.varint());
+      Reader lr{log};
+      REQUIRE(lr.varint() == (1 << 3 | 0));
+      e.session_status = static_cast<int64_t>(lr.varint());
+      REQUIRE(lr.pos == log.size());
     } else if (field == 5 && wire == 2) {
       const std::string summary = r.bytes(r.varint());
       Reader sr{summary};
@@ -101,17 +110,9 @@ Event decode_event(const std::string& data) {
   return e;
 }
 
-}  // namespace
-
-TEST_CASE("TensorBoard event files decode with an independent reader and match metrics.jsonl", "[metrics][cli]") {
-  fs::remove_all(kOut + "/tb");
-  REQUIRE(run_trainer("model_name=test-tiny max_target_length=16 steps=3 enable_tensorboard=true base_output_directory=" +
-                      kOut + " run_name=tb").exit_code == 0);
-  std::vector<fs::path> files;
-  for (const auto& e : fs::directory_iterator(kOut + "/tb/tensorboard")) files.push_back(e.path());
-  REQUIRE(files.size() == 1);
-  CHECK(files[0].filename().string().rfind("events.out.tfevents.", 0) == 0);
-  const std::string bytes = read_file(files[0].string());
+// Every record of an event file, its two CRCs checked.
+std::vector<Event> read_events(const std::string& path) {
+  const std::string bytes = read_file(path);
   std::vector<Event> events;
   size_t pos = 0;
   while (pos < bytes.size()) {
@@ -128,17 +129,78 @@ TEST_CASE("TensorBoard event files decode with an independent reader and match m
     events.push_back(decode_event(data));
     pos += 12 + length + 4;
   }
-  REQUIRE(events.size() == 4);
+  return events;
+}
+
+// The event files of a run's tensorboard/ directory, in name order (TensorBoard's reading order).
+std::vector<std::string> event_files(const std::string& run_dir) {
+  std::vector<std::string> files;
+  for (const auto& e : fs::directory_iterator(run_dir + "/tensorboard")) files.push_back(e.path().string());
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+}  // namespace
+
+TEST_CASE("TensorBoard event files decode with an independent reader and match metrics.jsonl", "[metrics][cli]") {
+  fs::remove_all(kOut + "/tb");
+  REQUIRE(run_trainer("model_name=test-tiny max_target_length=16 steps=3 enable_tensorboard=true base_output_directory=" +
+                      kOut + " run_name=tb").exit_code == 0);
+  const auto files = event_files(kOut + "/tb");
+  REQUIRE(files.size() == 1);
+  CHECK(fs::path(files[0]).filename().string().rfind("events.out.tfevents.", 0) == 0);
+  const auto events = read_events(files[0]);
+  REQUIRE(events.size() == 5);
   CHECK(events[0].file_version == "brain.Event:2");
+  CHECK((events[1].session_status == 1 && events[1].step == 0 && events[1].scalars.empty()));  // START at step 0
   const auto lines = read_lines(kOut + "/tb/metrics.jsonl");
   for (int step = 0; step < 3; ++step) {
-    const Event& e = events[static_cast<size_t>(step) + 1];
+    const Event& e = events[static_cast<size_t>(step) + 2];
     CHECK(e.step == step);
     CHECK(e.wall_time > 1.7e9);
     CHECK(e.scalars.size() >= 17);
     for (const char* name : {"learning/loss", "learning/grad_norm", "learning/total_weights", "perf/step_time_seconds"})
       CHECK(e.scalars.at(name) == static_cast<float>(json_metric(lines[static_cast<size_t>(step)], name)));
   }
+}
+
+TEST_CASE("TensorBoard: evaluations are written, and a resume marks its step so the re-run steps are not shown twice",
+          "[metrics][cli]") {
+  // The first run saves after 2 steps and runs step 2 (and its final evaluation) too; the resume
+  // runs steps 2..4. TensorBoard drops what earlier files hold at steps >= a START's step.
+  fs::remove_all(kOut + "/tb-resume");
+  const std::string args = "model_name=test-tiny max_target_length=16 enable_tensorboard=true checkpoint_period=2 "
+                           "save_checkpoint_on_completion=false eval_interval=2 eval_steps=1 base_output_directory=" +
+                           kOut + " run_name=tb-resume";
+  REQUIRE(run_trainer(args + " steps=3").exit_code == 0);
+  REQUIRE(run_trainer(args + " steps=5").exit_code == 0);  // within the same second: a second file all the same
+  const auto files = event_files(kOut + "/tb-resume");
+  REQUIRE(files.size() == 2);
+  const auto first = read_events(files[0]), second = read_events(files[1]);
+  REQUIRE(first.size() >= 2);
+  REQUIRE(second.size() >= 2);
+  CHECK((first[1].session_status == 1 && first[1].step == 0));
+  CHECK((second[1].session_status == 1 && second[1].step == 2));
+  // What TensorBoard shows: the first file's events before step 2, then the second file's.
+  std::vector<Event> shown;
+  for (const Event& e : first)
+    if (!e.scalars.empty() && e.step < 2) shown.push_back(e);
+  for (const Event& e : second)
+    if (!e.scalars.empty()) shown.push_back(e);
+  // Exactly metrics.jsonl, evaluation lines included, in its order.
+  const auto lines = read_lines(kOut + "/tb-resume/metrics.jsonl");
+  REQUIRE(shown.size() == lines.size());
+  int evaluations = 0;
+  for (size_t i = 0; i < lines.size(); ++i) {
+    INFO(lines[i]);
+    CHECK(shown[i].step == static_cast<int64_t>(json_metric(lines[i], "step")));
+    const bool eval = lines[i].find("\"eval/lm_loss\"") != std::string::npos;
+    evaluations += eval;
+    const char* name = eval ? "eval/lm_loss" : "learning/loss";
+    REQUIRE(shown[i].scalars.count(name) == 1);
+    CHECK(shown[i].scalars.at(name) == static_cast<float>(json_metric(lines[i], name)));
+  }
+  CHECK(evaluations == 3);  // after steps 1 and 3, and the final one after step 4
 }
 
 TEST_CASE("log_format=megatron prints Megatron-LM's training_log line", "[metrics][cli]") {
@@ -181,7 +243,6 @@ std::string printf_string(const char* format, double value) {
 TEST_CASE("Megatron line: each label and number formatted as Megatron-LM's training_log", "[metrics]") {
   const Config c = tiny_config({"model_name=moe-tiny", "mtp_num_layers=2", "router_z_loss_weight=0.001", "steps=10",
                                 "log_period=2", "per_device_batch_size=3", "gradient_accumulation_steps=2"});
-  MetricHistory history;
   auto step_values = [](double lm, double lb, double z, double mtp1, double mtp2, double seconds, double skipped) {
     return MetricValues{{"megatron/lm_loss", lm},           {"megatron/load_balancing_loss", lb},
                         {"megatron/z_loss", z},             {"megatron/mtp_1_loss", mtp1},
@@ -192,10 +253,11 @@ TEST_CASE("Megatron line: each label and number formatted as Megatron-LM's train
                         {"learning/current_learning_rate", 1.5e-4}, {"learning/raw_grad_norm", 2.71828},
                         {"learning/num_zeros", 1234.0},     {"learning/param_norm", 31.4159}};
   };
-  history.emplace_back(2, step_values(9.0, 9.0, 9.0, 9.0, 9.0, 0.5, 0));  // outside the interval
-  history.emplace_back(3, step_values(2.5, 1.25, 0.5, 3.0, 4.0, 1.0, 0));
-  history.emplace_back(4, step_values(3.5, 1.75, 1.5, 5.0, 6.0, 2.0, 0));
-  const std::string line = megatron_log_line(c, 4, history, "2026-12-01 10:20:30.123456");
+  MegatronInterval interval;
+  megatron_interval_add(interval, c, step_values(2.5, 1.25, 0.5, 3.0, 4.0, 1.0, 0));
+  const MetricValues last = step_values(3.5, 1.75, 1.5, 5.0, 6.0, 2.0, 0);
+  megatron_interval_add(interval, c, last);
+  const std::string line = megatron_log_line(c, 4, interval, last, "2026-12-01 10:20:30.123456");
   std::string expected = " [2026-12-01 10:20:30.123456]";
   expected += " iteration        5/      10 |";
   expected += " consumed samples:           30 |";  // 5 iterations x global batch 6
@@ -217,12 +279,55 @@ TEST_CASE("Megatron line: each label and number formatted as Megatron-LM's train
 
   // A skipped iteration counts in the time and the skipped count, not in the loss means; without
   // log_num_zeros_in_grad there is no num zeros label (Megatron prints it only when computed).
-  history.back().second = step_values(100.0, 100.0, 100.0, 100.0, 100.0, 2.0, 1);
   const Config quiet = tiny_config({"log_num_zeros_in_grad=false", "steps=10", "log_period=2"});
-  const std::string dense = megatron_log_line(quiet, 4, history, "t");
+  MetricValues skipped_step = step_values(100.0, 100.0, 100.0, 100.0, 100.0, 2.0, 1);
+  MegatronInterval with_skip;
+  megatron_interval_add(with_skip, quiet, step_values(2.5, 1.25, 0.5, 3.0, 4.0, 1.0, 0));
+  megatron_interval_add(with_skip, quiet, skipped_step);
+  const std::string dense = megatron_log_line(quiet, 4, with_skip, skipped_step, "t");
   CHECK_THAT(dense, Catch::Contains(" lm loss: 2.500000E+00 | loss scale: 1.0 | grad norm: 2.718 | params norm: 31.416 |"
                                     " number of skipped iterations:   1 |"));
   CHECK_THAT(dense, !Catch::Contains("num zeros") && !Catch::Contains("load_balancing_loss"));
+}
+
+TEST_CASE("Megatron line: each interval starts after the previous line, however long log_period is", "[metrics][cli]") {
+  // Step 1 is made non-finite and skipped. The line of iteration 3 counts it; the final line
+  // (iteration 4, steps=4 ends the run) covers step 3 alone. It used to look back log_period
+  // steps through the history, counting step 1 twice, and a log_period past the 128 kept steps
+  // saw only those.
+  const auto run = [](const std::string& name, const std::string& more) {
+    fs::remove_all(kOut + "/" + name);
+    const auto r = run_trainer("model_name=test-tiny max_target_length=16 per_device_batch_size=1 log_format=megatron "
+                               "skip_step_on_spikes=true abort_on_nan_loss=false debug_inject_nonfinite_step=1 " + more +
+                               " base_output_directory=" + kOut + " run_name=" + name);
+    REQUIRE(r.exit_code == 0);
+    return std::make_pair(r.output, read_lines(kOut + "/" + name + "/metrics.jsonl"));
+  };
+  const auto loss_text = [](double loss) { return printf_string("lm loss: %.6E |", loss); };
+  {
+    const auto [output, lines] = run("megatron-interval", "steps=4 log_period=3");
+    REQUIRE(lines.size() == 4);
+    CHECK(json_metric(lines[1], "optim/step_skipped") == 1.0);
+    const auto third = output.find(" iteration        3/       4 |"), fourth = output.find(" iteration        4/       4 |");
+    REQUIRE(third != std::string::npos);
+    REQUIRE(fourth != std::string::npos);
+    const std::string line3 = output.substr(third, output.find('\n', third) - third);
+    const std::string line4 = output.substr(fourth, output.find('\n', fourth) - fourth);
+    CHECK_THAT(line3, Catch::Contains(loss_text((json_metric(lines[0], "megatron/lm_loss") +
+                                                 json_metric(lines[2], "megatron/lm_loss")) / 2)) &&
+                          Catch::Contains("number of skipped iterations:   1 | number of nan iterations:   1 |"));
+    CHECK_THAT(line4, Catch::Contains(loss_text(json_metric(lines[3], "megatron/lm_loss"))) &&
+                          Catch::Contains("number of skipped iterations:   0 | number of nan iterations:   0 |"));
+  }
+  {
+    const auto [output, lines] = run("megatron-long", "steps=140 log_period=140");
+    REQUIRE(lines.size() == 140);
+    double sum = 0;
+    for (const auto& line : lines)
+      if (json_metric(line, "optim/step_skipped") == 0) sum += json_metric(line, "megatron/lm_loss");
+    CHECK_THAT(output, Catch::Contains(" iteration      140/     140 |") && Catch::Contains(loss_text(sum / 139)) &&
+                           Catch::Contains("number of skipped iterations:   1 | number of nan iterations:   1 |"));
+  }
 }
 
 TEST_CASE("Megatron-logged values: LB and router z-loss divided by their weights, MTP per depth", "[metrics]") {

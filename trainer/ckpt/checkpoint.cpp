@@ -437,6 +437,19 @@ std::string checkpoint_verify(const std::string& checkpoint_dir) {
   nlohmann::json manifest;
   try {
     manifest = nlohmann::json::parse(read_text(manifest_path));
+  } catch (const std::exception& e) {
+    return std::string("manifest unreadable: ") + e.what();
+  }
+  // Another format is not damage: falling back to an older checkpoint would let this run's next
+  // save at that step delete it, so it stops the run instead.
+  if (manifest.is_object() && manifest.contains("format_version") && manifest["format_version"].is_number_integer() &&
+      manifest["format_version"].get<int64_t>() != kCheckpointFormatVersion)
+    throw config_error("checkpoint " + checkpoint_dir + " has format_version " +
+                       std::to_string(manifest["format_version"].get<int64_t>()) + " in its manifest; this trainer reads version " +
+                       std::to_string(kCheckpointFormatVersion) + " (use the trainer that wrote it)");
+  try {
+    if (!manifest.is_object() || !manifest.contains("format_version")) return "manifest has no format_version";
+    if (!manifest["format_version"].is_number_integer()) return "manifest format_version is not an integer";
     for (const std::string& file : checkpoint_required_files(manifest.value("shards", int64_t{1}))) {
       if (!manifest.at("files").contains(file)) return "manifest does not list " + file;
       const auto& entry = manifest["files"][file];
@@ -454,6 +467,36 @@ std::string checkpoint_verify(const std::string& checkpoint_dir) {
     return std::string("manifest unreadable: ") + e.what();
   }
   return "";
+}
+
+void checkpoint_check_full_state_path(const std::string& path) {
+  const std::string key = "load_full_state_path " + path;
+  std::error_code ec;
+  if (!fs::exists(path, ec)) throw config_error(key + ": no such directory");
+  if (!fs::is_directory(path, ec)) throw config_error(key + " is not a directory (it names one checkpoint directory)");
+  if (!fs::exists(fs::path(path) / "manifest.json", ec)) {
+    // The directories users mistake for a checkpoint: name the one they probably meant.
+    const auto newest_in = [](const fs::path& root) -> std::string {
+      std::error_code error;
+      if (!fs::is_directory(root, error)) return "";
+      const auto steps = checkpoint_steps(root);
+      return steps.empty() ? "" : (root / std::to_string(steps.front())).string();
+    };
+    const std::string in_run_dir = newest_in(fs::path(path) / "checkpoints"), here = newest_in(path);
+    if (!in_run_dir.empty())
+      throw config_error(key + " is a run directory, not a checkpoint: name one of its checkpoints, e.g. " + in_run_dir +
+                         " (the newest), or resume it by running with its base_output_directory and run_name");
+    if (!here.empty())
+      throw config_error(key + " is a checkpoints directory, not a checkpoint: name one of its checkpoints, e.g. " + here +
+                         " (the newest)");
+    if (fs::exists(fs::path(path) / "config.json", ec))
+      throw config_error(key + " is a Hugging Face model directory, not a checkpoint: load its weights with "
+                               "load_parameters_path (the optimizer and step start fresh)");
+  }
+  // A directory with no manifest at all is an interrupted save or not a checkpoint; either way
+  // its files cannot be trusted: data error, as a damaged one.
+  if (const std::string problem = checkpoint_verify(path); !problem.empty())
+    throw Error(kExitData, key + " is not usable: " + problem);
 }
 
 std::optional<std::string> checkpoint_find_latest(const std::string& checkpoints_dir) {
@@ -483,8 +526,6 @@ std::pair<CheckpointState, std::string> checkpoint_load_state(const std::string&
 }
 
 CheckpointContents checkpoint_load(const std::string& checkpoint_dir) {
-  const std::string problem = checkpoint_verify(checkpoint_dir);
-  if (!problem.empty()) throw config_error("checkpoint " + checkpoint_dir + " is not usable: " + problem);
   const fs::path dir(checkpoint_dir);
   CheckpointContents c;
   c.model = hf_read_directory(checkpoint_dir);  // model.safetensors, or the shards its index lists
@@ -493,6 +534,16 @@ CheckpointContents checkpoint_load(const std::string& checkpoint_dir) {
   c.state = state_from_json(read_text(dir / "state.json"), checkpoint_dir);
   c.config_yaml = read_text(dir / "config.yml");
   return c;
+}
+
+void checkpoint_check_saves_possible(const std::string& checkpoints_dir) {
+  std::error_code ec;
+  const fs::path root(checkpoints_dir), latest = root / "latest";
+  if (fs::exists(root, ec) && !fs::is_directory(root, ec))
+    throw config_error(checkpoints_dir + " is not a directory: the run saves its checkpoints there; move it away");
+  if (fs::exists(latest, ec) && !fs::is_regular_file(latest, ec))
+    throw config_error(latest.string() + " is not a file: every save replaces it with a file naming the newest step "
+                                         "(the save would fail after the steps ran); move it away");
 }
 
 std::vector<std::string> checkpoint_remove_unfinished(const std::string& checkpoints_dir) {

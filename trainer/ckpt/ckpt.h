@@ -96,10 +96,22 @@ std::string checkpoint_hash_text(const std::string& text);
 // incomplete newer one is reported with a warning and skipped. nullopt if there is none.
 std::optional<std::string> checkpoint_find_latest(const std::string& checkpoints_dir);
 
-// Verifies the manifest of one checkpoint directory; returns "" or the reason it is invalid.
+// Verifies the manifest of one checkpoint directory (format_version, then the size and CRC32C of
+// every file it must list); returns "" or the reason it is invalid. Throws config_error for a
+// manifest of another format_version: not damage, and no reason to fall back to an older one.
 std::string checkpoint_verify(const std::string& checkpoint_dir);
 
-// Loads a verified checkpoint directory (throws trainer::Error exit 2 if it does not verify).
+// Checks that `path` (load_full_state_path) is one usable checkpoint directory: config_error for
+// no directory, a run, checkpoints or Hugging Face directory (naming the checkpoint probably
+// meant), Error(kExitData) for one that does not verify.
+void checkpoint_check_full_state_path(const std::string& path);
+
+// Before the first step: config_error when a save could not commit (`checkpoints_dir` is not a
+// directory, or checkpoints/latest is not a file) rather than failing the first save after the steps.
+void checkpoint_check_saves_possible(const std::string& checkpoints_dir);
+
+// Loads a checkpoint directory that checkpoint_verify accepted (it reads every file once more;
+// the caller verifies, so that a resume reads each file twice, not three times).
 CheckpointContents checkpoint_load(const std::string& checkpoint_dir);
 
 // state.json and config.yml of a verified checkpoint directory.

@@ -396,6 +396,16 @@ void config_derive_and_validate(Config& c) {
   if (c.run_name.empty()) c.run_name = c.model_name + "_" + timestamp();
   c.run_dir = (fs::path(c.base_output_directory) / c.run_name).string();
   if (c.metrics_file.empty()) c.metrics_file = (fs::path(c.run_dir) / "metrics.jsonl").string();
+  // The run's own files: a metrics file there would move config.yml aside as "an earlier run's
+  // lines", or sit among the checkpoints or event files.
+  const fs::path metrics = fs::absolute(c.metrics_file).lexically_normal(), run = fs::absolute(c.run_dir).lexically_normal();
+  for (const char* own : {"config.yml", ".lock", "checkpoints", "tensorboard"}) {
+    const fs::path reserved = run / own;
+    const auto [end, at] = std::mismatch(reserved.begin(), reserved.end(), metrics.begin(), metrics.end());
+    if (end == reserved.end())
+      throw config_error("metrics_file " + c.metrics_file + " is " + (at == metrics.end() ? "" : "inside ") +
+                         "the run's own " + own + " (" + reserved.string() + "): name another file");
+  }
 }
 
 Config config_load(const std::string& path, const std::vector<std::string>& overrides,

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <map>
 
 #include "trainer/util/error.h"
@@ -122,6 +123,10 @@ struct Codec<double> {
     const double v = std::strtod(s.c_str(), &end);
     if (errno != 0 || end != s.c_str() + s.size() || !std::isfinite(v))
       bad_value(key, node, source, "a finite number");
+    // Every real-valued key reaches float32 arithmetic (a scale, a weight, a rate): past its
+    // largest value it would be Inf there, and the run would end at step 0 as a numerical abort.
+    if (std::fabs(v) > std::numeric_limits<float>::max())
+      bad_value(key, node, source, "a number within float32 range (magnitude at most 3.4e38)");
     return v;
   }
   static std::string format(double v) {

@@ -59,6 +59,9 @@ MetricsLogger::MetricsLogger(const Config& config, int64_t first_step) : config_
   std::error_code ec;
   if (path.has_parent_path() && (std::filesystem::create_directories(path.parent_path(), ec), ec))
     throw Error(kExitFailure, "cannot create the directory of metrics_file " + path.string() + ": " + ec.message());
+  // A directory would fail below as a rename or an empty read; named as a fresh run names it.
+  if (std::filesystem::is_directory(path, ec))
+    throw Error(kExitFailure, "cannot open metrics_file " + path.string() + ": it is a directory");
   if (first_step > 0 && std::filesystem::exists(path)) {
     // Resuming: keep the lines of steps before first_step. The kept lines go to a temporary
     // file that replaces the old one by rename, so a kill at any moment loses nothing. Lines
@@ -113,7 +116,8 @@ MetricsLogger::MetricsLogger(const Config& config, int64_t first_step) : config_
   if (!file_)
     throw Error(kExitFailure, "cannot open metrics_file " + path.string() + ": " + std::strerror(errno));
   if (config.enable_tensorboard)
-    tensorboard_ = std::make_unique<TensorBoardWriter>((std::filesystem::path(config.run_dir) / "tensorboard").string());
+    tensorboard_ = std::make_unique<TensorBoardWriter>((std::filesystem::path(config.run_dir) / "tensorboard").string(),
+                                                       first_step);
 }
 
 MetricsLogger::~MetricsLogger() {
@@ -130,6 +134,7 @@ void MetricsLogger::log(int64_t step, const MetricValues& values) {
   while (history_.size() > kHistoryLength) history_.pop_front();
   // MaxText logs step 0, log_period, ...; Megatron logs iterations log_period, 2*log_period, ...
   if (config_.log_format == "megatron") {
+    megatron_interval_add(megatron_interval_, config_, values);
     if ((step + 1) % config_.log_period == 0 || step + 1 == config_.steps) megatron_line(step);
   } else if (step % config_.log_period == 0 || step + 1 == config_.steps) {
     console_line(step, values);
@@ -144,43 +149,51 @@ void MetricsLogger::log(int64_t step, const MetricValues& values) {
 // over MoE layers), `mtp_<k> loss` per depth (unscaled) -- then loss scale (1.0: no fp16 scaler),
 // grad norm (before clipping), num zeros (with log_num_zeros_in_grad), params norm, and the
 // interval's skipped and nan iteration counts. Printed to stdout without a logger prefix.
-std::string megatron_log_line(const Config& config, int64_t step,
-                              const MetricHistory& history, const std::string& timestamp) {
-  const int64_t first = step + 1 - std::min<int64_t>(config.log_period, static_cast<int64_t>(history.size()));
-  std::vector<std::string> loss_metrics = {"megatron/lm_loss"}, loss_labels = {"lm loss"};
+namespace {
+// (metric, label) of each loss Megatron prints, in its order.
+std::vector<std::pair<std::string, std::string>> megatron_loss_columns(const Config& config) {
+  std::vector<std::pair<std::string, std::string>> columns = {{"megatron/lm_loss", "lm loss"}};
   if (config.num_experts > 1 && config.load_balance_loss_weight > 0)
-    loss_metrics.push_back("megatron/load_balancing_loss"), loss_labels.push_back("load_balancing_loss");
-  if (config.num_experts > 1 && config.router_z_loss_weight > 0)
-    loss_metrics.push_back("megatron/z_loss"), loss_labels.push_back("z_loss");
+    columns.emplace_back("megatron/load_balancing_loss", "load_balancing_loss");
+  if (config.num_experts > 1 && config.router_z_loss_weight > 0) columns.emplace_back("megatron/z_loss", "z_loss");
   for (int64_t k = 1; k <= config.mtp_num_layers; ++k)
-    loss_metrics.push_back("megatron/mtp_" + std::to_string(k) + "_loss"),
-        loss_labels.push_back("mtp_" + std::to_string(k) + " loss");
-  std::vector<double> loss_sums(loss_metrics.size(), 0.0);
-  double time_sum = 0;
-  int64_t counted = 0, iterations = 0, skipped = 0, nan = 0;
-  for (const auto& [s, v] : history) {
-    if (s < first || s > step) continue;
-    ++iterations;
-    time_sum += metric_get(v, "perf/step_time_seconds");
-    skipped += metric_get(v, "optim/step_skipped") > 0;
-    nan += metric_get(v, "learning/is_nan") > 0 || metric_get(v, "learning/is_inf") > 0;
-    if (metric_get(v, "optim/step_skipped") != 0) continue;
-    ++counted;
-    for (size_t i = 0; i < loss_metrics.size(); ++i) loss_sums[i] += metric_get(v, loss_metrics[i]);
-  }
-  const MetricValues& v = history.back().second;
+    columns.emplace_back("megatron/mtp_" + std::to_string(k) + "_loss", "mtp_" + std::to_string(k) + " loss");
+  return columns;
+}
+}  // namespace
+
+void megatron_interval_add(MegatronInterval& interval, const Config& config, const MetricValues& v) {
+  const auto columns = megatron_loss_columns(config);
+  interval.loss_sums.resize(columns.size(), 0.0);
+  ++interval.iterations;
+  interval.time_sum += metric_get(v, "perf/step_time_seconds");
+  const bool skipped = metric_get(v, "optim/step_skipped") != 0;
+  interval.skipped += skipped;
+  interval.nan += metric_get(v, "learning/is_nan") > 0 || metric_get(v, "learning/is_inf") > 0;
+  if (skipped) return;
+  ++interval.counted;
+  for (size_t i = 0; i < columns.size(); ++i) interval.loss_sums[i] += metric_get(v, columns[i].first);
+}
+
+std::string megatron_log_line(const Config& config, int64_t step, const MegatronInterval& interval,
+                              const MetricValues& v, const std::string& timestamp) {
+  const auto columns = megatron_loss_columns(config);
+  const int64_t iterations = interval.iterations, counted = interval.counted;
+  const double time_sum = interval.time_sum;
   std::string line = fmt::format(
       " [{}] iteration {:8d}/{:8d} | consumed samples: {:12d} | elapsed time per iteration (ms): {:.1f} | "
       "learning rate: {:.6E} | global batch size: {:5d} |",
       timestamp, step + 1, config.steps, (step + 1) * config.global_batch_size,
       1000.0 * time_sum / static_cast<double>(std::max<int64_t>(iterations, 1)),
       metric_get(v, "learning/current_learning_rate"), config.global_batch_size);
-  for (size_t i = 0; i < loss_metrics.size(); ++i)
-    line += fmt::format(" {}: {:.6E} |", loss_labels[i], loss_sums[i] / static_cast<double>(std::max<int64_t>(counted, 1)));
+  for (size_t i = 0; i < columns.size(); ++i) {
+    const double sum = i < interval.loss_sums.size() ? interval.loss_sums[i] : 0.0;
+    line += fmt::format(" {}: {:.6E} |", columns[i].second, sum / static_cast<double>(std::max<int64_t>(counted, 1)));
+  }
   line += fmt::format(" loss scale: 1.0 | grad norm: {:.3f} |", metric_get(v, "learning/raw_grad_norm"));
   if (config.log_num_zeros_in_grad) line += fmt::format(" num zeros: {:.1f} |", metric_get(v, "learning/num_zeros"));
   line += fmt::format(" params norm: {:.3f} | number of skipped iterations: {:3d} | number of nan iterations: {:3d} |",
-                      metric_get(v, "learning/param_norm"), skipped, nan);
+                      metric_get(v, "learning/param_norm"), interval.skipped, interval.nan);
   return line;
 }
 
@@ -192,15 +205,18 @@ void MetricsLogger::megatron_line(int64_t step) {
   localtime_r(&seconds, &local);
   char date[32];
   std::strftime(date, sizeof date, "%Y-%m-%d %H:%M:%S", &local);
-  const std::string line = megatron_log_line(config_, step, history_, fmt::format("{}.{:06d}", date, micros));
+  const std::string line =
+      megatron_log_line(config_, step, megatron_interval_, history_.back().second, fmt::format("{}.{:06d}", date, micros));
   std::fputs((line + "\n").c_str(), stdout);
   std::fflush(stdout);
+  megatron_interval_ = MegatronInterval{};  // Megatron zeroes its totals after each line
 }
 
 void MetricsLogger::log_eval(int64_t step, const MetricValues& values) {
   const std::string line = metrics_to_json(step, values) + "\n";
   if (std::fputs(line.c_str(), file_) < 0 || std::fflush(file_) != 0)
     throw Error(kExitFailure, "cannot write metrics_file " + config_.metrics_file + ": " + std::strerror(errno));
+  if (tensorboard_) tensorboard_->tensorboard_add_scalars(step, values);
   spdlog::info("eval after step {}: lm_loss {:.4f}, perplexity {:.3f} ({:.0f} tokens)", step,
                metric_get(values, "eval/lm_loss"), metric_get(values, "eval/perplexity"),
                metric_get(values, "eval/total_weights"));

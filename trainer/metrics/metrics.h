@@ -24,18 +24,30 @@ std::string metrics_to_json(int64_t step, const MetricValues& values);
 
 using MetricHistory = std::deque<std::pair<int64_t, MetricValues>>;  // (step, values), oldest first
 
-// Megatron-LM's training_log line for iteration step + 1 over the last log_period steps of
-// `history` (format and sources in metrics.cpp and docs/metrics.md); `timestamp` goes between
-// the leading brackets ("2026-12-01 10:00:00.123456").
-std::string megatron_log_line(const Config& config, int64_t step, const MetricHistory& history,
-                              const std::string& timestamp);
+// What Megatron-LM's training_log accumulates between two log lines: the steps since the last
+// line (or since the run started or resumed), however many (log_period may exceed any history).
+struct MegatronInterval {
+  int64_t iterations = 0;        // steps in the interval
+  int64_t counted = 0;           // of them not skipped: the loss means' denominator
+  int64_t skipped = 0, nan = 0;  // skipped steps; steps with a NaN or Inf loss
+  double time_sum = 0;           // seconds
+  std::vector<double> loss_sums;  // per megatron_loss_columns entry, over the counted steps
+};
+void megatron_interval_add(MegatronInterval& interval, const Config& config, const MetricValues& step_values);
+
+// Megatron-LM's training_log line for iteration step + 1 over `interval`, with the learning rate
+// and norms of `last` (that step's values); format and sources in metrics.cpp and docs/metrics.md.
+// `timestamp` goes between the leading brackets ("2026-12-01 10:00:00.123456").
+std::string megatron_log_line(const Config& config, int64_t step, const MegatronInterval& interval,
+                              const MetricValues& last, const std::string& timestamp);
 
 class MetricsLogger {
  public:
   static constexpr size_t kHistoryLength = 128;  // bounded in-memory history
 
   // Opens metrics_file. When resuming at `first_step` > 0, lines of steps >= first_step (written
-  // after the checkpoint by an interrupted run) are dropped and the rest kept.
+  // after the checkpoint by an interrupted run) are dropped and the rest kept; TensorBoard is told
+  // to drop its points of those steps too (tensorboard.h).
   MetricsLogger(const Config& config, int64_t first_step = 0);
   ~MetricsLogger();
   void log(int64_t step, const MetricValues& values);
@@ -50,7 +62,8 @@ class MetricsLogger {
   Config config_;
   std::unique_ptr<TensorBoardWriter> tensorboard_;
   std::FILE* file_ = nullptr;
-  MetricHistory history_;
+  MetricHistory history_;            // the last kHistoryLength steps (the console line's ETA)
+  MegatronInterval megatron_interval_;  // steps since the last Megatron line
 };
 
 }  // namespace trainer

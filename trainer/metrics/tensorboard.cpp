@@ -49,19 +49,30 @@ uint32_t tensorboard_masked_crc(const std::string& data) {
   return ((crc >> 15) | (crc << 17)) + 0xa282ead8u;
 }
 
-TensorBoardWriter::TensorBoardWriter(const std::string& dir) {
+TensorBoardWriter::TensorBoardWriter(const std::string& dir, int64_t first_step) {
   std::error_code ec;
   if (std::filesystem::create_directories(dir, ec), ec)
     throw Error(kExitFailure, "cannot create the TensorBoard directory " + dir + " (enable_tensorboard): " + ec.message());
   char host[256] = {0};
   gethostname(host, sizeof host - 1);
-  path_ = dir + "/events.out.tfevents." + std::to_string(static_cast<int64_t>(now_seconds())) + "." + host;
-  file_ = std::fopen(path_.c_str(), "wb");
+  // "wbx" never truncates: a resume within the same second used to overwrite the earlier file.
+  const std::string stem = dir + "/events.out.tfevents." + std::to_string(static_cast<int64_t>(now_seconds())) + "." + host;
+  path_ = stem;
+  for (int n = 1; !(file_ = std::fopen(path_.c_str(), "wbx")) && errno == EEXIST && n < 1000; ++n)
+    path_ = stem + "." + std::to_string(n);
   if (!file_) throw Error(kExitFailure, "cannot create " + path_ + ": " + std::strerror(errno));
-  std::string event;
-  put_fixed<double>(event, 1, now_seconds());
-  put_bytes(event, 3, "brain.Event:2");
-  write_record(event);
+  std::string version;
+  put_fixed<double>(version, 1, now_seconds());
+  put_bytes(version, 3, "brain.Event:2");
+  write_record(version);
+  std::string start, session_log;
+  put_tag(session_log, 1, 0);
+  put_varint(session_log, 1);  // SessionLog.START
+  put_fixed<double>(start, 1, now_seconds());
+  put_tag(start, 2, 0);
+  put_varint(start, static_cast<uint64_t>(first_step));
+  put_bytes(start, 7, session_log);
+  write_record(start);
 }
 
 TensorBoardWriter::~TensorBoardWriter() {

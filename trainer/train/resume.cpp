@@ -405,11 +405,10 @@ void Trainer::restore_state(const CheckpointState& state, const std::string& con
 int64_t Trainer::load_initial_state(StartingFor use) {
   const Config& c = config_;
   const auto own = checkpoint_find_latest((std::filesystem::path(c.run_dir) / "checkpoints").string());
-  // Sharded levels read one tensor at a time and keep their parts; the others read it all.
+  // `dir` was verified (checkpoint_find_latest, checkpoint_check_full_state_path). Sharded levels
+  // read one tensor at a time and keep their parts; the others read it all.
   const auto restore_full = [&](const std::string& dir, const std::string& source) {
     if (sharded_state_) {
-      const std::string problem = checkpoint_verify(dir);
-      if (!problem.empty()) throw config_error("checkpoint " + dir + " is not usable: " + problem);
       restore_streamed(CheckpointReader(dir), /*full_state=*/true, source);
       const auto [state, config_yaml] = checkpoint_load_state(dir);
       restore_state(state, config_yaml, source);
@@ -449,11 +448,14 @@ int64_t Trainer::load_initial_state(StartingFor use) {
                    "--train-iters changes; docs/data.md)",
                    restored_steps_, c.steps, c.steps, state.step);
     spdlog::info("resumed from checkpoint {} (step {}, {} updates applied)", *own, state.step, state.updates_applied);
+    initial_state_source_ = "run_dir " + c.run_dir;
     return state.step;
   }
   if (!c.load_full_state_path.empty()) {
+    checkpoint_check_full_state_path(c.load_full_state_path);
     const auto state = restore_full(c.load_full_state_path, "load_full_state_path " + c.load_full_state_path);
     spdlog::info("loaded full state from {} (step {})", c.load_full_state_path, state.step);
+    initial_state_source_ = "load_full_state_path " + c.load_full_state_path;
     return state.step;
   }
   if (!c.load_parameters_path.empty() && std::filesystem::exists(std::filesystem::path(c.load_parameters_path) / "config.json")) {

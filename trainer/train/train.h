@@ -300,6 +300,7 @@ class Trainer {
   std::deque<double> spike_losses_, spike_grad_norms_;  // last skip_step_interval accepted steps
   int64_t restored_consumed_samples_ = -1;  // of the checkpoint restore_state read; -1: none
   int64_t restored_steps_ = 0;              // its run's `steps` where the config differs, else 0
+  std::string initial_state_source_;        // "run_dir D" or "load_full_state_path P": where the start step came from
   std::unique_ptr<RunDirLock> run_dir_lock_;  // rank 0, for the duration of train(): one trainer per run_dir
   std::unique_ptr<MetricsLogger> logger_;
   std::unique_ptr<Checkpointer> checkpointer_;

@@ -542,6 +542,7 @@ void Trainer::train() {
     if (!writer) return;
     run_dir_create(c.run_dir);
     run_dir_lock_ = std::make_unique<RunDirLock>(c.run_dir);
+    if (c.enable_checkpointing) checkpoint_check_saves_possible((std::filesystem::path(c.run_dir) / "checkpoints").string());
     // Only under the lock: without it another trainer's save could be in flight.
     if (run_dir_lock_->held()) {
       std::string removed;
@@ -564,7 +565,7 @@ void Trainer::train() {
   const int64_t start_step = load_initial_state(StartingFor::kTraining);
   perf_startup_mark("resume");
   if (start_step >= c.steps) {
-    spdlog::info("run_dir {} already reached step {} (steps = {}); nothing to do", c.run_dir, start_step, c.steps);
+    spdlog::info("{} already reached step {} (steps = {}); nothing to do", initial_state_source_, start_step, c.steps);
     return;
   }
   ranks_share_failure(*comm_, "opening the run's files (config.yml, metrics_file, TensorBoard)", [&] {
