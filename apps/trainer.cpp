@@ -313,6 +313,7 @@ int main(int argc, char** argv) {
       return trainer::kExitOk;
     }
     if (cl.dry_run) {
+      trainer::config_check_layout(config, config.data_parallel_size);  // the Trainer checks it against its group
       print_dry_run(config);
       return trainer::kExitOk;
     }

@@ -117,6 +117,11 @@ TEST_CASE("config errors name the key and exit with code 2", "[config]") {
     CHECK(e.exit_code() == kExitUsage);
     CHECK_THAT(e.what(), Catch::Contains("'steps'") && Catch::Contains("'1.5'") && Catch::Contains("integer"));
   }
+  SECTION("an eod_id below -1 (it was taken as none, silently; pad_id=-2 was refused)") {
+    const Error e = load_error({"eod_id=-2"});
+    CHECK(e.exit_code() == kExitUsage);
+    CHECK_THAT(e.what(), Catch::Contains("eod_id (-2) must be >= 0, or -1 for none"));
+  }
   SECTION("a real value past float32's range (routed_scaling_factor=1e40 ended step 0 as a numerical abort)") {
     const Error e = load_error({"model_name=moe-tiny", "routed_scaling_factor=1e40"});
     CHECK(e.exit_code() == kExitUsage);
@@ -276,6 +281,16 @@ TEST_CASE("the binary exits 2 on config errors and 0 on --print-config / --dry-r
   r = run_trainer("--dry-run model_name=llama2-7b");
   CHECK(r.exit_code == 0);
   CHECK_THAT(r.output, Catch::Contains("parameters: 6738415616"));
+  // The rules that need the number of ranks: --dry-run approved layouts that training refuses.
+  r = run_trainer("--dry-run model_name=moe-tiny expert_parallelism=2");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.output, Catch::Contains("expert_parallelism=2 must divide the number of ranks (1)"));
+  r = run_trainer("--dry-run model_name=moe-tiny data_parallel_sharding=optim_grads data_parallel_shard_degree=2",
+                  "OMPI_COMM_WORLD_SIZE=3 OMPI_COMM_WORLD_RANK=0");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.output, Catch::Contains("data_parallel_shard_degree=2 must divide the number of ranks (3)"));
+  r = run_trainer("--dry-run model_name=moe-tiny expert_parallelism=2", "OMPI_COMM_WORLD_SIZE=2 OMPI_COMM_WORLD_RANK=0");
+  CHECK(r.exit_code == 0);
   r = run_trainer("--no-such-flag");
   CHECK(r.exit_code == 2);
   // Export and dump flags that are empty (an unset shell variable), orphaned, or with nothing to

@@ -225,6 +225,8 @@ std::vector<std::string> validation_errors(const Config& c) {
               std::to_string(c.vocab_size) + ")), or -1 for none (Megatron data only)");
   require(c.pad_id >= 0 || c.dataset_type != "synthetic", "pad_id must be >= 0 with synthetic data");
   require(c.vocab_size >= 4, "vocab_size must be >= 4");
+  // Any negative id meant "none" before, silently; only -1 says so (as for pad_id).
+  require(c.eod_id >= -1, "eod_id (" + std::to_string(c.eod_id) + ") must be >= 0, or -1 for none");
   if (c.dataset_type != "synthetic") {
     require(c.dataset_type == "megatron" || c.grain_file_type == "mmap_npy",
             "dataset_type=grain needs grain_file_type=mmap_npy (Megatron .bin/.idx); other grain formats are not supported");
@@ -509,6 +511,20 @@ std::string config_to_yaml(const Config& config) {
 
 int64_t config_shard_degree(const Config& config) {
   return config.data_parallel_shard_degree == -1 ? config.data_parallel_size : config.data_parallel_shard_degree;
+}
+
+void config_check_layout(const Config& c, int64_t world_size) {
+  const int64_t N = c.expert_parallelism, R = world_size;
+  if (R % N != 0)
+    throw config_error("expert_parallelism=" + std::to_string(N) + " must divide the number of ranks (" + std::to_string(R) + ")");
+  if (c.data_parallel_sharding != "optim_grads" && c.data_parallel_sharding != "optim_grads_params") return;
+  const int64_t D = c.data_parallel_shard_degree == -1 ? R : c.data_parallel_shard_degree;
+  if (R % D != 0)
+    throw config_error("data_parallel_shard_degree=" + std::to_string(D) + " must divide the number of ranks (" +
+                       std::to_string(R) + ")");
+  if (D < R && N > 1 && D % N != 0)
+    throw config_error("expert_parallelism=" + std::to_string(N) + " must divide data_parallel_shard_degree=" +
+                       std::to_string(D) + " (HSDP): each sharding group must hold whole expert-parallel groups");
 }
 
 }  // namespace trainer

@@ -192,6 +192,13 @@ std::string config_to_yaml(const Config& config);
 // ranks when it is -1. R / degree groups each hold a full copy of the model state, sharded.
 int64_t config_shard_degree(const Config& config);
 
+// The rules that need the number of ranks (`world_size`): expert_parallelism and
+// data_parallel_shard_degree must divide it, and expert_parallelism the shard degree (HSDP).
+// config_error naming the key. Not part of config_derive_and_validate: a config for another
+// world (a test building one rank's model of a larger run) stays loadable. The Trainer checks
+// them against its process group, --dry-run against the launcher's world size.
+void config_check_layout(const Config& config, int64_t world_size);
+
 // Names of every key, in declaration order.
 const std::vector<std::string>& config_key_names();
 

@@ -113,14 +113,9 @@ void Trainer::build_flat_buffers(ModelInitializer* deferred_init) {
     // The units, shards and gathered buffers are sharding.h's; AdamW runs on the whole shard.
     // HSDP: groups of D consecutive ranks shard the state; ranks r % D (one per group) are its
     // replicas. Every rank makes its two subgroups in the same order, so each rendezvous completes.
+    // The divisibility rules were checked in the constructor (config_check_layout).
     const int64_t D = config_shard_degree(config_), R = comm_->world_size(), rank = comm_->rank();
-    if (R % D != 0)
-      throw config_error("data_parallel_shard_degree=" + std::to_string(D) + " must divide the number of ranks (" +
-                         std::to_string(R) + ")");
     const int64_t N = config_.expert_parallelism;
-    if (D < R && N > 1 && D % N != 0)
-      throw config_error("expert_parallelism=" + std::to_string(N) + " must divide data_parallel_shard_degree=" +
-                         std::to_string(D) + " (HSDP): each sharding group must hold whole expert-parallel groups");
     if (D < R) {
       std::vector<int64_t> group, replicas;
       for (int64_t r = rank / D * D; r < rank / D * D + D; ++r) group.push_back(r);

@@ -187,11 +187,8 @@ Trainer::Trainer(Config config)
   // Nothing in a step draws from the global generator today; seeding it anyway makes its state
   // (saved in checkpoints) a function of the config, so future random ops resume bit-exactly.
   torch::manual_seed(static_cast<uint64_t>(config_.init_weights_seed));
-  const int64_t N = config_.expert_parallelism;
-  if (comm_->world_size() % N != 0)
-    throw config_error("expert_parallelism=" + std::to_string(N) + " must divide the number of ranks (" +
-                       std::to_string(comm_->world_size()) + ")");
-  expert_rank_ = comm_->rank() % N;
+  config_check_layout(config_, comm_->world_size());
+  expert_rank_ = comm_->rank() % config_.expert_parallelism;
   check_memory_plan();
   // optim_grads_params draws the weights unit by unit as it shards them: no rank ever holds the
   // whole model. Every level moves the parameters to the device as it copies them into its flat
