@@ -107,7 +107,8 @@ std::string rendezvous_hint(const DistEnv& env, std::chrono::milliseconds timeou
                             std::chrono::steady_clock::time_point begin) {
   const auto waited = std::chrono::steady_clock::now() - begin;
   if (env.rank != 0 || env.world_size < 2 || waited < timeout * 9 / 10) return "";
-  // Measured: the store and then the group each wait up to the timeout, so it can be twice that.
+  // Measured from the start of the wait: the store and then the group each wait up to the
+  // timeout, so it can be twice that (docs/distributed.md).
   std::string hint = fmt::format(" (rank 0 waited {:.0f} s for the other {} rank(s) of world size {}, as the {} environment "
                                  "says (collective_timeout_seconds {:g} s); were they started?",
                                  std::chrono::duration<double>(waited).count(), env.world_size - 1, env.world_size,
@@ -173,11 +174,11 @@ class C10dCommunicator : public Communicator {
   }
   // The world group: every rank of the launch, meeting in `store` (tcp_store_open's).
   C10dCommunicator(const DistEnv& env, c10::intrusive_ptr<c10d::Store> store, const std::string& address,
-                   const DistOptions& options)
+                   const DistOptions& options, std::chrono::steady_clock::time_point waiting_since)
       : rank_(env.rank), world_(env.world_size), global_rank_(env.rank), device_(options.device),
         timeout_(std::chrono::milliseconds(static_cast<int64_t>(options.timeout_seconds * 1000))),
         store_(std::move(store)) {
-    const auto begin = std::chrono::steady_clock::now();
+    const auto begin = waiting_since;
     try {
       world_size_agree(*store_, env);
       auto group_options = Group::Options::create();
@@ -396,6 +397,10 @@ void C10dCommunicator<c10d::ProcessGroupNCCL>::shutdown() {
 struct Rendezvous {
   c10::intrusive_ptr<c10d::TCPStore> store;
   std::string address;  // "host:port", for messages and the start-up line
+  // When rank 0 began to wait for the others (after MASTER_ADDR resolved): the world group's
+  // failure reports the whole wait. (LibTorch 1.13's store gives up waiting for workers without
+  // an error, and the group then waits a second timeout.)
+  std::chrono::steady_clock::time_point waiting_since = std::chrono::steady_clock::now();
 };
 
 // Ends this process, exit 5 with `message`, unless disarmed (destroyed) within `deadline`. For a
@@ -539,7 +544,7 @@ Rendezvous rendezvous_open(const DistEnv& env, std::chrono::milliseconds timeout
     if (!env.master_addr.empty()) {
       master_addr_wait(env, timeout);
       begin = std::chrono::steady_clock::now();
-      return {tcp_store_open(env.master_addr, env.master_port, env, /*wait_for_workers=*/true, timeout), address};
+      return {tcp_store_open(env.master_addr, env.master_port, env, /*wait_for_workers=*/true, timeout), address, begin};
     }
     if (env.world_size == 1) {
       address = "127.0.0.1:0";
@@ -649,11 +654,13 @@ std::unique_ptr<Communicator> dist_init(const DistEnv& env, const DistOptions& o
 #endif
   std::unique_ptr<Communicator> comm;
 #if TRAINER_WITH_GLOO
-  if (backend == "gloo") comm = std::make_unique<C10dCommunicator<c10d::ProcessGroupGloo>>(env, meeting.store, address, options);
+  if (backend == "gloo") comm = std::make_unique<C10dCommunicator<c10d::ProcessGroupGloo>>(env, meeting.store, address, options,
+                                                                                          meeting.waiting_since);
 #endif
 #if TRAINER_WITH_NCCL
   if (backend != "gloo") {
-    auto nccl = std::make_unique<C10dCommunicator<c10d::ProcessGroupNCCL>>(env, meeting.store, address, options);
+    auto nccl = std::make_unique<C10dCommunicator<c10d::ProcessGroupNCCL>>(env, meeting.store, address, options,
+                                                                                meeting.waiting_since);
     nccl->host_group_create();
     if (env.rank == 0)
       spdlog::info("NCCL: the host's step values (token count, stop and failure votes) go {}",
