@@ -89,12 +89,27 @@ int main(int argc, char** argv) {
   }
   try {
     const auto tokenizer = trainer::tokenizer_create(tokenizer_type, tokenizer_model);
+    if (append_eod && tokenizer->tokenizer_eod() < 0)
+      throw trainer::config_error("--append-eod: --tokenizer-model " + tokenizer_model + " has no </s> (eos) piece for <eod>");
     if (std::filesystem::is_directory(input)) throw trainer::Error(trainer::kExitData, "--input " + input + " is a directory");
     std::ifstream in(input);
     if (!in) throw trainer::Error(trainer::kExitData, "cannot open --input " + input);
     // Every line is a document, a blank one too: Megatron's json.loads fails on it, and so do we.
+    // Lines end as in Python's text mode (universal newlines), which Megatron reads the file in:
+    // at "\n", "\r\n" or a lone "\r" (old Mac files were one unparsable line here).
     std::vector<std::string> lines;
-    for (std::string line; std::getline(in, line);) lines.push_back(std::move(line));
+    for (std::string piece; std::getline(in, piece);) {
+      if (!piece.empty() && piece.back() == '\r') piece.pop_back();  // "\r\n", or a last "\r"
+      for (size_t begin = 0;;) {
+        const size_t cr = piece.find('\r', begin);
+        if (cr == std::string::npos) {
+          lines.push_back(begin == 0 ? std::move(piece) : piece.substr(begin));
+          break;
+        }
+        lines.push_back(piece.substr(begin, cr - begin));
+        begin = cr + 1;
+      }
+    }
     if (in.bad()) throw trainer::Error(trainer::kExitData, "cannot read --input " + input);
     const auto start = std::chrono::steady_clock::now();
     // One output per key; documents keep input order because each worker fills its own slots.

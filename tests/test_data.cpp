@@ -802,6 +802,27 @@ TEST_CASE("preprocess_data as Megatron: empty text adds no sequence and no EOD, 
   CHECK(read_file(kDir + "/empty-noeod_text_document.idx") == megatron_idx_bytes(8, {2}, {0, 0, 1}));
 }
 
+TEST_CASE("preprocess_data as Megatron: lines end at LF, CRLF or a lone CR (Python's universal newlines)", "[data][cli]") {
+  // Megatron reads the input in text mode, where each of the three ends a line; a lone "\r" (old
+  // Mac files) made the whole file one line, which failed to parse.
+  const std::string expected = uint16_bytes({97, 256, 98, 256, 99, 256, 100, 256});
+  for (const std::string ending : {"\n", "\r\n", "\r"}) {
+    const std::string name = "endings" + std::to_string(ending.size()) + (ending == "\r" ? "cr" : "");
+    const auto [code, log] = preprocess(name, "{\"text\": \"a\"}" + ending + "{\"text\": \"b\"}" + ending + "{\"text\": \"c\"}" +
+                                                  ending + "{\"text\": \"d\"}", "--append-eod");
+    INFO(log);
+    REQUIRE(code == 0);
+    CHECK(read_file(kDir + "/" + name + "_text_document.bin") == expected);
+  }
+  // Mixed, as Python splits it; "\r\r\n" is a line end and then an empty line (json.loads fails).
+  REQUIRE(preprocess("endings-mixed", "{\"text\": \"a\"}\r{\"text\": \"b\"}\r\n{\"text\": \"c\"}\n{\"text\": \"d\"}\r",
+                     "--append-eod").first == 0);
+  CHECK(read_file(kDir + "/endings-mixed_text_document.bin") == expected);
+  const auto blank = preprocess("endings-blank", "{\"text\": \"a\"}\r\r\n{\"text\": \"b\"}\n", "");
+  CHECK(blank.first == 3);
+  CHECK_THAT(blank.second, Catch::Contains("line 2"));
+}
+
 TEST_CASE("preprocess_data as Megatron: a list of sentences is one document of several sequences", "[data][cli]") {
   // ["ab", "", "c"]: the empty sentence is dropped, EOD goes on the last sequence.
   const auto [code, log] =

@@ -112,6 +112,47 @@ TEST_CASE("preprocess_data with a SentencePiece model matches the library's enco
   }
 }
 
+TEST_CASE("preprocess_data: a SentencePiece model without </s> serves unless --append-eod needs it", "[tokenizer]") {
+  fs::create_directories(kDir);
+  {
+    std::ofstream raw(kDir + "/noeos.txt"), jsonl(kDir + "/noeos.jsonl");
+    for (const auto& t : texts()) {
+      raw << t << "\n";
+      jsonl << nlohmann::json({{"text", t}}).dump() << "\n";
+    }
+  }
+  REQUIRE(sentencepiece::SentencePieceTrainer::Train("--input=" + kDir + "/noeos.txt --model_prefix=" + kDir +
+                                                     "/noeos --vocab_size=60 --model_type=bpe --eos_id=-1 --minloglevel=2")
+              .ok());
+  sentencepiece::SentencePieceProcessor sp;
+  REQUIRE(sp.Load(kDir + "/noeos.model").ok());
+  REQUIRE(sp.eos_id() < 0);
+  const auto run = [](const std::string& prefix, const std::string& more) {
+    const std::string cmd = std::string(PREPROCESS_BINARY) + " --input " + kDir + "/noeos.jsonl --output-prefix " + kDir +
+                            "/" + prefix + " --tokenizer-type sentencepiece --tokenizer-model " + kDir + "/noeos.model" +
+                            more + " 2>&1";
+    std::string output;
+    FILE* pipe = popen(cmd.c_str(), "r");
+    REQUIRE(pipe != nullptr);
+    for (char buffer[512]; std::fgets(buffer, sizeof buffer, pipe);) output += buffer;
+    return std::make_pair(WEXITSTATUS(pclose(pipe)), output);
+  };
+  // It was refused whether or not <eod> was asked for.
+  const auto plain = run("noeos", "");
+  INFO(plain.second);
+  REQUIRE(plain.first == 0);
+  IndexedDataset data(kDir + "/noeos_text_document");
+  std::vector<int> ids;
+  sp.Encode(texts()[5], &ids);
+  std::vector<int64_t> got;
+  data.read(5, 0, data.sequence_length(5), got);
+  CHECK(got == std::vector<int64_t>(ids.begin(), ids.end()));
+  const auto eod = run("noeos-eod", " --append-eod");
+  CHECK(eod.first == 2);
+  CHECK_THAT(eod.second, Catch::Contains("--append-eod: --tokenizer-model " + kDir + "/noeos.model has no </s> (eos) piece"));
+  CHECK_FALSE(fs::exists(kDir + "/noeos-eod_text_document.bin"));
+}
+
 // Appends the UTF-8 encoding of code point `cp` to `out`.
 static void append_utf8(std::string& out, uint32_t cp) {
   if (cp < 0x80) {

@@ -39,7 +39,6 @@ class SentencePieceTokenizer : public Tokenizer {
       failure = std::string("cannot read it as a SentencePiece model: ") + e.what();
     }
     if (!failure.empty()) throw config_error("--tokenizer-model " + model + ": " + failure);
-    if (processor_.eos_id() < 0) throw config_error("--tokenizer-model " + model + " has no </s> (eos) piece for <eod>");
   }
   std::vector<int64_t> tokenizer_encode(const std::string& text) const override {
     std::vector<int> ids;

@@ -13,7 +13,7 @@ class Tokenizer {
   virtual ~Tokenizer() = default;
   virtual std::vector<int64_t> tokenizer_encode(const std::string& text) const = 0;
   virtual int64_t tokenizer_vocab_size() const = 0;
-  virtual int64_t tokenizer_eod() const = 0;
+  virtual int64_t tokenizer_eod() const = 0;  // -1: the model has none (only --append-eod needs it)
 };
 
 // type "byte": ids 0-255 are the UTF-8 bytes, 256 = <eod>, 257 = <pad>; vocabulary 258.
