@@ -482,6 +482,13 @@ TEST_CASE("damaged checkpoints: none usable stops the run with exit 3 and overwr
     CHECK(e.exit_code() == kExitFailure);
     CHECK_THAT(e.what(), Catch::Contains("metrics.jsonl line 3: \"step\" is not an integer step"));
   }
+  SECTION("a metrics_file that is a directory is named on resume, and nothing is left beside it") {
+    fs::create_directories(kOut + "/damaged-metrics-dir");
+    const Error e = error_of("steps=3 metrics_file=" + kOut + "/damaged-metrics-dir");
+    CHECK(e.exit_code() == kExitFailure);  // it was "filesystem error: cannot rename: Is a directory"
+    CHECK_THAT(e.what(), Catch::Contains("cannot open metrics_file " + kOut + "/damaged-metrics-dir: it is a directory"));
+    CHECK_FALSE(fs::exists(kOut + "/damaged-metrics-dir.tmp"));
+  }
   SECTION("load_full_state_path that does not exist says so") {
     const Error e = error_of("run_name=damaged-fresh load_full_state_path=" + kOut + "/nowhere steps=1");
     CHECK(e.exit_code() == kExitUsage);
@@ -742,7 +749,9 @@ TEST_CASE("an unwritable checkpoint directory: sync saves stop with exit 1, asyn
     const std::string dir = kOut + "/unwritable-" + async;
     fs::remove_all(dir);
     fs::create_directories(dir);
-    std::ofstream(dir + "/checkpoints") << "not a directory";  // mkdir and every write under it fail
+    // A directory where every save writes its `latest` pointer: each save fails as it commits.
+    // (A file in place of checkpoints/ used to serve; it is refused before the first step now.)
+    fs::create_directories(dir + "/checkpoints/.latest.tmp/blocker");
     const auto r = run_trainer("model_name=test-tiny max_target_length=16 steps=4 checkpoint_period=1 async_checkpointing=" +
                                async + " base_output_directory=" + kOut + " run_name=unwritable-" + async);
     INFO("async=" << async);

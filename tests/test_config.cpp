@@ -117,6 +117,21 @@ TEST_CASE("config errors name the key and exit with code 2", "[config]") {
     CHECK(e.exit_code() == kExitUsage);
     CHECK_THAT(e.what(), Catch::Contains("'steps'") && Catch::Contains("'1.5'") && Catch::Contains("integer"));
   }
+  SECTION("metrics_file among the run's own files (config.yml was moved aside as an earlier run's metrics)") {
+    const std::string run_dir = test_root() + "/own-files/r";
+    for (const std::string& own : {run_dir + "/config.yml", run_dir + "/checkpoints/m.jsonl", run_dir + "/./tensorboard/",
+                                   run_dir + "/../r/.lock"}) {
+      INFO(own);
+      const Error e = load_error({"base_output_directory=" + test_root() + "/own-files", "run_name=r", "metrics_file=" + own});
+      CHECK(e.exit_code() == kExitUsage);
+      CHECK_THAT(e.what(), Catch::Contains("metrics_file " + own + " is ") && Catch::Contains("the run's own") &&
+                               Catch::Contains("name another file"));
+    }
+    CHECK_NOTHROW(config_load(source_path("configs/base.yml"),
+                              {"base_output_directory=" + test_root() + "/own-files", "run_name=r",
+                               "metrics_file=" + run_dir + "/config.yml.jsonl"},
+                              {}));
+  }
   SECTION("an eod_id below -1 (it was taken as none, silently; pad_id=-2 was refused)") {
     const Error e = load_error({"eod_id=-2"});
     CHECK(e.exit_code() == kExitUsage);
@@ -126,8 +141,12 @@ TEST_CASE("config errors name the key and exit with code 2", "[config]") {
     const Error e = load_error({"model_name=moe-tiny", "routed_scaling_factor=1e40"});
     CHECK(e.exit_code() == kExitUsage);
     CHECK_THAT(e.what(), Catch::Contains("'routed_scaling_factor'") && Catch::Contains("'1e40'") &&
-                             Catch::Contains("within float32 range"));
-    CHECK(load_error({"learning_rate=-4e38"}).exit_code() == kExitUsage);
+                             Catch::Contains("float32 can hold"));
+    CHECK_THAT(load_error({"learning_rate=-4e38"}).what(), Catch::Contains("float32 can hold"));
+    // Below float32's smallest a nonzero value would be 0 there (adam_eps > 0 held in double).
+    CHECK_THAT(load_error({"adam_eps=1e-50"}).what(), Catch::Contains("'adam_eps'") && Catch::Contains("float32 can hold"));
+    CHECK_THAT(load_error({"adam_eps=1e-320"}).what(), Catch::Contains("float32 can hold"));  // was "a finite number"
+    CHECK_THAT(load_error({"collective_timeout_seconds=1e10"}).what(), Catch::Contains("collective_timeout_seconds must be in (0, 1e9]"));
     CHECK_NOTHROW(config_load(source_path("configs/base.yml"), {"model_name=moe-tiny", "pad_id=0", "eod_id=-1", "routed_scaling_factor=3e38"}, {}));
   }
   SECTION("sample and token counts past int64 (steps x global batch wrapped negative)") {

@@ -395,8 +395,8 @@ TEST_CASE("a failure only rank 0 sees during training (metrics_file, a sync chec
                         1, "saving checkpoint 2 under", 1,
                         "rank 0 failed its own work (metrics, checkpoint) after the last step (exit code 1",
                         [] {
-                          fs::create_directories(kOut + "/unwritable-sync");
-                          std::ofstream(kOut + "/unwritable-sync/checkpoints") << "not a directory";
+                          // Where the save writes its `latest` pointer: the save fails as it commits.
+                          fs::create_directories(kOut + "/unwritable-sync/checkpoints/.latest.tmp/blocker");
                         });
 }
 

@@ -203,6 +203,23 @@ TEST_CASE("TensorBoard: evaluations are written, and a resume marks its step so 
   CHECK(evaluations == 3);  // after steps 1 and 3, and the final one after step 4
 }
 
+TEST_CASE("TensorBoard writers of the same second get names that sort in the order they were made", "[metrics]") {
+  const std::string dir = kOut + "/tb-same-second";
+  fs::remove_all(dir);
+  std::vector<std::string> made;
+  for (int i = 0; i < 12; ++i) made.push_back(TensorBoardWriter(dir, i).path());  // a file each, none truncated
+  std::vector<std::string> sorted = made;
+  std::sort(sorted.begin(), sorted.end());
+  // Within a second .001 ... .011 follow the plain name; a later second's name sorts after all of them.
+  CHECK(sorted == made);
+  CHECK(std::distance(fs::directory_iterator(dir), fs::directory_iterator()) == static_cast<long>(made.size()));
+  for (size_t i = 0; i < made.size(); ++i) {
+    const auto events = read_events(made[i]);
+    REQUIRE(events.size() == 2);
+    CHECK((events[1].session_status == 1 && events[1].step == static_cast<int64_t>(i)));
+  }
+}
+
 TEST_CASE("log_format=megatron prints Megatron-LM's training_log line", "[metrics][cli]") {
   fs::remove_all(kOut + "/megatron");
   const auto r = run_trainer("model_name=test-tiny max_target_length=16 steps=4 log_period=2 log_format=megatron "

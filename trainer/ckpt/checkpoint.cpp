@@ -472,20 +472,29 @@ std::string checkpoint_verify(const std::string& checkpoint_dir) {
 void checkpoint_check_full_state_path(const std::string& path) {
   const std::string key = "load_full_state_path " + path;
   std::error_code ec;
-  if (!fs::exists(path, ec)) throw config_error(key + ": no such directory");
-  if (!fs::is_directory(path, ec)) throw config_error(key + " is not a directory (it names one checkpoint directory)");
+  const auto status = fs::status(path, ec);
+  if (status.type() == fs::file_type::not_found) throw config_error(key + ": no such directory");
+  if (ec) throw config_error(key + ": " + ec.message());
+  if (!fs::is_directory(status)) throw config_error(key + " is not a directory (it names one checkpoint directory)");
   if (!fs::exists(fs::path(path) / "manifest.json", ec)) {
     // The directories users mistake for a checkpoint: name the one they probably meant.
     const auto newest_in = [](const fs::path& root) -> std::string {
       std::error_code error;
       if (!fs::is_directory(root, error)) return "";
-      const auto steps = checkpoint_steps(root);
-      return steps.empty() ? "" : (root / std::to_string(steps.front())).string();
+      try {
+        const auto steps = checkpoint_steps(root);
+        return steps.empty() ? "" : (root / std::to_string(steps.front())).string();
+      } catch (const fs::filesystem_error&) {
+        return "";  // unreadable: the message below names what is missing
+      }
     };
-    const std::string in_run_dir = newest_in(fs::path(path) / "checkpoints"), here = newest_in(path);
+    const fs::path checkpoints = fs::path(path) / "checkpoints";
+    const std::string in_run_dir = newest_in(checkpoints), here = newest_in(path);
     if (!in_run_dir.empty())
       throw config_error(key + " is a run directory, not a checkpoint: name one of its checkpoints, e.g. " + in_run_dir +
                          " (the newest), or resume it by running with its base_output_directory and run_name");
+    if (fs::is_directory(checkpoints, ec))
+      throw config_error(key + " is a run directory with no checkpoint yet (" + checkpoints.string() + " holds none)");
     if (!here.empty())
       throw config_error(key + " is a checkpoints directory, not a checkpoint: name one of its checkpoints, e.g. " + here +
                          " (the newest)");

@@ -121,12 +121,15 @@ struct Codec<double> {
     errno = 0;
     char* end = nullptr;
     const double v = std::strtod(s.c_str(), &end);
-    if (errno != 0 || end != s.c_str() + s.size() || !std::isfinite(v))
+    if (end != s.c_str() + s.size() || !std::isfinite(v) || (errno == ERANGE && std::fabs(v) > 1))
       bad_value(key, node, source, "a finite number");
-    // Every real-valued key reaches float32 arithmetic (a scale, a weight, a rate): past its
-    // largest value it would be Inf there, and the run would end at step 0 as a numerical abort.
-    if (std::fabs(v) > std::numeric_limits<float>::max())
-      bad_value(key, node, source, "a number within float32 range (magnitude at most 3.4e38)");
+    // Real-valued keys are scales, weights, rates and epsilons that meet float32 arithmetic:
+    // past its largest value one would be Inf there (routed_scaling_factor=1e40 ended step 0 as a
+    // numerical abort), below its smallest a nonzero one would be 0 (adam_eps=1e-50 divides by
+    // it). The others (timeouts, peak FLOP/s) have no use for such magnitudes either.
+    if (std::fabs(v) > std::numeric_limits<float>::max() ||
+        (v != 0 && std::fabs(v) < std::numeric_limits<float>::denorm_min()) || (errno == ERANGE && v == 0))
+      bad_value(key, node, source, "a number float32 can hold (magnitude 0, or from 1.4e-45 to 3.4e38)");
     return v;
   }
   static std::string format(double v) {

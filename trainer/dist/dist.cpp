@@ -103,10 +103,14 @@ std::string world_size_note(c10d::Store& store) {
 // that started fewer processes than its environment announces: an sbatch script that runs the
 // trainer itself (one process) while SLURM_NTASKS counts the allocation's tasks.
 // Only said after a failure that took the whole timeout (not, e.g., a port in use).
+// `begin`: when the step that failed began (only one that took the whole timeout is a wait for
+// ranks); `waiting_since`: when rank 0 began to wait, for the time reported.
 std::string rendezvous_hint(const DistEnv& env, std::chrono::milliseconds timeout,
-                            std::chrono::steady_clock::time_point begin) {
-  const auto waited = std::chrono::steady_clock::now() - begin;
-  if (env.rank != 0 || env.world_size < 2 || waited < timeout * 9 / 10) return "";
+                            std::chrono::steady_clock::time_point begin,
+                            std::optional<std::chrono::steady_clock::time_point> waiting_since = std::nullopt) {
+  const auto now = std::chrono::steady_clock::now();
+  const auto waited = now - waiting_since.value_or(begin);
+  if (env.rank != 0 || env.world_size < 2 || now - begin < timeout * 9 / 10) return "";
   // Measured from the start of the wait: the store and then the group each wait up to the
   // timeout, so it can be twice that (docs/distributed.md).
   std::string hint = fmt::format(" (rank 0 waited {:.0f} s for the other {} rank(s) of world size {}, as the {} environment "
@@ -178,7 +182,7 @@ class C10dCommunicator : public Communicator {
       : rank_(env.rank), world_(env.world_size), global_rank_(env.rank), device_(options.device),
         timeout_(std::chrono::milliseconds(static_cast<int64_t>(options.timeout_seconds * 1000))),
         store_(std::move(store)) {
-    const auto begin = waiting_since;
+    const auto begin = std::chrono::steady_clock::now();
     try {
       world_size_agree(*store_, env);
       auto group_options = Group::Options::create();
@@ -190,7 +194,7 @@ class C10dCommunicator : public Communicator {
     } catch (const std::exception& e) {
       const std::string note = world_size_note(*store_);
       throw dist_error("rank " + std::to_string(rank_) + ": rendezvous at " + address + " failed: " + first_line(e.what()) +
-                       (note.empty() ? rendezvous_hint(env, timeout_, begin) : note));
+                       (note.empty() ? rendezvous_hint(env, timeout_, begin, waiting_since) : note));
     }
   }
   ~C10dCommunicator() override { shutdown(); }

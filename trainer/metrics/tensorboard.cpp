@@ -58,8 +58,11 @@ TensorBoardWriter::TensorBoardWriter(const std::string& dir, int64_t first_step)
   // "wbx" never truncates: a resume within the same second used to overwrite the earlier file.
   const std::string stem = dir + "/events.out.tfevents." + std::to_string(static_cast<int64_t>(now_seconds())) + "." + host;
   path_ = stem;
-  for (int n = 1; !(file_ = std::fopen(path_.c_str(), "wbx")) && errno == EEXIST && n < 1000; ++n)
-    path_ = stem + "." + std::to_string(n);
+  for (int n = 1; !(file_ = std::fopen(path_.c_str(), "wbx")) && errno == EEXIST && n < 1000; ++n) {
+    char suffix[8];
+    std::snprintf(suffix, sizeof suffix, ".%03d", n);  // zero-padded: name order stays write order
+    path_ = stem + suffix;
+  }
   if (!file_) throw Error(kExitFailure, "cannot create " + path_ + ": " + std::strerror(errno));
   std::string version;
   put_fixed<double>(version, 1, now_seconds());

@@ -17,8 +17,8 @@ uint32_t tensorboard_masked_crc(const std::string& data);
 
 class TensorBoardWriter {
  public:
-  // Creates <dir>/events.out.tfevents.<seconds>.<host>[.<n>] (n: the first free number when a
-  // run of the same second left that name) and writes the file_version event, then a SessionLog
+  // Creates <dir>/events.out.tfevents.<seconds>.<host>[.<nnn>] (nnn: the first free number, 001
+  // to 999, when a run of the same second left that name) and writes the file_version event, then a SessionLog
   // START at `first_step`: TensorBoard then drops the points of steps >= first_step that earlier
   // files hold (an interrupted run's steps after its checkpoint, or an earlier run's), as a
   // resume drops them from metrics_file. TensorBoard reads a directory's files in name order,
