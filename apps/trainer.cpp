@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cctype>
+#include <charconv>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
@@ -161,6 +162,13 @@ void command_line_declare(CLI::App& app, CommandLine& cl) {
   app.add_flag("--dry-run", cl.dry_run, "validate, print parameter count and FLOPs per step, exit");
   app.add_option("--dump-samples", cl.dump_samples,
                  "write the first N training samples in global order as JSON lines {\"index\", \"tokens\"} and exit")
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {  // CLI11 read a number past 2^63 - 1 as 2^63 - 1
+            int64_t count = 0;
+            const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), count);
+            return error == std::errc() && end == text.data() + text.size() ? "" : text + " is not a number of samples in [1, 2^63)";
+          },
+          "", "whole number"))
       ->check(CLI::Range(int64_t{1}, std::numeric_limits<int64_t>::max()));
   app.add_option("--export-safetensors", cl.export_path,
                  "write the model weights (newest checkpoint of run_dir, or load_*_path) to PATH (a new file) and exit");

@@ -345,6 +345,9 @@ TEST_CASE("the binary exits 2 on config errors and 0 on --print-config / --dry-r
   r = run_trainer("--dump-samples -3");  // not a count: refused, where it used to start a training run
   CHECK(r.exit_code == 2);
   CHECK_THAT(r.output, Catch::Contains("--dump-samples") && Catch::Contains("not in range"));
+  r = run_trainer("--dump-samples 99999999999999999999999");  // was read as 2^63 - 1, and quoted so
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.output, Catch::Contains("--dump-samples: 99999999999999999999999 is not a number of samples in [1, 2^63)"));
   // Two modes at once: the first used to end the run and drop the other silently (exit 0, no export).
   const std::string hf_dir = test_root() + "/cli-flags-hf";
   for (const auto& [flags, named] : std::vector<std::pair<std::string, std::string>>{
