@@ -53,6 +53,7 @@ trainer::IndexedDocument encode_document(const nlohmann::json& value, const std:
     doc.tokens.push_back(tokenizer.tokenizer_eod());
     doc.sequence_lengths.back() += 1;
   }
+  doc.tokens.shrink_to_fit();  // the <eod> push doubled the capacity: every document is held until written
   if (!doc.sequence_lengths.empty() &&
       *std::max_element(doc.sequence_lengths.begin(), doc.sequence_lengths.end()) > std::numeric_limits<int32_t>::max())
     throw std::runtime_error("field \"" + key + "\" has a sequence longer than 2^31 - 1 tokens (the .idx int32 length)");
@@ -139,6 +140,7 @@ int main(int argc, char** argv) {
             docs[k][i] = encode_document(j[json_keys[k]], json_keys[k], *tokenizer, append_eod, line_bytes);
             bytes += line_bytes;
           }
+          std::string().swap(lines[i]);  // its tokens are kept, the text no longer (only its number names errors)
         } catch (const std::exception& e) {
           std::lock_guard<std::mutex> lock(error_mutex);
           // The first failing line in input order is reported, whatever the thread timing (lines

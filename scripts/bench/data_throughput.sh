@@ -20,7 +20,14 @@ print(f"trainer consumption (default model, median of steps 10-59): "
 PY
 for i in $(seq 20); do cat data/fortunes.jsonl; done > "$out/big.jsonl"
 echo "preprocess_data, $(du -h "$out/big.jsonl" | cut -f1) of JSON lines:"
+# Peak RSS of each run (the children's ru_maxrss): every document's tokens are held until written.
+peak_rss() {
+  python3 -c 'import resource, subprocess, sys
+subprocess.run(sys.argv[1:], check=True)
+print(f"  peak RSS {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024:.0f} MiB", file=sys.stderr)' "$@"
+}
+PREPROCESS=${PREPROCESS:-build/preprocess_data}
 for w in 1 2; do
-  build/preprocess_data --input "$out/big.jsonl" --output-prefix "$out/w$w" --append-eod --workers $w 2>&1 | tail -1
+  peak_rss "$PREPROCESS" --input "$out/big.jsonl" --output-prefix "$out/w$w" --append-eod --workers $w 2>&1 | tail -2
 done
 cmp "$out/w1_text_document.bin" "$out/w2_text_document.bin" && echo "outputs of 1 and 2 workers are identical"
