@@ -43,6 +43,15 @@ std::vector<std::string> texts() {
   }
   return out;
 }
+// texts() under kDir as plain lines (a SentencePiece training input) and as JSON lines.
+void write_texts(const std::string& raw_name, const std::string& jsonl_name) {
+  fs::create_directories(kDir);
+  std::ofstream raw(kDir + "/" + raw_name), jsonl(kDir + "/" + jsonl_name);
+  for (const auto& t : texts()) {
+    raw << t << "\n";
+    jsonl << nlohmann::json({{"text", t}}).dump() << "\n";
+  }
+}
 }  // namespace
 
 TEST_CASE("byte tokenizer: UTF-8 bytes, <eod> 256, vocabulary 258", "[tokenizer]") {
@@ -59,14 +68,7 @@ TEST_CASE("byte tokenizer: UTF-8 bytes, <eod> 256, vocabulary 258", "[tokenizer]
 }
 
 TEST_CASE("preprocess_data with a SentencePiece model matches the library's encoding", "[tokenizer]") {
-  fs::create_directories(kDir);
-  {
-    std::ofstream raw(kDir + "/train.txt"), jsonl(kDir + "/docs.jsonl");
-    for (const auto& t : texts()) {
-      raw << t << "\n";
-      jsonl << nlohmann::json({{"text", t}}).dump() << "\n";
-    }
-  }
+  write_texts("train.txt", "docs.jsonl");
   const auto status = sentencepiece::SentencePieceTrainer::Train(
       "--input=" + kDir + "/train.txt --model_prefix=" + kDir + "/spm --vocab_size=60 --model_type=bpe "
       "--minloglevel=2");
@@ -113,14 +115,7 @@ TEST_CASE("preprocess_data with a SentencePiece model matches the library's enco
 }
 
 TEST_CASE("preprocess_data: a SentencePiece model without </s> serves unless --append-eod needs it", "[tokenizer]") {
-  fs::create_directories(kDir);
-  {
-    std::ofstream raw(kDir + "/noeos.txt"), jsonl(kDir + "/noeos.jsonl");
-    for (const auto& t : texts()) {
-      raw << t << "\n";
-      jsonl << nlohmann::json({{"text", t}}).dump() << "\n";
-    }
-  }
+  write_texts("noeos.txt", "noeos.jsonl");
   REQUIRE(sentencepiece::SentencePieceTrainer::Train("--input=" + kDir + "/noeos.txt --model_prefix=" + kDir +
                                                      "/noeos --vocab_size=60 --model_type=bpe --eos_id=-1 --minloglevel=2")
               .ok());
