@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cctype>
+#include <cerrno>
 #include <charconv>
 #include <csignal>
 #include <cstdio>
@@ -206,6 +207,13 @@ void command_line_check(const CLI::App& app, const CommandLine& cl) {
   if ((app.count("--export-hf-dtype") > 0 || app.count("--export-hf-max-shard-mb") > 0) && cl.export_hf_dir.empty())
     throw trainer::config_error("--export-hf-dtype and --export-hf-max-shard-mb need --export-hf DIR");
   std::error_code ec;
+  // A file output named as a directory ("out/", ".") failed at the write, after the model was built.
+  for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--export-safetensors", cl.export_path},
+                                   {"--dump-logits", cl.dump_logits_path}}) {
+    const std::string name = std::filesystem::path(path).filename().string();
+    if (!path.empty() && (name.empty() || name == "." || name == ".."))
+      throw trainer::config_error(std::string(flag) + " " + path + " names a directory; give the file's name");
+  }
   // An output under a file ("model.bin/out") would fail only at the write, after the model is built.
   for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--export-hf", cl.export_hf_dir},
                                    {"--export-safetensors", cl.export_path},
@@ -252,6 +260,15 @@ void command_line_check(const CLI::App& app, const CommandLine& cl) {
   }
 }
 
+// What a mode printed reached stdout, or the reader went away (`| head`: EPIPE, exit 0 as
+// documented); anything else (a full disk) is exit 1, not a truncated file and success.
+void stdout_check_written(const char* mode) {
+  errno = 0;
+  if ((std::fflush(stdout) == 0 && !std::ferror(stdout)) || errno == EPIPE) return;
+  throw trainer::Error(trainer::kExitFailure, std::string(mode) + ": cannot write to stdout: " +
+                                                  (errno != 0 ? std::strerror(errno) : "write error"));
+}
+
 void print_samples(const trainer::Config& config, int64_t count) {
   const int64_t samples = config.steps * config.global_batch_size;  // what the run's data index holds
   if (count > samples)
@@ -264,7 +281,11 @@ void print_samples(const trainer::Config& config, int64_t count) {
     std::string line = "{\"index\": " + std::to_string(i) + ", \"tokens\": [";
     for (int64_t t = 0; t < b.seq_len; ++t) line += std::to_string(b.inputs[t]) + ", ";
     line += std::to_string(b.targets[b.seq_len - 1]) + "]}\n";  // L + 1 tokens, as Megatron's sample
-    std::fputs(line.c_str(), stdout);
+    errno = 0;
+    if (std::fputs(line.c_str(), stdout) < 0) {
+      if (errno == EPIPE) return;  // the reader has what it wanted
+      stdout_check_written("--dump-samples");
+    }
   }
 }
 
@@ -273,8 +294,8 @@ void run_exports(trainer::Trainer& trainer, const trainer::Config& config, const
                  const std::vector<int64_t>& logits_tokens) {
   const int64_t step = trainer.load_initial_state(trainer::Trainer::StartingFor::kExport);
   // An export of a run that has no checkpoint and loads nothing would write the random initialization.
-  if ((!cl.export_hf_dir.empty() || !cl.export_path.empty()) && !trainer.restored_checkpoint() &&
-      config.load_parameters_path.empty())
+  // --dump-logits too: it wrote the random initialization's logits for a mistyped run_name.
+  if (!trainer.restored_checkpoint() && config.load_parameters_path.empty())
     throw trainer::config_error("nothing to export: " + config.run_dir + " has no checkpoint, and neither "
                                 "load_parameters_path nor load_full_state_path is set (check run_name)");
   if (!cl.dump_logits_path.empty()) {
@@ -313,20 +334,30 @@ int main(int argc, char** argv) {
   if (cl.print_config || cl.dry_run || cl.dump_samples > 0)
     spdlog::set_default_logger(spdlog::stderr_color_st("trainer"));
   try {
+    // "DIR/" and "." name the directory itself (a trailing separator made the temporary copy
+    // go inside it, and the export failed after the model was built).
+    if (!cl.export_hf_dir.empty()) {
+      std::string dir = std::filesystem::absolute(cl.export_hf_dir).lexically_normal().string();
+      while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+      cl.export_hf_dir = dir;
+    }
     command_line_check(app, cl);
     const trainer::Config config = trainer::config_load(cl.config_path, cl.overrides);
     trainer::perf_startup_mark("config");
     if (cl.print_config) {
       std::fputs(trainer::config_to_yaml(config).c_str(), stdout);
+      stdout_check_written("--print-config");
       return trainer::kExitOk;
     }
     if (cl.dry_run) {
       trainer::config_check_layout(config, config.data_parallel_size);  // the Trainer checks it against its group
       print_dry_run(config);
+      stdout_check_written("--dry-run");
       return trainer::kExitOk;
     }
     if (cl.dump_samples > 0) {
       print_samples(config, cl.dump_samples);
+      stdout_check_written("--dump-samples");
       return trainer::kExitOk;
     }
     // Checked before the model is built (minutes for a large one).

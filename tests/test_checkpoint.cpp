@@ -982,6 +982,49 @@ TEST_CASE("load_full_state_path continues another run's checkpoint exactly, and 
   CHECK_THAT(at_end.output, Catch::Contains("load_full_state_path " + kOut + "/source/checkpoints/4 already reached step 4"));
 }
 
+TEST_CASE("export paths: DIR/ and . name the directory, a file named as a directory is refused, and a mistyped run has no logits",
+          "[checkpoint][cli]") {
+  const std::string out = kOut + "/export-paths";
+  fs::remove_all(out);
+  const std::string common = "model_name=test-tiny max_target_length=16 base_output_directory=" + out + " ";
+  REQUIRE(run_trainer(common + "steps=2 run_name=src").exit_code == 0);
+  // A trailing separator put the temporary copy inside the target: exit 1 after the model was built.
+  const auto slash = run_trainer(common + "run_name=src --export-hf " + out + "/hf/");
+  INFO(slash.output);
+  CHECK(slash.exit_code == 0);
+  CHECK(fs::exists(out + "/hf/model.safetensors"));
+  fs::create_directories(out + "/here");
+  const auto dot = run_command("cd " + out + "/here && " + TRAINER_BINARY + " " + source_path("configs/base.yml") + " " +
+                               kSyntheticData + " " + common + "run_name=src --export-hf .");
+  CHECK(dot.exit_code == 0);
+  CHECK(fs::exists(out + "/here/config.json"));
+  for (const std::string flag : {"--export-safetensors", "--dump-logits"}) {
+    const auto r = run_trainer(common + "run_name=src " + flag + " " + out + "/file/" +
+                               (flag == "--dump-logits" ? " --dump-logits-tokens 1,2" : ""));
+    CHECK(r.exit_code == 2);
+    CHECK_THAT(r.output, Catch::Contains(flag + " " + out + "/file/ names a directory; give the file's name") &&
+                             !Catch::Contains("parameters ("));  // refused before the model is built
+    CHECK_FALSE(fs::exists(out + "/file"));
+  }
+  // --dump-logits of a run with no checkpoint wrote the random initialization's logits.
+  const auto typo = run_trainer(common + "run_name=srx --dump-logits " + out + "/logits.safetensors --dump-logits-tokens 1,2");
+  CHECK(typo.exit_code == 2);
+  CHECK_THAT(typo.output, Catch::Contains("nothing to export: " + out + "/srx has no checkpoint"));
+  CHECK_FALSE(fs::exists(out + "/logits.safetensors"));
+  // What a mode prints must reach stdout: a full disk was a truncated file and exit 0.
+  for (const std::string mode : {"--print-config", "--dump-samples 20"}) {
+    const auto full = run_command("{ " + std::string(TRAINER_BINARY) + " " + source_path("configs/base.yml") + " " +
+                                  kSyntheticData + " " + common + "run_name=src " + mode + " > /dev/full; }");
+    INFO(mode);
+    CHECK(full.exit_code == 1);
+    CHECK_THAT(full.output, Catch::Contains(": cannot write to stdout: No space left on device"));
+  }
+  const auto piped = run_command("{ ( " + std::string(TRAINER_BINARY) + " " + source_path("configs/base.yml") + " " +
+                                 kSyntheticData + " " + common + "run_name=src --dump-samples 20; echo \"trainer exit $?\" >&2 )"
+                                 " | head -c 10 > /dev/null; }");
+  CHECK_THAT(piped.output, Catch::Contains("trainer exit 0"));  // a reader that stops early is not a failure
+}
+
 TEST_CASE("load_parameters_path refuses a nonzero expert bias that routed_bias=false would ignore, as HF directories do", "[checkpoint]") {
   // It used to load and drop the bias silently from a checkpoint or .safetensors file.
   const std::string file = kOut + "/bias-source.safetensors", biased = kOut + "/bias-nonzero.safetensors";
