@@ -1124,6 +1124,30 @@ TEST_CASE("Hugging Face directories: config.json round trips the model keys, and
   };
   CHECK_THROWS_WITH(hf_config_model_keys(edited("rope", "\"rope_scaling\": null", "\"rope_scaling\": {\"factor\": 8.0}")),
                     Catch::Contains("config.json: field 'rope_scaling'"));
+  // transformers 5 writes rope_parameters and no rope_theta: the theta defaulted, silently, and a
+  // scaling in it went unseen.
+  const auto key_of = [](const HfModelKeys& keys, const std::string& key) {
+    for (const auto& [name, text] : keys)
+      if (name == key) return text;
+    return std::string("(absent)");
+  };
+  CHECK(key_of(hf_config_model_keys(edited("rope-v5", "\"rope_theta\": ",
+                                           "\"rope_parameters\": {\"rope_type\": \"default\", \"rope_theta\": 12345.0}, "
+                                           "\"former_rope_theta\": ")),
+               "rope_max_timescale") == "12345.0");
+  CHECK_THROWS_WITH(hf_config_model_keys(edited("rope-v5-scaled", "\"rope_scaling\": null",
+                                                "\"rope_scaling\": null, \"rope_parameters\": {\"rope_type\": \"llama3\", "
+                                                "\"factor\": 8.0}")),
+                    Catch::Contains("field 'rope_parameters' has rope_type \"llama3\": RoPE scaling is not implemented"));
+  CHECK_THROWS_WITH(hf_config_model_keys(edited("rope-v5-both", "\"rope_scaling\": null",
+                                                "\"rope_scaling\": null, \"rope_parameters\": {\"rope_theta\": 1.0}")),
+                    Catch::Contains("field 'rope_parameters' has rope_theta 1.0, but the top-level rope_theta is"));
+  CHECK_THROWS_WITH(hf_config_model_keys(edited("rope-v5-other", "\"rope_scaling\": null",
+                                                "\"rope_scaling\": null, \"rope_parameters\": {\"mrope_section\": [1]}")),
+                    Catch::Contains("has \"mrope_section\", which the trainer does not implement"));
+  // What means no scaling, and transformers' other name for SiLU, load.
+  CHECK_NOTHROW(hf_config_model_keys(edited("rope-default", "\"rope_scaling\": null", "\"rope_scaling\": {\"rope_type\": \"default\"}")));
+  CHECK_NOTHROW(hf_config_model_keys(edited("swish", "\"silu\"", "\"swish\"")));
   CHECK_THROWS_WITH(hf_config_model_keys(edited("arch", "BailingMoeV2ForCausalLM", "MixtralForCausalLM")),
                     Catch::Contains("MixtralForCausalLM"));
   CHECK_THROWS_WITH(hf_config_model_keys(edited("act", "\"silu\"", "\"gelu\"")), Catch::Contains("field 'hidden_act'"));

@@ -114,12 +114,58 @@ std::string number_text(double v) {
   return s;
 }
 
+// RoPE's settings: the top-level rope_theta / partial_rotary_factor / rope_scaling of
+// transformers 4, or transformers 5's rope_parameters {rope_type, rope_theta, ...} (which it writes
+// instead: read as 4's fields, theta silently defaulted to 10000 and its scaling went unseen).
+// Only the unscaled ("default") rotation is implemented.
+struct RopeFields {
+  std::optional<double> theta, partial;
+};
+RopeFields rope_fields(const ConfigJson& f) {
+  const auto unscaled = [&](const std::string& field, const nlohmann::json& type) {
+    if (!type.is_string() || type.get<std::string>() != "default")
+      f.fail(field, "has rope_type " + type.dump() + ": RoPE scaling is not implemented by the trainer (only \"default\")");
+  };
+  if (f.has("rope_scaling")) {  // {"rope_type": "default"} is no scaling
+    const nlohmann::json& scaling = f.root_["rope_scaling"];
+    if (scaling.is_object() && scaling.size() == 1 && (scaling.contains("rope_type") || scaling.contains("type")))
+      unscaled("rope_scaling", scaling.begin().value());
+    else
+      f.require_off("rope_scaling", "RoPE scaling");
+  }
+  RopeFields fields;
+  if (f.has("rope_theta")) fields.theta = f.number("rope_theta");
+  if (f.has("partial_rotary_factor")) fields.partial = f.number("partial_rotary_factor");
+  if (!f.has("rope_parameters")) return fields;
+  const nlohmann::json& parameters = f.root_["rope_parameters"];
+  if (!parameters.is_object()) f.fail("rope_parameters", "must be an object, not " + parameters.dump());
+  for (const char* type : {"rope_type", "type"})  // first: a scaling type explains its other fields
+    if (parameters.contains(type)) unscaled("rope_parameters", parameters[type]);
+  for (const auto& [name, value] : parameters.items()) {
+    if (name == "rope_type" || name == "type") {
+      continue;
+    } else if (name == "rope_theta" || name == "partial_rotary_factor") {
+      if (!value.is_number()) f.fail("rope_parameters", "has " + name + " " + value.dump() + ", not a number");
+      auto& field = name == "rope_theta" ? fields.theta : fields.partial;
+      if (field && *field != value.get<double>())
+        f.fail("rope_parameters", "has " + name + " " + value.dump() + ", but the top-level " + name + " is " +
+                                      number_text(*field) + ": which one holds?");
+      field = value.get<double>();
+    } else {
+      f.fail("rope_parameters", "has \"" + name + "\", which the trainer does not implement (it reads rope_type "
+                                "\"default\", rope_theta and partial_rotary_factor)");
+    }
+  }
+  return fields;
+}
+
 std::vector<Translated> translate(const ConfigJson& f) {
   const std::string arch = f.architecture();
   const bool bailing = arch == kBailing;
-  if (f.text("hidden_act", "silu") != "silu")
-    f.fail("hidden_act", "is " + f.text("hidden_act", "") + ": the trainer's MLP is SwiGLU (silu)");
-  f.require_off("rope_scaling", "RoPE scaling");
+  // transformers' ACT2FN maps both names to SiLU.
+  if (const std::string act = f.text("hidden_act", "silu"); act != "silu" && act != "swish")
+    f.fail("hidden_act", "is " + act + ": the trainer's MLP is SwiGLU (silu)");
+  const RopeFields rope = rope_fields(f);
   f.require_off(bailing ? "use_qkv_bias" : "attention_bias", "a bias in the attention projections");
   f.require_off(bailing ? "use_bias" : "mlp_bias", "a bias in the projections");
   f.require_off("use_sliding_window", "sliding-window attention");
@@ -142,8 +188,8 @@ std::vector<Translated> translate(const ConfigJson& f) {
   add_int("base_num_decoder_layers", "num_hidden_layers");
   add("mlp_activations", "[silu, linear]", "hidden_act", false);
   add("normalization_layer_epsilon", number_text(f.number("rms_norm_eps", 1e-6)), "rms_norm_eps", false);
-  add("rope_max_timescale", number_text(f.number("rope_theta", bailing ? 600000.0 : 10000.0)), "rope_theta", false);
-  const double partial = f.number("partial_rotary_factor", 1.0);
+  add("rope_max_timescale", number_text(rope.theta.value_or(bailing ? 600000.0 : 10000.0)), "rope_theta", false);
+  const double partial = rope.partial.value_or(1.0);
   if (!bailing && partial != 1.0)
     f.fail("partial_rotary_factor", "is " + number_text(partial) + ": " + arch + " rotates the whole head");
   add("partial_rotary_factor", number_text(partial), "partial_rotary_factor", false);
