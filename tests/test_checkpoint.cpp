@@ -1145,6 +1145,30 @@ TEST_CASE("Hugging Face directories: config.json round trips the model keys, and
   CHECK_THROWS_WITH(hf_config_model_keys(edited("rope-v5-other", "\"rope_scaling\": null",
                                                 "\"rope_scaling\": null, \"rope_parameters\": {\"mrope_section\": [1]}")),
                     Catch::Contains("has \"mrope_section\", which the trainer does not implement"));
+  // Two stored tensors for one of ours: the whole-directory read took one, the streamed
+  // (optim_grads_params) read the other, silently.
+  for (const auto& [extra, like] : std::vector<std::pair<std::string, std::string>>{
+           {"model.embed_tokens.weight", "model.word_embeddings.weight"},
+           {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.attention.query_key_value.weight"}}) {
+    const std::string twice = kOut + "/hf-twice";
+    fs::remove_all(twice);
+    source.export_hf(twice, 1 << 30, torch::kFloat32);  // one file
+    auto tensors = checkpoint_read_tensors(twice + "/model.safetensors");
+    torch::Tensor base_tensor;
+    for (const auto& [name, tensor] : tensors)
+      if (name == like) base_tensor = tensor;
+    REQUIRE(base_tensor.defined());
+    tensors.emplace_back(extra, torch::zeros_like(extra == "model.embed_tokens.weight" ? base_tensor
+                                                                                       : base_tensor.narrow(0, 0, 8)));
+    fs::remove(twice + "/model.safetensors");
+    checkpoint_write_tensors(twice + "/model.safetensors", tensors);
+    for (const std::string level : {"", " data_parallel_sharding=optim_grads_params remat_policy=full"}) {
+      const auto r = run_trainer(base + " model_name=hf run_name=hf-twice steps=1 load_parameters_path=" + twice + level);
+      INFO(extra << level);
+      CHECK(r.exit_code == 2);
+      CHECK_THAT(r.output, Catch::Contains(" both hold ") && Catch::Contains(extra) && Catch::Contains("keep one"));
+    }
+  }
   // What means no scaling, and transformers' other name for SiLU, load.
   CHECK_NOTHROW(hf_config_model_keys(edited("rope-default", "\"rope_scaling\": null", "\"rope_scaling\": {\"rope_type\": \"default\"}")));
   CHECK_NOTHROW(hf_config_model_keys(edited("swish", "\"silu\"", "\"swish\"")));

@@ -120,6 +120,13 @@ std::vector<std::pair<std::string, HfTensorSource>> hf_checkpoint_sources(
       if (rename_part(renamed, theirs, ours)) break;
     out.push_back({renamed, {name}});
   }
+  // Two stored tensors for one of ours (embed_tokens beside word_embeddings, q_proj beside the
+  // fused query_key_value): which one loaded depended on the reader (whole or one at a time).
+  std::map<std::string, std::string> stored_as;
+  for (const auto& [ours, from] : out)
+    if (const auto [at, fresh] = stored_as.emplace(ours, from.stored); !fresh)
+      throw config_error(source + ": " + at->second + " and " + from.stored + " both hold " + ours +
+                         " (names of two conventions?); keep one");
   return out;
 }
 
