@@ -1169,6 +1169,21 @@ TEST_CASE("Hugging Face directories: config.json round trips the model keys, and
       CHECK_THAT(r.output, Catch::Contains(" both hold ") && Catch::Contains(extra) && Catch::Contains("keep one"));
     }
   }
+  // Older Llama checkpoints' rotary_emb.inv_freq buffers are skipped, as transformers skips them
+  // (they were refused as unexpected tensors).
+  {
+    const std::string llama = kOut + "/hf-inv-freq";
+    fs::remove_all(llama);
+    Trainer tiny(tiny_config({"run_name=hf-inv-freq-source"}));
+    tiny.export_hf(llama, 1 << 30, torch::kFloat32);
+    auto tensors = checkpoint_read_tensors(llama + "/model.safetensors");
+    tensors.emplace_back("model.layers.0.self_attn.rotary_emb.inv_freq", torch::ones({4}));
+    fs::remove(llama + "/model.safetensors");
+    checkpoint_write_tensors(llama + "/model.safetensors", tensors);
+    Trainer loaded(tiny_config({"model_name=hf", "load_parameters_path=" + llama, "run_name=hf-inv-freq"}));
+    CHECK_NOTHROW(loaded.load_initial_state(Trainer::StartingFor::kExport));
+    CHECK(torch::equal(loaded.flat_params(), tiny.flat_params()));
+  }
   // What means no scaling, and transformers' other name for SiLU, load.
   CHECK_NOTHROW(hf_config_model_keys(edited("rope-default", "\"rope_scaling\": null", "\"rope_scaling\": {\"rope_type\": \"default\"}")));
   CHECK_NOTHROW(hf_config_model_keys(edited("swish", "\"silu\"", "\"swish\"")));

@@ -97,6 +97,9 @@ std::vector<std::pair<std::string, HfTensorSource>> hf_checkpoint_sources(
   std::vector<std::pair<std::string, HfTensorSource>> out;
   for (const auto& [name, shape] : stored) {
     if (c.logits_via_embedding && name == "lm_head.weight") continue;  // the tied model uses the embedding
+    // Older Llama checkpoints store RoPE's frequencies as a buffer; transformers recomputes them
+    // from rope_theta, as the trainer does.
+    if (ends_with(name, ".rotary_emb.inv_freq")) continue;
     if (!bailing) {
       out.push_back({name, {name}});
       continue;
