@@ -141,14 +141,6 @@ void MetricsLogger::log(int64_t step, const MetricValues& values) {
   }
 }
 
-// Megatron-LM's training_log line, label for label as megatron/training/training.py prints it at
-// commit d98e8a64 (docs/metrics.md): a timestamp, iteration (1-based), consumed samples, time per
-// iteration, learning rate, global batch size, then each loss averaged over the interval's
-// non-skipped iterations -- `lm loss` (token-weighted over the global batch, in both
-// normalization modes), `load_balancing_loss` and `z_loss` (divided by their coefficients, mean
-// over MoE layers), `mtp_<k> loss` per depth (unscaled) -- then loss scale (1.0: no fp16 scaler),
-// grad norm (before clipping), num zeros (with log_num_zeros_in_grad), params norm, and the
-// interval's skipped and nan iteration counts. Printed to stdout without a logger prefix.
 namespace {
 // (metric, label) of each loss Megatron prints, in its order.
 std::vector<std::pair<std::string, std::string>> megatron_loss_columns(const Config& config) {
@@ -175,6 +167,14 @@ void megatron_interval_add(MegatronInterval& interval, const Config& config, con
   for (size_t i = 0; i < columns.size(); ++i) interval.loss_sums[i] += metric_get(v, columns[i].first);
 }
 
+// Megatron-LM's training_log line, label for label as megatron/training/training.py prints it at
+// commit d98e8a64 (docs/metrics.md): a timestamp, iteration (1-based), consumed samples, time per
+// iteration, learning rate, global batch size, then each loss averaged over the interval's
+// non-skipped iterations -- `lm loss` (token-weighted over the global batch, in both
+// normalization modes), `load_balancing_loss` and `z_loss` (divided by their coefficients, mean
+// over MoE layers), `mtp_<k> loss` per depth (unscaled) -- then loss scale (1.0: no fp16 scaler),
+// grad norm (before clipping), num zeros (with log_num_zeros_in_grad), params norm, and the
+// interval's skipped and nan iteration counts. Printed to stdout without a logger prefix.
 std::string megatron_log_line(const Config& config, int64_t step, const MegatronInterval& interval,
                               const MetricValues& v, const std::string& timestamp) {
   const auto columns = megatron_loss_columns(config);
