@@ -1184,6 +1184,12 @@ TEST_CASE("Hugging Face directories: config.json round trips the model keys, and
     CHECK_NOTHROW(loaded.load_initial_state(Trainer::StartingFor::kExport));
     CHECK(torch::equal(loaded.flat_params(), tiny.flat_params()));
   }
+  // A dropout the trainer does not have is a warning, not silence.
+  const auto dropout = hf_config_compare(ling, edited("dropout", "\"rope_scaling\": null", "\"rope_scaling\": null, \"attention_dropout\": 0.1"));
+  CHECK(dropout.first_shape_mismatch.empty());
+  REQUIRE(dropout.other.size() == 1);
+  CHECK_THAT(dropout.other[0], Catch::Contains("attention_dropout in ") && Catch::Contains(" is 0.1, but the trainer has no dropout"));
+  CHECK(hf_config_compare(ling, edited("no-dropout", "\"rope_scaling\": null", "\"rope_scaling\": null, \"attention_dropout\": 0.0")).other.empty());
   // What means no scaling, and transformers' other name for SiLU, load.
   CHECK_NOTHROW(hf_config_model_keys(edited("rope-default", "\"rope_scaling\": null", "\"rope_scaling\": {\"rope_type\": \"default\"}")));
   CHECK_NOTHROW(hf_config_model_keys(edited("swish", "\"silu\"", "\"swish\"")));

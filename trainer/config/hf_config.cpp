@@ -364,6 +364,11 @@ HfConfigDifferences hf_config_compare(const Config& c, const std::string& dir) {
     if (t.shapes && out.first_shape_mismatch.empty()) out.first_shape_mismatch = what;
     if (!t.shapes) out.other.push_back(what);
   }
+  // Training settings the trainer has no counterpart for: said, not silently dropped.
+  for (const char* field : {"attention_dropout", "hidden_dropout"})
+    if (file.has(field) && file.root_[field].is_number() && file.root_[field].get<double>() != 0)
+      out.other.push_back(std::string(field) + " in " + file.path() + " is " + file.root_[field].dump() +
+                          ", but the trainer has no dropout: it trains without");
   return out;
 }
 

@@ -39,7 +39,8 @@ std::string hf_config_json(const Config& config, const std::string& torch_dtype)
 struct HfConfigDifferences {
   std::string first_shape_mismatch;  // "" when the weights fit, e.g. "num_hidden_layers in DIR/config.json
                                      // means base_num_decoder_layers: 20, but the config has ...: 3"
-  std::vector<std::string> other;    // the same form, for the fields that do not change shapes
+  std::vector<std::string> other;    // the same form, for the fields that do not change shapes, and
+                                     // a nonzero attention_dropout / hidden_dropout (no dropout here)
 };
 HfConfigDifferences hf_config_compare(const Config& config, const std::string& dir);
 
