@@ -1,13 +1,15 @@
 // preprocess_data: JSON lines -> Megatron <prefix>_<key>_document.bin/.idx, byte for byte what
 // Megatron-LM's tools/preprocess_data.py writes with the same tokens (its flags where they exist;
 // the rules per case are in encode_document below and docs/data.md). Output is identical for any
-// --workers.
+// --workers. The input is streamed in batches: memory holds a batch, not the corpus.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <future>
+#include <memory>
 #include <limits>
 #include <mutex>
 #include <string>
@@ -60,6 +62,33 @@ trainer::IndexedDocument encode_document(const nlohmann::json& value, const std:
   return doc;
 }
 
+// The next lines of the input, up to about kBatchBytes of text (at least one line, none at the
+// end). Every line is a document, a blank one too: Megatron's json.loads fails on it, and so do
+// we. Lines end as in Python's text mode (universal newlines), which Megatron reads the file in:
+// at "\n", "\r\n" or a lone "\r" (old Mac files were one unparsable line here).
+constexpr size_t kBatchBytes = 8 << 20;  // tokens held per batch: 8 bytes each (int64) per key
+constexpr size_t kBatchLines = 1 << 16;
+
+std::vector<std::string> read_batch(std::istream& in, const std::string& input) {
+  std::vector<std::string> lines;
+  size_t bytes = 0;
+  for (std::string piece; bytes < kBatchBytes && lines.size() < kBatchLines && std::getline(in, piece);) {
+    bytes += piece.size() + 1;
+    if (!piece.empty() && piece.back() == '\r') piece.pop_back();  // "\r\n", or a last "\r"
+    for (size_t begin = 0;;) {
+      const size_t cr = piece.find('\r', begin);
+      if (cr == std::string::npos) {
+        lines.push_back(begin == 0 ? std::move(piece) : piece.substr(begin));
+        break;
+      }
+      lines.push_back(piece.substr(begin, cr - begin));
+      begin = cr + 1;
+    }
+  }
+  if (in.bad()) throw trainer::Error(trainer::kExitData, "cannot read --input " + input);
+  return lines;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -93,82 +122,93 @@ int main(int argc, char** argv) {
     if (append_eod && tokenizer->tokenizer_eod() < 0)
       throw trainer::config_error("--append-eod: --tokenizer-model " + tokenizer_model + " has no </s> (eos) piece for <eod>");
     if (std::filesystem::is_directory(input)) throw trainer::Error(trainer::kExitData, "--input " + input + " is a directory");
-    std::ifstream in(input);
+    std::ifstream in(input, std::ios::binary);
     if (!in) throw trainer::Error(trainer::kExitData, "cannot open --input " + input);
-    // Every line is a document, a blank one too: Megatron's json.loads fails on it, and so do we.
-    // Lines end as in Python's text mode (universal newlines), which Megatron reads the file in:
-    // at "\n", "\r\n" or a lone "\r" (old Mac files were one unparsable line here).
-    std::vector<std::string> lines;
-    for (std::string piece; std::getline(in, piece);) {
-      if (!piece.empty() && piece.back() == '\r') piece.pop_back();  // "\r\n", or a last "\r"
-      for (size_t begin = 0;;) {
-        const size_t cr = piece.find('\r', begin);
-        if (cr == std::string::npos) {
-          lines.push_back(begin == 0 ? std::move(piece) : piece.substr(begin));
-          break;
+    std::error_code size_error;
+    const auto input_size = std::filesystem::file_size(input, size_error);  // none for a pipe
+    const uint8_t dtype = tokenizer->tokenizer_vocab_size() < 65500 ? 8 : 4;  // uint16 or int32, as Megatron
+    // One output per key, streamed: a batch of lines is tokenized by the workers while the next
+    // batch is read, then appended to the writers (documents keep input order because each
+    // worker fills its own slots). Output files that cannot be created fail here, before any work.
+    std::vector<std::unique_ptr<trainer::IndexedDatasetWriter>> writers;
+    for (const auto& key : json_keys)
+      writers.push_back(std::make_unique<trainer::IndexedDatasetWriter>(output_prefix + "_" + key + "_document", dtype));
+    const auto start = std::chrono::steady_clock::now();
+    const auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
+    size_t first_line = 0;  // of the batch, 0-based
+    uint64_t read_bytes = 0, text_bytes = 0;
+    double reported_at = 0;
+    std::vector<std::string> lines = read_batch(in, input), next_lines;
+    std::vector<std::vector<trainer::IndexedDocument>> docs(json_keys.size());
+    while (!lines.empty()) {
+      for (const auto& line : lines) read_bytes += line.size() + 1;
+      auto reading = std::async(std::launch::async, [&] { return read_batch(in, input); });
+      for (auto& d : docs) d.assign(lines.size(), {});
+      std::atomic<size_t> next{0};
+      std::atomic<uint64_t> bytes{0};
+      std::atomic<bool> failed{false};
+      size_t failed_line = 0;  // guarded by error_mutex
+      std::string error;
+      std::mutex error_mutex;
+      auto work = [&] {
+        for (size_t i; !failed && (i = next.fetch_add(1)) < lines.size();) {
+          try {
+            // Strict: invalid UTF-8 (Megatron opens the input with encoding='utf-8', errors strict),
+            // a blank line, or anything but one JSON object fails, naming the line.
+            // nlohmann's parser ends at a NUL byte and drops the rest of the line; Python's json.loads
+            // refuses the byte (and a byte-order mark: "decode using utf-8-sig").
+            if (const auto nul = lines[i].find('\0'); nul != std::string::npos)
+              throw std::runtime_error("byte " + std::to_string(nul + 1) + " is a NUL byte, which JSON text cannot hold");
+            if (lines[i].rfind("\xEF\xBB\xBF", 0) == 0)
+              throw std::runtime_error("starts with a UTF-8 byte-order mark, which Megatron's json.loads refuses; "
+                                       "save the file as UTF-8 without a BOM");
+            const auto j = nlohmann::json::parse(lines[i]);
+            if (!j.is_object()) throw std::runtime_error("not a JSON object");
+            for (size_t k = 0; k < json_keys.size(); ++k) {
+              if (!j.contains(json_keys[k])) throw std::runtime_error("no field \"" + json_keys[k] + "\"");
+              size_t line_bytes = 0;
+              docs[k][i] = encode_document(j[json_keys[k]], json_keys[k], *tokenizer, append_eod, line_bytes);
+              bytes += line_bytes;
+            }
+          } catch (const std::exception& e) {
+            std::lock_guard<std::mutex> lock(error_mutex);
+            // The first failing line in input order is reported, whatever the thread timing (lines
+            // are taken in order, so every earlier line is finished by some worker; batches are
+            // written in order, so every earlier batch was clean).
+            const std::string message = input + ": line " + std::to_string(first_line + i + 1) + ": " + e.what();
+            if (!failed || i < failed_line) failed_line = i, error = message;
+            failed = true;
+          }
         }
-        lines.push_back(piece.substr(begin, cr - begin));
-        begin = cr + 1;
+      };
+      std::vector<std::thread> threads;
+      for (int w = 1; w < workers; ++w) threads.emplace_back(work);
+      work();
+      for (auto& t : threads) t.join();
+      // This batch's bad line is reported before a read error further on (the reader is waited
+      // for by the future's destructor).
+      if (failed) throw trainer::Error(trainer::kExitData, error);
+      next_lines = reading.get();
+      for (size_t k = 0; k < json_keys.size(); ++k)
+        for (const auto& d : docs[k]) writers[k]->add_document(d);
+      text_bytes += bytes;
+      first_line += lines.size();
+      lines.swap(next_lines);
+      if (seconds() - reported_at >= 5) {  // progress on long inputs
+        reported_at = seconds();
+        std::fprintf(stderr, "preprocess_data: %zu documents, %.1f MB of input%s, %.1f MB/s of text\n", first_line,
+                     read_bytes / 1e6,
+                     size_error ? "" : (" of " + std::to_string(static_cast<int64_t>(input_size / 1e6 + 0.5)) + " MB").c_str(),
+                     text_bytes / 1e6 / seconds());
       }
     }
-    if (in.bad()) throw trainer::Error(trainer::kExitData, "cannot read --input " + input);
-    const auto start = std::chrono::steady_clock::now();
-    // One output per key; documents keep input order because each worker fills its own slots.
-    std::vector<std::vector<trainer::IndexedDocument>> docs(json_keys.size(), std::vector<trainer::IndexedDocument>(lines.size()));
-    std::atomic<size_t> next{0}, done{0}, bytes{0};
-    std::atomic<bool> failed{false};
-    size_t failed_line = 0;  // guarded by error_mutex
-    std::string error;
-    std::mutex error_mutex;
-    auto work = [&] {
-      for (size_t i; !failed && (i = next.fetch_add(1)) < lines.size();) {
-        try {
-          // Strict: invalid UTF-8 (Megatron opens the input with encoding='utf-8', errors strict),
-          // a blank line, or anything but one JSON object fails, naming the line.
-          // nlohmann's parser ends at a NUL byte and drops the rest of the line; Python's json.loads
-          // refuses the byte (and a byte-order mark: "decode using utf-8-sig").
-          if (const auto nul = lines[i].find('\0'); nul != std::string::npos)
-            throw std::runtime_error("byte " + std::to_string(nul + 1) + " is a NUL byte, which JSON text cannot hold");
-          if (lines[i].rfind("\xEF\xBB\xBF", 0) == 0)
-            throw std::runtime_error("starts with a UTF-8 byte-order mark, which Megatron's json.loads refuses; "
-                                     "save the file as UTF-8 without a BOM");
-          const auto j = nlohmann::json::parse(lines[i]);
-          if (!j.is_object()) throw std::runtime_error("not a JSON object");
-          for (size_t k = 0; k < json_keys.size(); ++k) {
-            if (!j.contains(json_keys[k])) throw std::runtime_error("no field \"" + json_keys[k] + "\"");
-            size_t line_bytes = 0;
-            docs[k][i] = encode_document(j[json_keys[k]], json_keys[k], *tokenizer, append_eod, line_bytes);
-            bytes += line_bytes;
-          }
-          std::string().swap(lines[i]);  // its tokens are kept, the text no longer (only its number names errors)
-        } catch (const std::exception& e) {
-          std::lock_guard<std::mutex> lock(error_mutex);
-          // The first failing line in input order is reported, whatever the thread timing (lines
-          // are taken in order, so every earlier line is finished by some worker).
-          const std::string message = input + ": line " + std::to_string(i + 1) + ": " + e.what();
-          if (!failed || i < failed_line) failed_line = i, error = message;
-          failed = true;
-        }
-        if (++done % 10000 == 0) {
-          const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-          std::fprintf(stderr, "preprocess_data: %zu / %zu documents, %.1f MB/s\n", done.load(), lines.size(),
-                       bytes / 1e6 / s);
-        }
-      }
-    };
-    std::vector<std::thread> threads;
-    for (int w = 0; w < workers; ++w) threads.emplace_back(work);
-    for (auto& t : threads) t.join();
-    if (failed) throw trainer::Error(trainer::kExitData, error);
-    const uint8_t dtype = tokenizer->tokenizer_vocab_size() < 65500 ? 8 : 4;  // uint16 or int32, as Megatron
     for (size_t k = 0; k < json_keys.size(); ++k) {
-      const std::string prefix = output_prefix + "_" + json_keys[k] + "_document";
-      trainer::indexed_dataset_write(prefix, docs[k], dtype);
-      size_t tokens = 0, sequences = 0;
-      for (const auto& d : docs[k]) tokens += d.tokens.size(), sequences += d.sequence_lengths.size();
-      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      std::fprintf(stderr, "preprocess_data: wrote %s.bin/.idx: %zu documents, %zu sequences, %zu tokens (%s), %.2f s, %.1f MB/s of text\n",
-                   prefix.c_str(), docs[k].size(), sequences, tokens, dtype == 8 ? "uint16" : "int32", s, bytes / 1e6 / s);
+      auto& writer = *writers[k];
+      writer.finish();
+      std::fprintf(stderr, "preprocess_data: wrote %s_%s_document.bin/.idx: %lld documents, %lld sequences, %lld tokens (%s), %.2f s, %.1f MB/s of text\n",
+                   output_prefix.c_str(), json_keys[k].c_str(), static_cast<long long>(writer.num_documents()),
+                   static_cast<long long>(writer.num_sequences()), static_cast<long long>(writer.num_tokens()),
+                   dtype == 8 ? "uint16" : "int32", seconds(), text_bytes / 1e6 / seconds());
     }
     return trainer::kExitOk;
   } catch (const trainer::Error& e) {

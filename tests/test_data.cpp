@@ -873,6 +873,46 @@ TEST_CASE("empty and multi-sequence documents: samples are drawn over sequences,
   CHECK(samples(a.output) == samples(b.output));
 }
 
+TEST_CASE("preprocess_data streams: a corpus of several batches gives Megatron's bytes; a late bad line leaves no file", "[data][cli]") {
+  // 150,000 lines: more than two of the tool's batches (65,536 lines each), so documents cross
+  // batch boundaries; every 7th text is empty (a document without a sequence).
+  constexpr int kLines = 150000;
+  std::string jsonl, bin;
+  std::vector<int32_t> lengths;
+  std::vector<int64_t> documents = {0};
+  for (int i = 0; i < kLines; ++i) {
+    const std::string text = i % 7 == 3 ? "" : "d" + std::to_string(i);
+    jsonl += "{\"text\": \"" + text + "\"}\n";
+    if (!text.empty()) {
+      std::vector<int> tokens(text.begin(), text.end());
+      tokens.push_back(256);  // <eod>
+      bin += uint16_bytes(tokens);
+      lengths.push_back(static_cast<int32_t>(tokens.size()));
+    }
+    documents.push_back(static_cast<int64_t>(lengths.size()));
+  }
+  const auto [code, log] = preprocess("stream", jsonl, "--append-eod --workers 2");
+  REQUIRE(code == 0);
+  CHECK_THAT(log, Catch::Contains("150000 documents"));
+  CHECK(read_file(kDir + "/stream_text_document.idx") == megatron_idx_bytes(8, lengths, documents));
+  CHECK(read_file(kDir + "/stream_text_document.bin") == bin);
+  // A bad line in the third batch, after two batches were written: the line is named, the earlier
+  // output under the same prefix is untouched and no temporary file is left behind.
+  const std::string good_idx = read_file(kDir + "/stream_text_document.idx");
+  std::string bad = jsonl;
+  size_t at = 0;
+  for (int line = 1; line < 140000; ++line) at = bad.find('\n', at) + 1;
+  bad.insert(at, "{\"txt\": \"x\"}\n");  // becomes line 140000
+  std::ofstream(kDir + "/stream-bad.jsonl", std::ios::binary) << bad;
+  const auto failed = run_command(std::string(PREPROCESS_BINARY) + " --input " + kDir + "/stream-bad.jsonl --output-prefix " +
+                                  kDir + "/stream --append-eod --workers 2");
+  CHECK(failed.exit_code == 3);
+  CHECK_THAT(failed.output, Catch::Contains("line 140000: no field \"text\""));
+  CHECK(read_file(kDir + "/stream_text_document.idx") == good_idx);
+  for (const auto& entry : fs::directory_iterator(kDir))
+    CHECK(entry.path().filename().string().find(".partial-") == std::string::npos);
+}
+
 TEST_CASE("preprocess_data fails with exit 3 naming the line where Megatron's script raises", "[data][cli]") {
   struct Case {
     const char* what;

@@ -20,7 +20,8 @@ print(f"trainer consumption (default model, median of steps 10-59): "
 PY
 for i in $(seq 20); do cat data/fortunes.jsonl; done > "$out/big.jsonl"
 echo "preprocess_data, $(du -h "$out/big.jsonl" | cut -f1) of JSON lines:"
-# Peak RSS of each run (the children's ru_maxrss): every document's tokens are held until written.
+# Peak RSS of each run (the children's ru_maxrss): the tool holds one batch of lines and their
+# tokens plus the .idx arrays, not the corpus.
 peak_rss() {
   python3 -c 'import resource, subprocess, sys
 subprocess.run(sys.argv[1:], check=True)

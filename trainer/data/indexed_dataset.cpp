@@ -190,80 +190,89 @@ void IndexedDataset::read(int64_t sequence, int64_t offset, int64_t length, std:
   }
 }
 
-void indexed_dataset_write(const std::string& prefix, const std::vector<IndexedDocument>& documents,
-                           uint8_t dtype_code) {
-  const int64_t item = indexed_dtype_size(dtype_code);
-  if (dtype_code != 8 && dtype_code != 4) throw Error(kExitUsage, "indexed_dataset_write: dtype code must be 8 or 4");
-  const int64_t lowest = dtype_code == 8 ? 0 : std::numeric_limits<int32_t>::min();
-  const int64_t highest = dtype_code == 8 ? std::numeric_limits<uint16_t>::max() : std::numeric_limits<int32_t>::max();
-  // Written under temporary names and renamed at the end: a trainer that has the old files mapped
-  // keeps reading them (replacing them in place would pull the pages from under it: SIGBUS). The
-  // two renames are not one atomic step: a reader opening the pair between them may see the new
-  // .bin with the old .idx (a .bin shorter than the .idx says is caught; a longer one is not:
-  // rewriting a corpus while a run opens it is still the user's race).
+// Written under temporary names and renamed at the end: a trainer that has the old files mapped
+// keeps reading them (replacing them in place would pull the pages from under it: SIGBUS). The
+// two renames are not one atomic step: a reader opening the pair between them may see the new
+// .bin with the old .idx (a .bin shorter than the .idx says is caught; a longer one is not:
+// rewriting a corpus while a run opens it is still the user's race).
+IndexedDatasetWriter::IndexedDatasetWriter(const std::string& prefix, uint8_t dtype_code)
+    : prefix_(prefix), dtype_code_(dtype_code), item_size_(indexed_dtype_size(dtype_code)) {
+  if (dtype_code != 8 && dtype_code != 4) throw Error(kExitUsage, "IndexedDatasetWriter: dtype code must be 8 or 4");
   const std::string part = ".partial-" + std::to_string(::getpid());
-  struct RemoveOnFailure {
-    std::vector<std::string> paths;
-    ~RemoveOnFailure() {
-      for (const auto& p : paths) std::remove(p.c_str());
-    }
-  } partial{{prefix + ".bin" + part, prefix + ".idx" + part}};
-  std::ofstream bin(partial.paths[0], std::ios::binary), idx(partial.paths[1], std::ios::binary);
-  if (!bin || !idx)
-    throw Error(kExitFailure, "cannot create " + partial.paths[bin ? 1 : 0] + ": " + std::strerror(errno));
-  // Megatron's builder: lengths and pointers per sequence, and after each document the number of
-  // sequences so far (document_indices starts at [0]).
-  std::vector<int32_t> lengths;
-  std::vector<int64_t> pointers, document_index = {0};
-  int64_t pointer = 0;
-  std::vector<char> bytes;
-  for (size_t d = 0; d < documents.size(); ++d) {
-    const auto& doc = documents[d];
-    int64_t total = 0;
-    for (int64_t length : doc.sequence_lengths) {
-      if (length < 0 || length > std::numeric_limits<int32_t>::max())
-        throw Error(kExitData, prefix + ": document " + std::to_string(d) + " has a sequence of " +
-                                   std::to_string(length) + " tokens; the .idx length field is int32");
-      lengths.push_back(static_cast<int32_t>(length));
-      pointers.push_back(pointer);
-      pointer += length * item;
-      total += length;
-    }
-    if (total != static_cast<int64_t>(doc.tokens.size()))
-      throw Error(kExitFailure, prefix + ": document " + std::to_string(d) + ": sequence lengths sum to " +
-                                    std::to_string(total) + ", not its " + std::to_string(doc.tokens.size()) + " tokens");
-    document_index.push_back(static_cast<int64_t>(lengths.size()));
-    bytes.resize(doc.tokens.size() * static_cast<size_t>(item));
-    for (size_t i = 0; i < doc.tokens.size(); ++i) {
-      const int64_t token = doc.tokens[i];
-      if (token < lowest || token > highest)
-        throw Error(kExitData, prefix + ": document " + std::to_string(d) + ": token id " + std::to_string(token) +
-                                   " does not fit the " + (dtype_code == 8 ? "uint16" : "int32") + " dtype");
-      if (dtype_code == 8) {
-        const uint16_t v = static_cast<uint16_t>(token);
-        std::memcpy(bytes.data() + 2 * i, &v, 2);
-      } else {
-        const int32_t v = static_cast<int32_t>(token);
-        std::memcpy(bytes.data() + 4 * i, &v, 4);
-      }
-    }
-    bin.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  bin_path_ = prefix + ".bin" + part;
+  idx_path_ = prefix + ".idx" + part;
+  bin_.open(bin_path_, std::ios::binary);
+  if (!bin_) throw Error(kExitFailure, "cannot create " + bin_path_ + ": " + std::strerror(errno));
+}
+
+IndexedDatasetWriter::~IndexedDatasetWriter() {
+  if (finished_) return;
+  bin_.close();
+  std::remove(bin_path_.c_str());
+  std::remove(idx_path_.c_str());
+}
+
+// Megatron's builder: lengths and pointers per sequence, and after each document the number of
+// sequences so far (document_indices starts at [0]).
+void IndexedDatasetWriter::add_document(const IndexedDocument& document) {
+  if (finished_) throw Error(kExitFailure, prefix_ + ": add_document after finish");
+  const std::string name = prefix_ + ": document " + std::to_string(num_documents());
+  const int64_t lowest = dtype_code_ == 8 ? 0 : std::numeric_limits<int32_t>::min();
+  const int64_t highest = dtype_code_ == 8 ? std::numeric_limits<uint16_t>::max() : std::numeric_limits<int32_t>::max();
+  int64_t total = 0;
+  for (int64_t length : document.sequence_lengths) {
+    if (length < 0 || length > std::numeric_limits<int32_t>::max())
+      throw Error(kExitData, name + " has a sequence of " + std::to_string(length) + " tokens; the .idx length field is int32");
+    total += length;
   }
-  const uint64_t version = 1, S = lengths.size(), D = document_index.size();
+  if (total != static_cast<int64_t>(document.tokens.size()))
+    throw Error(kExitFailure, name + ": sequence lengths sum to " + std::to_string(total) + ", not its " +
+                                  std::to_string(document.tokens.size()) + " tokens");
+  bytes_.resize(document.tokens.size() * static_cast<size_t>(item_size_));
+  for (size_t i = 0; i < document.tokens.size(); ++i) {
+    const int64_t token = document.tokens[i];
+    if (token < lowest || token > highest)
+      throw Error(kExitData, name + ": token id " + std::to_string(token) + " does not fit the " +
+                                 (dtype_code_ == 8 ? "uint16" : "int32") + " dtype");
+    if (dtype_code_ == 8) {
+      const uint16_t v = static_cast<uint16_t>(token);
+      std::memcpy(bytes_.data() + 2 * i, &v, 2);
+    } else {
+      const int32_t v = static_cast<int32_t>(token);
+      std::memcpy(bytes_.data() + 4 * i, &v, 4);
+    }
+  }
+  // Checked all of the document before any of it is kept: a refused document leaves no trace.
+  for (int64_t length : document.sequence_lengths) {
+    lengths_.push_back(static_cast<int32_t>(length));
+    pointers_.push_back(pointer_);
+    pointer_ += length * item_size_;
+  }
+  document_index_.push_back(static_cast<int64_t>(lengths_.size()));
+  tokens_ += total;
+  bin_.write(bytes_.data(), static_cast<std::streamsize>(bytes_.size()));
+  if (!bin_) throw Error(kExitFailure, "cannot write " + bin_path_ + ": " + std::strerror(errno));
+}
+
+void IndexedDatasetWriter::finish() {
+  if (finished_) return;
+  std::ofstream idx(idx_path_, std::ios::binary);
+  if (!idx) throw Error(kExitFailure, "cannot create " + idx_path_ + ": " + std::strerror(errno));
+  const uint64_t version = 1, S = lengths_.size(), D = document_index_.size();
   idx.write(kMagic, 9);
   idx.write(reinterpret_cast<const char*>(&version), 8);
-  idx.put(static_cast<char>(dtype_code));
+  idx.put(static_cast<char>(dtype_code_));
   idx.write(reinterpret_cast<const char*>(&S), 8);
   idx.write(reinterpret_cast<const char*>(&D), 8);
-  idx.write(reinterpret_cast<const char*>(lengths.data()), static_cast<std::streamsize>(4 * S));
-  idx.write(reinterpret_cast<const char*>(pointers.data()), static_cast<std::streamsize>(8 * S));
-  idx.write(reinterpret_cast<const char*>(document_index.data()), static_cast<std::streamsize>(8 * D));
-  bin.close();
+  idx.write(reinterpret_cast<const char*>(lengths_.data()), static_cast<std::streamsize>(4 * S));
+  idx.write(reinterpret_cast<const char*>(pointers_.data()), static_cast<std::streamsize>(8 * S));
+  idx.write(reinterpret_cast<const char*>(document_index_.data()), static_cast<std::streamsize>(8 * D));
+  bin_.close();
   idx.close();
-  if (!bin || !idx) throw Error(kExitFailure, "cannot write " + prefix + ".bin/.idx");
+  if (!bin_ || !idx) throw Error(kExitFailure, "cannot write " + prefix_ + ".bin/.idx");
   // On disk before the names point at them: after a power loss the names hold the old files or
   // the complete new ones, never empty or short ones.
-  for (const auto& path : partial.paths) {
+  for (const auto& path : {bin_path_, idx_path_}) {
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0 || ::fsync(fd) != 0) {
       const std::string reason = std::strerror(errno);
@@ -273,20 +282,35 @@ void indexed_dataset_write(const std::string& prefix, const std::vector<IndexedD
     ::close(fd);
   }
   // The .idx last: a reader that opens the new .idx finds the new .bin beside it.
-  if (std::rename(partial.paths[0].c_str(), (prefix + ".bin").c_str()) != 0)
-    throw Error(kExitFailure, "cannot rename " + partial.paths[0] + " to " + prefix + ".bin: " + std::strerror(errno) +
-                                  " (the earlier " + prefix + ".bin/.idx, if any, are unchanged)");
-  if (std::rename(partial.paths[1].c_str(), (prefix + ".idx").c_str()) != 0)
-    throw Error(kExitFailure, "cannot rename " + partial.paths[1] + " to " + prefix + ".idx: " + std::strerror(errno) +
-                                  "; " + prefix + ".bin is already the new one: run preprocess_data again before using the pair");
+  if (std::rename(bin_path_.c_str(), (prefix_ + ".bin").c_str()) != 0)
+    throw Error(kExitFailure, "cannot rename " + bin_path_ + " to " + prefix_ + ".bin: " + std::strerror(errno) +
+                                  " (the earlier " + prefix_ + ".bin/.idx, if any, are unchanged)");
+  finished_ = true;  // the .bin is in place: only the .idx partial is left to clean up on failure
+  if (std::rename(idx_path_.c_str(), (prefix_ + ".idx").c_str()) != 0) {
+    const std::string reason = std::strerror(errno);
+    std::remove(idx_path_.c_str());
+    throw Error(kExitFailure, "cannot rename " + idx_path_ + " to " + prefix_ + ".idx: " + reason + "; " + prefix_ +
+                                  ".bin is already the new one: run preprocess_data again before using the pair");
+  }
+}
+
+void indexed_dataset_write(const std::string& prefix, const std::vector<IndexedDocument>& documents,
+                           uint8_t dtype_code) {
+  IndexedDatasetWriter writer(prefix, dtype_code);
+  for (const auto& document : documents) writer.add_document(document);
+  writer.finish();
 }
 
 void indexed_dataset_write(const std::string& prefix, const std::vector<std::vector<int64_t>>& documents,
                            uint8_t dtype_code) {
-  std::vector<IndexedDocument> docs;
-  docs.reserve(documents.size());
-  for (const auto& tokens : documents) docs.push_back({tokens, {static_cast<int64_t>(tokens.size())}});
-  indexed_dataset_write(prefix, docs, dtype_code);
+  IndexedDatasetWriter writer(prefix, dtype_code);
+  IndexedDocument document;
+  for (const auto& tokens : documents) {
+    document.tokens = tokens;
+    document.sequence_lengths = {static_cast<int64_t>(tokens.size())};
+    writer.add_document(document);
+  }
+  writer.finish();
 }
 
 }  // namespace trainer

@@ -7,6 +7,7 @@
 // float codes are refused on reading (tokens are integers).
 #pragma once
 #include <cstdint>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -67,9 +68,39 @@ struct IndexedDocument {
   std::vector<int64_t> sequence_lengths;
 };
 
-// Writes <prefix>.bin and <prefix>.idx. dtype code 8 (uint16) or 4 (int32). Throws
-// trainer::Error (exit 3) naming the document when a token does not fit the dtype or a sequence
-// is longer than the int32 length field allows.
+// Streams documents into <prefix>.bin and <prefix>.idx, as Megatron's IndexedDatasetBuilder:
+// add_document in order (its tokens go to disk at once; only the .idx arrays, 20 bytes per
+// sequence and 8 per document, stay in memory), then finish(), which writes the .idx and renames
+// both files into place. dtype code 8 (uint16) or 4 (int32). add_document throws trainer::Error
+// (exit 3) naming the document when a token does not fit the dtype or a sequence is longer than
+// the int32 length field allows. A writer destroyed before finish() (an error, an exception)
+// removes its temporary files and leaves any earlier <prefix>.bin/.idx untouched.
+class IndexedDatasetWriter {
+ public:
+  IndexedDatasetWriter(const std::string& prefix, uint8_t dtype_code);
+  ~IndexedDatasetWriter();
+  IndexedDatasetWriter(const IndexedDatasetWriter&) = delete;
+  IndexedDatasetWriter& operator=(const IndexedDatasetWriter&) = delete;
+  void add_document(const IndexedDocument& document);
+  void finish();
+  int64_t num_documents() const { return static_cast<int64_t>(document_index_.size()) - 1; }
+  int64_t num_sequences() const { return static_cast<int64_t>(lengths_.size()); }
+  int64_t num_tokens() const { return tokens_; }
+
+ private:
+  std::string prefix_, bin_path_, idx_path_;  // the two temporary names until finish()
+  uint8_t dtype_code_;
+  int64_t item_size_;
+  std::ofstream bin_;
+  std::vector<int32_t> lengths_;                  // (S) tokens per sequence
+  std::vector<int64_t> pointers_;                 // (S) byte offset of each sequence in .bin
+  std::vector<int64_t> document_index_ = {0};     // (D) sequences before each document, then the total
+  int64_t pointer_ = 0, tokens_ = 0;
+  std::vector<char> bytes_;  // one document's tokens in the dtype, reused
+  bool finished_ = false;
+};
+
+// The whole corpus at once (tests, fixtures): an IndexedDatasetWriter fed every document.
 void indexed_dataset_write(const std::string& prefix, const std::vector<IndexedDocument>& documents,
                            uint8_t dtype_code);
 // The same with one sequence per document (fixtures and tests).
