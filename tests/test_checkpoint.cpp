@@ -914,6 +914,10 @@ TEST_CASE("safetensors header errors name the file and the problem", "[checkpoin
   bytes[0] = static_cast<char>(0xff);
   std::ofstream(dir + "/long.safetensors", std::ios::binary) << bytes;
   CHECK_THAT(error_of(dir + "/long.safetensors"), Catch::Contains("exceeds the file"));
+  // A directory under the file's name opens as a stream that reads nothing: it said "short read".
+  fs::create_directories(dir + "/dir.safetensors");
+  CHECK(error_of(dir + "/dir.safetensors") == dir + "/dir.safetensors is a directory, not a file");
+  CHECK_THROWS_WITH(crc32c_file(dir + "/dir.safetensors"), dir + "/dir.safetensors is a directory, not a file");
   // Empty tensors take no bytes, wherever they sit.
   REQUIRE(safetensors_read(make("empty.safetensors", R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "e": {"dtype": "F32", "shape": [0], "data_offsets": [8, 8]}, "f": {"dtype": "F32", "shape": [0, 3], "data_offsets": [0, 0]}})"))
               .tensors.size() == 3);

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <set>
@@ -46,11 +47,19 @@ size_t dtype_size(const std::string& dtype) {
   throw std::runtime_error("unsupported safetensors dtype " + dtype);
 }
 
+// An ifstream opens a directory and then reads nothing ("short read"): name it instead.
+std::ifstream open_input(const std::string& path, std::ios::openmode mode) {
+  std::error_code error;
+  if (std::filesystem::is_directory(path, error)) throw std::runtime_error(path + " is a directory, not a file");
+  std::ifstream in(path, mode);
+  if (!in) io_error("cannot open", path);
+  return in;
+}
+
 }  // namespace
 
 uint32_t crc32c_file(const std::string& path, uint64_t* size) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) io_error("cannot open", path);
+  std::ifstream in = open_input(path, std::ios::binary);
   std::vector<char> buf(1 << 20);
   uint32_t crc = 0;
   uint64_t total = 0;
@@ -118,8 +127,7 @@ uint32_t SafetensorsStreamWriter::finish() {
 }
 
 SafetensorsFile safetensors_read(const std::string& path, bool with_data) {
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  if (!in) io_error("cannot open", path);
+  std::ifstream in = open_input(path, std::ios::binary | std::ios::ate);
   const auto file_size = static_cast<uint64_t>(in.tellg());
   in.seekg(0);
   auto fail = [&](const std::string& why) -> std::runtime_error {
