@@ -137,6 +137,15 @@ TEST_CASE("config errors name the key and exit with code 2", "[config]") {
     CHECK(e.exit_code() == kExitUsage);
     CHECK_THAT(e.what(), Catch::Contains("eod_id (-2) must be >= 0, or -1 for none"));
   }
+  SECTION("document flags on synthetic data (they were accepted and changed nothing)") {
+    for (const std::string key : {"eod_mask_loss", "reset_position_ids", "reset_attention_mask"}) {
+      INFO(key);
+      const Error e = load_error({"dataset_type=synthetic", "pad_id=0", key + "=true"});
+      CHECK(e.exit_code() == kExitUsage);
+      CHECK_THAT(e.what(), Catch::Contains(key + "=true needs documents that end in eod_id (dataset_type=megatron)"));
+    }
+    CHECK_NOTHROW(config_load(source_path("configs/base.yml"), {"dataset_type=megatron", "reset_attention_mask=true"}, {}));
+  }
   SECTION("a real value past float32's range (routed_scaling_factor=1e40 ended step 0 as a numerical abort)") {
     const Error e = load_error({"model_name=moe-tiny", "routed_scaling_factor=1e40"});
     CHECK(e.exit_code() == kExitUsage);

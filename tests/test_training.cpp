@@ -667,8 +667,10 @@ TEST_CASE("memory plan: activations scale with the micro-batch, not with K", "[t
   CHECK(activations({"per_device_batch_size=2", "max_target_length=256"}) - 2 * base ==
         Approx(4.0 * 2 * c.base_num_query_heads * c.base_num_decoder_layers * (kept_256 - 2 * kept_128)).epsilon(1e-12));
   // Packed documents add (B, L, L) masks and an (L, L) one, shared by the batch (16 KiB here).
-  const double packed = activations({"per_device_batch_size=2", "max_target_length=128", "reset_attention_mask=true"});
-  CHECK(activations({"per_device_batch_size=4", "max_target_length=128", "reset_attention_mask=true"}) - 2 * packed ==
+  // (Megatron data: synthetic rows have no documents to reset at.)
+  const std::vector<std::string> megatron = {"dataset_type=megatron", "dataset_path=unused", "reset_attention_mask=true"};
+  const double packed = activations({"per_device_batch_size=2", "max_target_length=128", megatron[0], megatron[1], megatron[2]});
+  CHECK(activations({"per_device_batch_size=4", "max_target_length=128", megatron[0], megatron[1], megatron[2]}) - 2 * packed ==
         Approx(-128.0 * 128).margin(0.5));
   // bf16 autocast halves the matmul activations, not the fp32 residual stream.
   const double bf16 = activations({"per_device_batch_size=2", "max_target_length=128", "dtype=bfloat16"});

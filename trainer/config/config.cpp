@@ -235,6 +235,14 @@ std::vector<std::string> validation_errors(const Config& c) {
                                          std::to_string(c.vocab_size) + "), or -1 for none");
     require(!(c.eod_mask_loss || c.reset_position_ids || c.reset_attention_mask) || c.eod_id >= 0,
             "eod_mask_loss, reset_position_ids and reset_attention_mask need eod_id >= 0");
+  } else {
+    // Synthetic rows are random tokens then padding, one document each: the flags would change
+    // nothing (they were accepted and ignored, silently).
+    for (const auto& [key, on] : {std::pair<const char*, bool>{"eod_mask_loss", c.eod_mask_loss},
+                                  {"reset_position_ids", c.reset_position_ids},
+                                  {"reset_attention_mask", c.reset_attention_mask}})
+      require(!on, std::string(key) + "=true needs documents that end in eod_id (dataset_type=megatron); "
+                   "synthetic rows have none, so it would change nothing");
   }
   require(c.eval_interval >= 0, "eval_interval must be >= 0 (0 = no evaluation)");
   require(c.eval_steps > 0, "eval_steps must be > 0");
