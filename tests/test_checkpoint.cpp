@@ -1131,8 +1131,8 @@ TEST_CASE("Hugging Face directories: config.json round trips the model keys, and
   // transformers 5 writes rope_parameters and no rope_theta: the theta defaulted, silently, and a
   // scaling in it went unseen.
   const auto key_of = [](const HfModelKeys& keys, const std::string& key) {
-    for (const auto& [name, text] : keys)
-      if (name == key) return text;
+    for (const auto& entry : keys)
+      if (entry.key == key) return entry.text;
     return std::string("(absent)");
   };
   CHECK(key_of(hf_config_model_keys(edited("rope-v5", "\"rope_theta\": ",
@@ -1217,6 +1217,18 @@ TEST_CASE("Hugging Face directories: config.json round trips the model keys, and
                                     "modeling code routes by sigmoid"));
   CHECK_THROWS_WITH(hf_config_model_keys(edited("score-type", "\"score_function\": \"sigmoid\"", "\"score_function\": 1")),
                     Catch::Contains("field 'score_function' must be a string"));
+  // A value the checks refuse names the config.json field it came from (the checks speak of the
+  // trainer's keys); a key set on the command line instead is not attributed to the file.
+  const std::string odd_heads = edited("odd-heads", "\"num_attention_heads\": 4", "\"num_attention_heads\": 3");
+  const auto odd = run_trainer(base + " run_name=hf-odd model_name=hf load_parameters_path=" + odd_heads);
+  CHECK(odd.exit_code == 2);
+  CHECK_THAT(odd.output, Catch::Contains("base_num_kv_heads (2) must divide base_num_query_heads (3)\n  (model_name=hf, from " +
+                                         odd_heads + "/config.json: base_num_kv_heads is field 'num_key_value_heads', "
+                                         "base_num_query_heads is field 'num_attention_heads')"));
+  const auto overridden = run_trainer(base + " run_name=hf-odd model_name=hf load_parameters_path=" + odd_heads +
+                                      " override_model_config=true base_num_kv_heads=2");
+  CHECK(overridden.exit_code == 2);
+  CHECK_THAT(overridden.output, Catch::Contains("config.json: base_num_query_heads is field 'num_attention_heads')"));
   // Zero heads used to divide by zero (SIGFPE) deriving head_dim.
   CHECK_THROWS_WITH(hf_config_model_keys(edited("heads", "\"num_attention_heads\": 4", "\"num_attention_heads\": 0")),
                     Catch::Contains("field 'num_attention_heads' must be > 0, not 0"));

@@ -440,6 +440,8 @@ Config config_load(const std::string& path, const std::vector<std::string>& over
   if (model_name_value) find_key("model_name")->assign(scratch, model_name_value->node, model_name_value->source);
   const fs::path models_dir = config_path.parent_path() / "models";
   RawLayer model_layer;
+  std::map<std::string, std::string> hf_fields;  // model key -> the config.json field it comes from
+  std::string hf_source;                          // that config.json
   if (scratch.model_name == "hf") {
     // The model is the one a Hugging Face directory describes (hf_config.h); its weights are
     // read from the same directory when training starts.
@@ -448,9 +450,11 @@ Config config_load(const std::string& path, const std::vector<std::string>& over
     if (scratch.load_parameters_path.empty())
       throw config_error("model_name: hf reads the model from load_parameters_path/config.json: set "
                          "load_parameters_path to a Hugging Face model directory");
-    const std::string source = (fs::path(scratch.load_parameters_path) / "config.json").string();
-    for (const auto& [key, text] : hf_config_model_keys(scratch.load_parameters_path))
-      model_layer[key] = {parse_scalar_text(key, text, source), source};
+    hf_source = (fs::path(scratch.load_parameters_path) / "config.json").string();
+    for (const auto& entry : hf_config_model_keys(scratch.load_parameters_path)) {
+      model_layer[entry.key] = {parse_scalar_text(entry.key, entry.text, hf_source), hf_source};
+      hf_fields[entry.key] = entry.field;
+    }
   } else if (!scratch.model_name.empty()) {
     const fs::path model_path = models_dir / (scratch.model_name + ".yml");
     if (!fs::exists(model_path)) {
@@ -499,7 +503,26 @@ Config config_load(const std::string& path, const std::vector<std::string>& over
   }
   config.config_dir = config_path.parent_path().string();
   config.data_parallel_size = dist_env_resolve(environment).world_size;
-  config_derive_and_validate(config);
+  try {
+    config_derive_and_validate(config);
+  } catch (const Error& e) {
+    // A model key from config.json is named by its trainer key in the checks: say which field of
+    // the file it is (only for keys whose value is still the file's, not a command-line override).
+    const std::string message = e.what();
+    const auto mentions = [&](const std::string& key) {  // as a whole word: num_experts is not num_experts_per_tok
+      const auto word = [](char ch) { return std::isalnum(static_cast<unsigned char>(ch)) || ch == '_'; };
+      for (size_t at = message.find(key); at != std::string::npos; at = message.find(key, at + 1))
+        if ((at == 0 || !word(message[at - 1])) && (at + key.size() == message.size() || !word(message[at + key.size()])))
+          return true;
+      return false;
+    };
+    std::string fields;
+    for (const auto& [key, field] : hf_fields)
+      if (merged.at(key).source == hf_source && mentions(key))
+        fields += (fields.empty() ? "" : ", ") + key + " is field '" + field + "'";
+    if (fields.empty()) throw;
+    throw Error(e.exit_code(), message + "\n  (model_name=hf, from " + hf_source + ": " + fields + ")");
+  }
   return config;
 }
 

@@ -257,7 +257,7 @@ const config_detail::KeyInfo& key_info(const std::string& key) {
 
 HfModelKeys hf_config_model_keys(const std::string& dir) {
   HfModelKeys keys;
-  for (const auto& t : translate(ConfigJson(dir))) keys.emplace_back(t.key, t.text);
+  for (const auto& t : translate(ConfigJson(dir))) keys.push_back({t.key, t.text, t.field});
   return keys;
 }
 

@@ -11,8 +11,12 @@
 
 namespace trainer {
 
-// One model key as YAML scalar text, e.g. {"base_emb_dim", "2048"}.
-using HfModelKeys = std::vector<std::pair<std::string, std::string>>;
+// One model key as YAML scalar text and the config.json field it comes from, e.g.
+// {"base_emb_dim", "2048", "hidden_size"}.
+struct HfModelKey {
+  std::string key, text, field;
+};
+using HfModelKeys = std::vector<HfModelKey>;
 
 // The model keys a Hugging Face model directory describes (`dir`/config.json), as a model file
 // would set them: what `model_name: hf` loads. Throws config_error (exit 2) naming the file and
