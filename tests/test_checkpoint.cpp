@@ -806,6 +806,18 @@ TEST_CASE("load_parameters_path starts from exported weights with a fresh optimi
   CHECK(corrupt.exit_code == 3);
   CHECK_THAT(corrupt.output, Catch::Contains("load_parameters_path " + flipped + " is not usable") &&
                                  Catch::Contains("model.safetensors"));
+  // Only the weights are verified for load_parameters_path: the optimizer state, twice their
+  // size, was read to check its CRC and then never used. Without it the weights still load.
+  const std::string weights_only = kOut + "/weights-no-optimizer";
+  fs::remove_all(weights_only);
+  fs::copy(kOut + "/weights-src/checkpoints/3", weights_only, fs::copy_options::recursive);
+  fs::remove(weights_only + "/optimizer.safetensors");
+  CHECK(checkpoint_verify(weights_only) == "optimizer.safetensors is missing");
+  CHECK(checkpoint_verify(weights_only, /*weights_only=*/true).empty());
+  const auto loaded = run_trainer(base + "steps=1 run_name=weights-no-optimizer-run load_parameters_path=" + weights_only);
+  INFO(loaded.output);
+  CHECK(loaded.exit_code == 0);
+  CHECK_THAT(loaded.output, Catch::Contains("loaded weights from " + weights_only));
 }
 
 TEST_CASE("bit-exact resume on Megatron data (the data position is restored)", "[checkpoint][data]") {

@@ -428,7 +428,7 @@ torch::Tensor CheckpointReader::read(const std::string& name) const {
   return tensor;
 }
 
-std::string checkpoint_verify(const std::string& checkpoint_dir) {
+std::string checkpoint_verify(const std::string& checkpoint_dir, bool weights_only) {
   const fs::path dir(checkpoint_dir);
   const fs::path manifest_path = dir / "manifest.json";
   if (!fs::exists(dir)) return "it does not exist";
@@ -450,7 +450,13 @@ std::string checkpoint_verify(const std::string& checkpoint_dir) {
   try {
     if (!manifest.is_object() || !manifest.contains("format_version")) return "manifest has no format_version";
     if (!manifest["format_version"].is_number_integer()) return "manifest format_version is not an integer";
-    for (const std::string& file : checkpoint_required_files(manifest.value("shards", int64_t{1}))) {
+    const int64_t shards = manifest.value("shards", int64_t{1});
+    std::vector<std::string> files = checkpoint_required_files(shards);
+    if (weights_only) {
+      files = checkpoint_tensor_files(shards).first;
+      if (shards > 1) files.push_back("model.safetensors.index.json");
+    }
+    for (const std::string& file : files) {
       if (!manifest.at("files").contains(file)) return "manifest does not list " + file;
       const auto& entry = manifest["files"][file];
       if (!fs::exists(dir / file)) return file + " is missing";

@@ -467,10 +467,11 @@ int64_t Trainer::load_initial_state(StartingFor use) {
     const std::string& path = c.load_parameters_path;
     const bool dir = std::filesystem::is_directory(path);
     if (!dir && !std::filesystem::exists(path)) throw config_error("load_parameters_path: no file " + path);
-    // A checkpoint directory is verified as a resume verifies it (sizes and CRC32C against its
-    // manifest): a flipped byte used to load as a weight of 5051.
+    // A checkpoint directory's model files are verified as a resume verifies them (sizes and
+    // CRC32C against its manifest): a flipped byte used to load as a weight of 5051. Its
+    // optimizer files are not read (they were, and are twice the weights' size).
     if (dir && std::filesystem::exists(std::filesystem::path(path) / "manifest.json"))
-      if (const std::string problem = checkpoint_verify(path); !problem.empty())
+      if (const std::string problem = checkpoint_verify(path, /*weights_only=*/true); !problem.empty())
         throw Error(kExitData, "load_parameters_path " + path + " is not usable: " + problem);
     if (sharded_state_) {
       auto reader = CheckpointReader::weights(path);
