@@ -111,6 +111,14 @@ std::string state_to_json(const CheckpointState& s) {
   return j.dump(2) + "\n";
 }
 
+// A checkpoint of another format is not damage: the run stops (falling back to an older one would
+// let this run's next save at that step delete the newer one). `where`: "state.json", "manifest".
+Error checkpoint_format_error(const std::string& checkpoint, const std::string& where, int64_t version) {
+  return config_error("checkpoint " + checkpoint + " has format_version " + std::to_string(version) + " in its " + where +
+                      "; this trainer reads version " + std::to_string(kCheckpointFormatVersion) +
+                      " (use the trainer that wrote it)");
+}
+
 CheckpointState state_from_json(const std::string& text, const std::string& path) {
   const auto malformed = [&](const std::string& what) {
     return config_error("checkpoint " + path + ": state.json is malformed: " + what);
@@ -132,9 +140,7 @@ CheckpointState state_from_json(const std::string& text, const std::string& path
   try {
     const auto j = nlohmann::json::parse(text);
     const int64_t version = integer(j, "format_version");
-    if (version != kCheckpointFormatVersion)
-      throw config_error("checkpoint " + path + " has format_version " + std::to_string(version) +
-                         "; this trainer reads version " + std::to_string(kCheckpointFormatVersion));
+    if (version != kCheckpointFormatVersion) throw checkpoint_format_error(path, "state.json", version);
     CheckpointState s;
     s.step = integer(j, "step");
     s.updates_applied = integer(j, "updates_applied");
@@ -440,13 +446,9 @@ std::string checkpoint_verify(const std::string& checkpoint_dir, bool weights_on
   } catch (const std::exception& e) {
     return std::string("manifest unreadable: ") + e.what();
   }
-  // Another format is not damage: falling back to an older checkpoint would let this run's next
-  // save at that step delete it, so it stops the run instead.
   if (manifest.is_object() && manifest.contains("format_version") && manifest["format_version"].is_number_integer() &&
       manifest["format_version"].get<int64_t>() != kCheckpointFormatVersion)
-    throw config_error("checkpoint " + checkpoint_dir + " has format_version " +
-                       std::to_string(manifest["format_version"].get<int64_t>()) + " in its manifest; this trainer reads version " +
-                       std::to_string(kCheckpointFormatVersion) + " (use the trainer that wrote it)");
+    throw checkpoint_format_error(checkpoint_dir, "manifest", manifest["format_version"].get<int64_t>());
   try {
     if (!manifest.is_object() || !manifest.contains("format_version")) return "manifest has no format_version";
     if (!manifest["format_version"].is_number_integer()) return "manifest format_version is not an integer";
