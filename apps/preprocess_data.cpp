@@ -2,9 +2,12 @@
 // Megatron-LM's tools/preprocess_data.py writes with the same tokens (its flags where they exist;
 // the rules per case are in encode_document below and docs/data.md). Output is identical for any
 // --workers. The input is streamed in batches: memory holds a batch, not the corpus.
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -89,6 +92,17 @@ std::vector<std::string> read_batch(std::istream& in, const std::string& input) 
   return lines;
 }
 
+// The writers' temporary files, removed when SIGINT or SIGTERM ends the run: a long run stopped
+// with Ctrl-C left gigabytes of .partial-<pid> files. Filled before the handlers are installed
+// and never changed after, so the handler only reads it (unlink is async-signal-safe).
+std::vector<std::string> g_temporary_paths;
+
+void remove_temporary_files_and_die(int signal_number) {
+  for (const auto& path : g_temporary_paths) ::unlink(path.c_str());
+  std::signal(signal_number, SIG_DFL);
+  std::raise(signal_number);  // the usual status of a run ended by the signal (130, 143 in a shell)
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -133,6 +147,10 @@ int main(int argc, char** argv) {
     std::vector<std::unique_ptr<trainer::IndexedDatasetWriter>> writers;
     for (const auto& key : json_keys)
       writers.push_back(std::make_unique<trainer::IndexedDatasetWriter>(output_prefix + "_" + key + "_document", dtype));
+    for (const auto& writer : writers)
+      for (const auto& path : writer->temporary_paths()) g_temporary_paths.push_back(path);
+    std::signal(SIGINT, remove_temporary_files_and_die);
+    std::signal(SIGTERM, remove_temporary_files_and_die);
     const auto start = std::chrono::steady_clock::now();
     const auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
     size_t first_line = 0;  // of the batch, 0-based

@@ -2,7 +2,9 @@
 // reference (tests/fixtures/make_fixtures.py), blending, masks, corrupt inputs, cache, tools.
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <filesystem>
@@ -911,6 +913,40 @@ TEST_CASE("preprocess_data streams: a corpus of several batches gives Megatron's
   CHECK(read_file(kDir + "/stream_text_document.idx") == good_idx);
   for (const auto& entry : fs::directory_iterator(kDir))
     CHECK(entry.path().filename().string().find(".partial-") == std::string::npos);
+}
+
+TEST_CASE("preprocess_data stopped by SIGINT or SIGTERM removes its temporary files", "[data][cli]") {
+  // The input is a FIFO this test keeps open: the tool has created its temporary .bin and waits
+  // for more lines when the signal comes (a long run stopped with Ctrl-C left .partial-<pid> files).
+  for (const int signal_number : {SIGINT, SIGTERM}) {
+    const std::string name = "interrupted-" + std::to_string(signal_number);
+    const std::string fifo = kDir + "/" + name + ".fifo", prefix = kDir + "/" + name;
+    fs::create_directories(kDir);
+    fs::remove(fifo);
+    REQUIRE(mkfifo(fifo.c_str(), 0644) == 0);
+    const int writer = open(fifo.c_str(), O_RDWR | O_CLOEXEC);  // O_RDWR: does not wait for the reader
+    REQUIRE(writer >= 0);
+    const std::string line = "{\"text\": \"one line\"}\n";
+    REQUIRE(write(writer, line.data(), line.size()) == static_cast<ssize_t>(line.size()));
+    ChildProcesses children;
+    const pid_t pid = fork();
+    if (pid == 0) {
+      const int log = open((prefix + ".log").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      dup2(log, 1);
+      dup2(log, 2);
+      execl(PREPROCESS_BINARY, PREPROCESS_BINARY, "--input", fifo.c_str(), "--output-prefix", prefix.c_str(), nullptr);
+      _exit(127);
+    }
+    children.add(pid);
+    const std::string partial = prefix + "_text_document.bin.partial-" + std::to_string(pid);
+    REQUIRE(wait_until([&] { return fs::exists(partial); }, 60));
+    kill(pid, signal_number);
+    CHECK(children.wait(pid) == 128 + signal_number);  // ended by the signal, as without the handler
+    close(writer);
+    CHECK_FALSE(fs::exists(partial));
+    CHECK_FALSE(fs::exists(prefix + "_text_document.idx.partial-" + std::to_string(pid)));
+    CHECK_FALSE(fs::exists(prefix + "_text_document.bin"));
+  }
 }
 
 TEST_CASE("preprocess_data fails with exit 3 naming the line where Megatron's script raises", "[data][cli]") {

@@ -86,6 +86,8 @@ class IndexedDatasetWriter {
   int64_t num_documents() const { return static_cast<int64_t>(document_index_.size()) - 1; }
   int64_t num_sequences() const { return static_cast<int64_t>(lengths_.size()); }
   int64_t num_tokens() const { return tokens_; }
+  // The two temporary names (.bin, .idx) until finish(): a tool that is interrupted removes them.
+  std::vector<std::string> temporary_paths() const { return {bin_path_, idx_path_}; }
 
  private:
   std::string prefix_, bin_path_, idx_path_;  // the two temporary names until finish()
