@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -17,6 +18,7 @@
 #include "trainer/data/gpt_dataset.h"
 #include "trainer/data/indexed_dataset.h"
 #include "trainer/train/train.h"
+#include "trainer/util/crc32c.h"
 #include "trainer/util/error.h"
 
 using namespace trainer;
@@ -552,6 +554,40 @@ TEST_CASE("a re-created loader continues exactly, and the index cache is reused 
   const DataLoader after_truncation(c, 0);
   CHECK(after_truncation.data_loader_next(29, 0).inputs == first.data_loader_next(29, 0).inputs);
   CHECK(read_file(files[0]) == original);
+  // A sound cache file of other indices copied under this name (here the seed=1 one; another
+  // corpus's crashed the run with SIGSEGV, one of equal size gave other samples silently) is not
+  // trusted either: the file names what it was built from.
+  std::string other_seed;
+  for (const auto& e : fs::directory_iterator(kDir + "/cache-cache"))
+    if (e.path() != files[0] && read_file(e.path().string()).find("|seed 1|") != std::string::npos)
+      other_seed = e.path().string();
+  REQUIRE_FALSE(other_seed.empty());
+  fs::copy_file(other_seed, files[0], fs::copy_options::overwrite_existing);
+  const DataLoader after_copy(c, 0);
+  for (int64_t step = 0; step < 30; ++step)
+    CHECK(after_copy.data_loader_next(step, 0).inputs == first.data_loader_next(step, 0).inputs);
+  CHECK(read_file(files[0]) == original);
+  // Ids outside the corpus under a valid checksum and key (a forged or buggy writer): rebuilt.
+  // Layout: magic (8), six u64 counts, u32 CRC32C of the key text and the arrays, the key text,
+  // then the int32 document ids.
+  uint64_t counts[6];
+  std::memcpy(counts, original.data() + 8, sizeof counts);
+  const size_t header = 8 + sizeof counts + 4;
+  std::string forged = original;
+  const int32_t outside = 1 << 30;
+  std::memcpy(forged.data() + header + counts[5], &outside, 4);
+  const uint32_t crc = crc32c_update(0, forged.data() + header, forged.size() - header);
+  std::memcpy(forged.data() + header - 4, &crc, 4);
+  std::ofstream(files[0], std::ios::binary) << forged;
+  const DataLoader after_forgery(c, 0);
+  CHECK(after_forgery.data_loader_next(0, 0).inputs == first.data_loader_next(0, 0).inputs);
+  CHECK(read_file(files[0]) == original);
+  // A FIFO under the name blocked the open on every rank, past the collective timeout.
+  fs::remove(files[0]);
+  REQUIRE(mkfifo(files[0].c_str(), 0644) == 0);
+  const DataLoader after_fifo(c, 0);
+  CHECK(after_fifo.data_loader_next(5, 0).inputs == first.data_loader_next(5, 0).inputs);
+  CHECK(read_file(files[0]) == original);
 }
 
 TEST_CASE("an index cache write deletes the temporaries killed writers on this host left, and no other", "[data]") {
@@ -580,11 +616,15 @@ TEST_CASE("an index cache write deletes the temporaries killed writers on this h
   }
   CHECK(caches == 1);
   CHECK(temporaries == 2);  // its own was renamed
-  // The arrays the loader holds are the cache file's payload (after its 52-byte header): the
-  // memory plan check counts them as resident data, not as runtime.
+  // The arrays the loader holds are the cache file's payload (after its 60-byte header and the
+  // key text, whose length is the header's sixth count): the memory plan check counts them as
+  // resident data, not as runtime.
   for (const auto& e : fs::directory_iterator(dir))
-    if (e.path().extension() == ".gptidx")
-      CHECK(loader.data_loader_index_bytes() == static_cast<double>(fs::file_size(e.path()) - 52));
+    if (e.path().extension() == ".gptidx") {
+      uint64_t key_bytes = 0;
+      std::memcpy(&key_bytes, read_file(e.path().string()).data() + 8 + 5 * 8, 8);
+      CHECK(loader.data_loader_index_bytes() == static_cast<double>(fs::file_size(e.path()) - 60 - key_bytes));
+    }
 }
 
 TEST_CASE("ranks meet per index file: rank 0 announces it, the others read it or, not seeing it, build it at once", "[data]") {
@@ -600,9 +640,11 @@ TEST_CASE("ranks meet per index file: rank 0 announces it, the others read it or
   // Rank 0 announces each file once it is on disk: after building it, and after a cache hit
   // (another node's rank may still miss it).
   std::vector<std::string> announced;
-  DataIndexSync rank0{[&](const std::string& file) {
+  DataIndexSync rank0{[&](const std::string& file, bool cached) {
     CHECK(fs::exists(file));
+    CHECK(cached);
     announced.push_back(file);
+    return cached;
   }};
   const DataLoader built(c, 0, rank0);
   const auto files = cached_files(kDir + "/cache-sync");
@@ -613,7 +655,10 @@ TEST_CASE("ranks meet per index file: rank 0 announces it, the others read it or
 
   // Rank 1 that finds the file does not wait for rank 0.
   int waits = 0;
-  DataIndexSync rank1_shared{[&](const std::string&) { ++waits; }};
+  DataIndexSync rank1_shared{[&](const std::string&, bool) {
+    ++waits;
+    return true;
+  }};
   const DataLoader shared(c, 1, rank1_shared);
   CHECK(waits == 0);
   CHECK(shared.data_loader_sample(3).inputs == built.data_loader_sample(3).inputs);
@@ -622,11 +667,13 @@ TEST_CASE("ranks meet per index file: rank 0 announces it, the others read it or
   const std::string bytes = read_file(files[0]);
   fs::remove(files[0]);
   fs::file_time_type stamp;
-  DataIndexSync rank1_waits{[&](const std::string& file) {
+  DataIndexSync rank1_waits{[&](const std::string& file, bool cached) {
     ++waits;
     CHECK(file == files[0]);
+    CHECK_FALSE(cached);  // a waiting rank has nothing to report
     std::ofstream(file, std::ios::binary) << bytes;  // rank 0 finishes during the wait
     stamp = fs::last_write_time(file);
+    return true;
   }};
   const DataLoader waited(c, 1, rank1_waits);
   CHECK(waits == 1);
@@ -641,9 +688,20 @@ TEST_CASE("ranks meet per index file: rank 0 announces it, the others read it or
   CHECK(read_file(files[0]) == bytes);
   for (int64_t i = 0; i < 30; ++i) CHECK(node_local.data_loader_sample(i).inputs == built.data_loader_sample(i).inputs);
 
+  // Rank 0 that could not write the file says so: rank 1 builds at once and does not read a
+  // stale file of that name (here a leftover with other contents).
+  std::ofstream(files[0], std::ios::binary) << "stale";
+  DataIndexSync rank0_not_cached{[&](const std::string&, bool) {
+    ++waits;
+    return false;
+  }};
+  const DataLoader uncached(c, 1, rank0_not_cached);
+  CHECK(waits == 3);
+  CHECK(uncached.data_loader_sample(4).inputs == built.data_loader_sample(4).inputs);
+
   // Rank 0 never announcing (it failed, or a build outlasting the timeout) is the wait's error.
   fs::remove(files[0]);
-  DataIndexSync times_out{[](const std::string& file) { throw Error(kExitDistributed, "no news of " + file); }};
+  DataIndexSync times_out{[](const std::string& file, bool) -> bool { throw Error(kExitDistributed, "no news of " + file); }};
   try {
     DataLoader(c, 1, times_out);
     FAIL("expected the wait's error");

@@ -68,10 +68,11 @@ enum class DataSplit { kTrain = 0, kValid = 1, kTest = 2 };
 // each missing file; `sync` is how the ranks meet (empty members: one process, every miss is
 // built here). Errors in the data throw trainer::Error (exit code 3).
 struct DataIndexSync {
-  // Rank 0 calls announce(file) once the file is written (or found); another rank that does not
-  // find the file calls it to wait for rank 0, then reads it, or builds it itself where it cannot
-  // see rank 0's (a node-local cache directory).
-  std::function<void(const std::string& file)> announce;
+  // Rank 0 calls announce(file, cached) once the file is written or found (cached = true) or it
+  // could not write it (false); another rank that does not find the file calls it to wait for
+  // rank 0 and gets rank 0's `cached`, then reads the file, or builds the index itself where rank
+  // 0 did not cache it or it cannot see rank 0's (a node-local cache directory).
+  std::function<bool(const std::string& file, bool cached)> announce;
   // Every rank calls vote(whether its index arrays do not fit in memory) before any builds them;
   // it returns how many ranks' do not, so all exit 2 together.
   std::function<int64_t(bool does_not_fit)> vote;

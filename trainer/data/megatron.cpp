@@ -51,29 +51,63 @@ std::vector<std::pair<double, std::string>> parse_dataset_path(const std::string
   return out;
 }
 
-// A cache file: magic, counts, the CRC32C of the arrays, then the three arrays. Written to a temp
-// file and renamed. A file that is short, long, of another version or fails its checksum is not
-// trusted: the indices are rebuilt and the file replaced.
-constexpr char kCacheMagic[8] = {'T', 'R', 'G', 'P', 'T', 'I', 'X', '2'};
+// A cache file: magic, counts, the CRC32C of what follows, the description of the key (what the
+// indices were built from), then the three arrays. Written to a temp file and renamed. A file that
+// is not a regular file, short, long, of another version, fails its checksum, was built from
+// something else (another corpus copied under this name) or holds ids outside this corpus is not
+// trusted: a warning says why, the indices are rebuilt and the file replaced.
+constexpr char kCacheMagic[8] = {'T', 'R', 'G', 'P', 'T', 'I', 'X', '3'};
 
-uint32_t cache_checksum(const GptIndices& ix) {
-  uint32_t crc = crc32c_update(0, ix.document_index.data(), 4 * ix.document_index.size());
+uint32_t cache_checksum(const std::string& description, const GptIndices& ix) {
+  uint32_t crc = crc32c_update(0, description.data(), description.size());
+  crc = crc32c_update(crc, ix.document_index.data(), 4 * ix.document_index.size());
   crc = crc32c_update(crc, ix.sample_index.data(), 8 * ix.sample_index.size());
   return crc32c_update(crc, ix.shuffle_index.data(), 8 * ix.shuffle_index.size());
 }
 
-bool read_cache(const std::string& path, GptIndices& ix) {
+// The arrays index each other and the corpus: every id in range, so that a sample never reads
+// outside the .idx (a checksum-valid file of another corpus ended a run with SIGSEGV).
+bool cache_indices_in_range(const GptIndices& ix, int64_t num_sequences) {
+  for (const int32_t d : ix.document_index)
+    if (d < 0 || d >= num_sequences) return false;
+  if (ix.sample_index.size() < 2 || ix.sample_index.size() % 2 != 0) return false;
+  const int64_t positions = static_cast<int64_t>(ix.document_index.size());
+  for (size_t i = 0; i < ix.sample_index.size(); i += 2)
+    if (ix.sample_index[i] < 0 || ix.sample_index[i] > positions || ix.sample_index[i + 1] < 0) return false;
+  const int64_t samples = static_cast<int64_t>(ix.sample_index.size() / 2) - 1;
+  for (const int64_t s : ix.shuffle_index)
+    if (s < 0 || s >= samples) return false;
+  return true;
+}
+
+bool read_cache(const std::string& path, const std::string& description, int64_t num_sequences, GptIndices& ix) {
+  std::error_code ec;
+  const auto status = fs::status(path, ec);
+  if (!fs::exists(status)) return false;
+  const auto reject = [&](const std::string& why) {
+    spdlog::warn("data index cache {} {}: not used, rebuilt", path, why);
+    return false;
+  };
+  // A FIFO would block the open (every rank, past the collective timeout); a directory reads nothing.
+  if (!fs::is_regular_file(status)) return reject("is not a regular file");
   std::ifstream in(path, std::ios::binary);
-  if (!in) return false;
+  if (!in) return reject(std::string("cannot be opened (") + std::strerror(errno) + ")");
   char magic[8];
-  uint64_t counts[5];
+  uint64_t counts[6];  // document, sample, shuffle array lengths, epochs, separate final epoch, description bytes
   uint32_t checksum = 0;
   in.read(magic, 8);
   in.read(reinterpret_cast<char*>(counts), sizeof counts);
   in.read(reinterpret_cast<char*>(&checksum), sizeof checksum);
-  if (!in || std::memcmp(magic, kCacheMagic, 8) != 0) return false;
-  const auto file_size = fs::file_size(path);
-  if (file_size != 8 + sizeof counts + sizeof checksum + 4 * counts[0] + 8 * counts[1] + 8 * counts[2]) return false;
+  if (!in) return reject("is shorter than its header");
+  if (std::memcmp(magic, kCacheMagic, 8) != 0) return reject("is not a cache file of this version");
+  const uint64_t file_size = fs::file_size(path, ec);
+  const uint64_t header = 8 + sizeof counts + sizeof checksum;
+  // Each count bounded by the file before it is multiplied or allocated.
+  if (ec || counts[0] > file_size || counts[1] > file_size || counts[2] > file_size || counts[5] > file_size ||
+      file_size != header + counts[5] + 4 * counts[0] + 8 * counts[1] + 8 * counts[2])
+    return reject("does not have the size its header gives");
+  std::string stored(counts[5], '\0');
+  in.read(stored.data(), static_cast<std::streamsize>(stored.size()));
   ix.document_index.resize(counts[0]);
   ix.sample_index.resize(counts[1]);
   ix.shuffle_index.resize(counts[2]);
@@ -82,11 +116,10 @@ bool read_cache(const std::string& path, GptIndices& ix) {
   in.read(reinterpret_cast<char*>(ix.document_index.data()), static_cast<std::streamsize>(4 * counts[0]));
   in.read(reinterpret_cast<char*>(ix.sample_index.data()), static_cast<std::streamsize>(8 * counts[1]));
   in.read(reinterpret_cast<char*>(ix.shuffle_index.data()), static_cast<std::streamsize>(8 * counts[2]));
-  if (!in || in.peek() != EOF) return false;
-  if (cache_checksum(ix) != checksum) {
-    spdlog::warn("data index cache {} fails its checksum: not used, rebuilt", path);
-    return false;
-  }
+  if (!in || in.peek() != EOF) return reject("could not be read whole");
+  if (cache_checksum(stored, ix) != checksum) return reject("fails its checksum");
+  if (stored != description) return reject("was built from something else (" + stored + ")");
+  if (!cache_indices_in_range(ix, num_sequences)) return reject("holds ids outside this corpus");
   return true;
 }
 
@@ -114,18 +147,20 @@ void cache_remove_stale_temporaries(const fs::path& dir, const std::string& suff
   }
 }
 
-void write_cache(const std::string& path, const GptIndices& ix) {
+void write_cache(const std::string& path, const std::string& description, const GptIndices& ix) {
   const std::string suffix = cache_temporary_suffix();
   cache_remove_stale_temporaries(fs::path(path).parent_path(), suffix);
   const std::string tmp = path + suffix + std::to_string(::getpid());
   try {
     std::ofstream out(tmp, std::ios::binary);
-    const uint64_t counts[5] = {ix.document_index.size(), ix.sample_index.size(), ix.shuffle_index.size(),
-                                static_cast<uint64_t>(ix.num_epochs), ix.separate_final_epoch ? 1u : 0u};
-    const uint32_t checksum = cache_checksum(ix);
+    const uint64_t counts[6] = {ix.document_index.size(), ix.sample_index.size(), ix.shuffle_index.size(),
+                                static_cast<uint64_t>(ix.num_epochs), ix.separate_final_epoch ? 1u : 0u,
+                                description.size()};
+    const uint32_t checksum = cache_checksum(description, ix);
     out.write(kCacheMagic, 8);
     out.write(reinterpret_cast<const char*>(counts), sizeof counts);
     out.write(reinterpret_cast<const char*>(&checksum), sizeof checksum);
+    out.write(description.data(), static_cast<std::streamsize>(description.size()));
     out.write(reinterpret_cast<const char*>(ix.document_index.data()), static_cast<std::streamsize>(4 * counts[0]));
     out.write(reinterpret_cast<const char*>(ix.sample_index.data()), static_cast<std::streamsize>(8 * counts[1]));
     out.write(reinterpret_cast<const char*>(ix.shuffle_index.data()), static_cast<std::streamsize>(8 * counts[2]));
@@ -309,31 +344,37 @@ class MegatronSource : public SampleSource {
     // its node) builds it at once: polling for the file with a timeout instead made such a rank
     // wait the whole collective timeout, and rank 0 then timed out in the next collective.
     const bool waits_for_rank0 = rank_ > 0 && sync_.announce;
-    if (read_cache(file, ix)) {
+    const int64_t sequences = data.num_sequences();
+    if (read_cache(file, desc.str(), sequences, ix)) {
       spdlog::info("data index cache hit: {} ({} samples, {:.3f} s)", file, num_samples, elapsed());
-      if (rank_ == 0 && sync_.announce) sync_.announce(file);
+      if (rank_ == 0 && sync_.announce) sync_.announce(file, true);
       return ix;
     }
     if (waits_for_rank0) {
-      sync_.announce(file);
-      if (read_cache(file, ix)) {
+      if (!sync_.announce(file, false)) {
+        spdlog::info("rank {}: rank 0 could not cache the data index {} (see its log); building it on this rank", rank_, file);
+      } else if (read_cache(file, desc.str(), sequences, ix)) {
         spdlog::info("data index from rank 0's cache: {} ({:.3f} s)", file, elapsed());
         return ix;
+      } else {
+        spdlog::warn("rank {}: rank 0's data index {} is not visible here (data_cache_path local to each node?); "
+                     "building it on this rank", rank_, file);
       }
-      spdlog::warn("rank {}: rank 0's data index {} is not visible here (data_cache_path local to each node?); "
-                   "building it on this rank", rank_, file);
     }
     ix = gpt_build_indices(data.sequence_lengths(), documents, c.max_target_length, num_samples,
                            static_cast<uint32_t>(c.data_shuffle_seed));
+    bool cached = false;
     try {
       fs::create_directories(dir);
-      write_cache(file, ix);
+      write_cache(file, desc.str(), ix);
+      cached = true;
       spdlog::info("data index built and cached: {} ({} samples, {} epochs, {:.3f} s)", file, num_samples,
                    ix.num_epochs, elapsed());
     } catch (const std::exception& e) {
       spdlog::warn("data index built in {:.3f} s but not cached ({}); it will be rebuilt next time", elapsed(), e.what());
     }
-    if (rank_ == 0 && sync_.announce) sync_.announce(file);  // written or not: the others build what they cannot read
+    // Written or not: the others build what rank 0 could not cache or they cannot read.
+    if (rank_ == 0 && sync_.announce) sync_.announce(file, cached);
     return ix;
   }
 

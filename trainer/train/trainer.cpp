@@ -36,9 +36,9 @@ DataIndexSync data_index_sync(Communicator& comm, double timeout_seconds) {
   if (comm.world_size() == 1) return {};
   DataIndexSync sync;
   sync.vote = [&comm](bool does_not_fit) { return ranks_reporting(does_not_fit, comm, "the data index memory check"); };
-  sync.announce = [&comm, timeout_seconds](const std::string& file) {
+  sync.announce = [&comm, timeout_seconds](const std::string& file, bool cached) {
     try {
-      comm.broadcast_string("data index " + file, "ready");
+      return comm.broadcast_string("data index " + file, cached ? "cached" : "not cached") == "cached";
     } catch (const Error& e) {
       throw Error(e.exit_code(), std::string(e.what()) + ": rank 0 did not announce the data index " + file + " within " +
                                      std::to_string(static_cast<int64_t>(timeout_seconds)) +
