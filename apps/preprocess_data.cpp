@@ -136,6 +136,20 @@ int main(int argc, char** argv) {
     if (append_eod && tokenizer->tokenizer_eod() < 0)
       throw trainer::config_error("--append-eod: --tokenizer-model " + tokenizer_model + " has no </s> (eos) piece for <eod>");
     if (std::filesystem::is_directory(input)) throw trainer::Error(trainer::kExitData, "--input " + input + " is a directory");
+    for (size_t k = 0; k < json_keys.size(); ++k) {
+      // Two writers of one key shared their temporary files: the run failed after writing.
+      if (std::find(json_keys.begin(), json_keys.begin() + static_cast<std::ptrdiff_t>(k), json_keys[k]) !=
+          json_keys.begin() + static_cast<std::ptrdiff_t>(k))
+        throw trainer::config_error("--json-keys names \"" + json_keys[k] + "\" twice");
+      // The input replaced by the output it is read into, silently.
+      for (const char* extension : {".bin", ".idx"}) {
+        const std::string output = output_prefix + "_" + json_keys[k] + "_document" + extension;
+        std::error_code error;
+        if (std::filesystem::equivalent(input, output, error))
+          throw trainer::config_error("--output-prefix " + output_prefix + " would overwrite the --input " + input +
+                                      " (as " + output + "); choose another prefix");
+      }
+    }
     std::ifstream in(input, std::ios::binary);
     if (!in) throw trainer::Error(trainer::kExitData, "cannot open --input " + input);
     std::error_code size_error;

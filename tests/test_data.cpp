@@ -1034,6 +1034,18 @@ TEST_CASE("preprocess_data fails with exit 3 naming the line where Megatron's sc
     CHECK(code == 3);
     CHECK_THAT(log, Catch::Contains(cases[i].message));
   }
+  // A key named twice (both writers shared one temporary name: the files were written, then exit
+  // 1) and an output that is the input (replaced silently): refused before any work.
+  const auto twice = preprocess("twice", "{\"text\": \"a\"}\n", "--json-keys text text");
+  CHECK(twice.first == 2);
+  CHECK_THAT(twice.second, Catch::Contains("--json-keys names \"text\" twice"));
+  CHECK_FALSE(fs::exists(kDir + "/twice_text_document.bin"));
+  const std::string self = kDir + "/self_text_document.bin";
+  std::ofstream(self) << "{\"text\": \"a\"}\n";
+  const auto overwrite = run_command(std::string(PREPROCESS_BINARY) + " --input " + self + " --output-prefix " + kDir + "/self");
+  CHECK(overwrite.exit_code == 2);
+  CHECK_THAT(overwrite.output, Catch::Contains("would overwrite the --input " + self));
+  CHECK(read_file(self) == "{\"text\": \"a\"}\n");
   // A directory as --input (it opens as a stream that reads nothing) and a thread count out of range.
   const auto dir = run_command(std::string(PREPROCESS_BINARY) + " --input " + kDir + " --output-prefix " + kDir + "/fromdir");
   CHECK(dir.exit_code == 3);
