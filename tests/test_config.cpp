@@ -137,6 +137,15 @@ TEST_CASE("config errors name the key and exit with code 2", "[config]") {
     CHECK(e.exit_code() == kExitUsage);
     CHECK_THAT(e.what(), Catch::Contains("eod_id (-2) must be >= 0, or -1 for none"));
   }
+  SECTION("an empty run_name names a new directory, also for a second run within the same second") {
+    const std::string base = test_root() + "/stamped";
+    const Config first = config_load(source_path("configs/base.yml"), {"run_name=", "base_output_directory=" + base}, {});
+    CHECK(first.run_name.rfind(first.model_name + "_", 0) == 0);
+    std::filesystem::create_directories(first.run_dir);
+    const Config second = config_load(source_path("configs/base.yml"), {"run_name=", "base_output_directory=" + base}, {});
+    CHECK(second.run_dir != first.run_dir);
+    CHECK_FALSE(std::filesystem::exists(second.run_dir));
+  }
   SECTION("document flags on synthetic data (they were accepted and changed nothing)") {
     for (const std::string key : {"eod_mask_loss", "reset_position_ids", "reset_attention_mask"}) {
       INFO(key);

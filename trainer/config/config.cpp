@@ -405,7 +405,15 @@ void config_derive_and_validate(Config& c) {
                        " x global_batch_size x (max_target_length + 1) evaluation tokens do not fit in 64 bits: "
                        "lower eval_steps or raise eval_interval");
   c.global_batch_size = *batch;
-  if (c.run_name.empty()) c.run_name = c.model_name + "_" + timestamp();
+  if (c.run_name.empty()) {
+    // A new run each time: a second run started within the same second took the first one's
+    // directory (and moved its metrics aside as an earlier run's). Under a launcher every rank
+    // adopts rank 0's name.
+    const std::string stamped = c.model_name + "_" + timestamp();
+    c.run_name = stamped;
+    for (int n = 1; fs::exists(fs::path(c.base_output_directory) / c.run_name); ++n)
+      c.run_name = stamped + "_" + std::to_string(n);
+  }
   c.run_dir = (fs::path(c.base_output_directory) / c.run_name).string();
   if (c.metrics_file.empty()) c.metrics_file = (fs::path(c.run_dir) / "metrics.jsonl").string();
   // The run's own files: a metrics file there would move config.yml aside as "an earlier run's
