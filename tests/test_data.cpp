@@ -933,7 +933,7 @@ TEST_CASE("empty and multi-sequence documents: samples are drawn over sequences,
   CHECK(samples(a.output) == samples(b.output));
 }
 
-TEST_CASE("preprocess_data streams: a corpus of several batches gives Megatron's bytes; a late bad line leaves no file", "[data][cli]") {
+TEST_CASE("preprocess_data streams: a corpus of several batches gives Megatron's bytes, and a late bad line leaves no file", "[data][cli]") {
   // 150,000 lines: more than two of the tool's batches (65,536 lines each), so documents cross
   // batch boundaries; every 7th text is empty (a document without a sequence).
   constexpr int kLines = 150000;
