@@ -640,11 +640,12 @@ TEST_CASE("ranks meet per index file: rank 0 announces it, the others read it or
   // Rank 0 announces each file once it is on disk: after building it, and after a cache hit
   // (another node's rank may still miss it).
   std::vector<std::string> announced;
-  DataIndexSync rank0{[&](const std::string& file, bool cached) {
-    CHECK(fs::exists(file));
-    CHECK(cached);
-    announced.push_back(file);
-    return cached;
+  DataIndexSync rank0{[&](const std::string& slot, const DataIndexSync::Announcement& mine) {
+    CHECK_THAT(slot, Catch::Contains("train split, dataset 0"));
+    CHECK(fs::exists(mine.file));
+    CHECK(mine.cached);
+    announced.push_back(mine.file);
+    return mine;
   }};
   const DataLoader built(c, 0, rank0);
   const auto files = cached_files(kDir + "/cache-sync");
@@ -653,30 +654,30 @@ TEST_CASE("ranks meet per index file: rank 0 announces it, the others read it or
   const DataLoader hit(c, 0, rank0);
   CHECK(announced.size() == 2);
 
-  // Rank 1 that finds the file does not wait for rank 0.
+  // Rank 1 that finds the file hears rank 0 (to compare the data) and reads its own.
   int waits = 0;
-  DataIndexSync rank1_shared{[&](const std::string&, bool) {
+  const auto rank0_says = [&](const DataIndexSync::Announcement&) {
     ++waits;
-    return true;
-  }};
+    return DataIndexSync::Announcement{files[0], true};
+  };
+  DataIndexSync rank1_shared{[&](const std::string&, const DataIndexSync::Announcement& mine) { return rank0_says(mine); }};
   const DataLoader shared(c, 1, rank1_shared);
-  CHECK(waits == 0);
+  CHECK(waits == 1);
   CHECK(shared.data_loader_sample(3).inputs == built.data_loader_sample(3).inputs);
 
   // Rank 1 that misses it waits for rank 0, then reads what rank 0 wrote meanwhile (not rebuilt).
   const std::string bytes = read_file(files[0]);
   fs::remove(files[0]);
   fs::file_time_type stamp;
-  DataIndexSync rank1_waits{[&](const std::string& file, bool cached) {
-    ++waits;
-    CHECK(file == files[0]);
-    CHECK_FALSE(cached);  // a waiting rank has nothing to report
-    std::ofstream(file, std::ios::binary) << bytes;  // rank 0 finishes during the wait
-    stamp = fs::last_write_time(file);
-    return true;
+  DataIndexSync rank1_waits{[&](const std::string&, const DataIndexSync::Announcement& mine) {
+    CHECK(mine.file == files[0]);
+    CHECK_FALSE(mine.cached);  // a waiting rank has nothing to report
+    std::ofstream(mine.file, std::ios::binary) << bytes;  // rank 0 finishes during the wait
+    stamp = fs::last_write_time(mine.file);
+    return rank0_says(mine);
   }};
   const DataLoader waited(c, 1, rank1_waits);
-  CHECK(waits == 1);
+  CHECK(waits == 2);
   CHECK(fs::last_write_time(files[0]) == stamp);
   CHECK(waited.data_loader_sample(7).inputs == built.data_loader_sample(7).inputs);
 
@@ -684,30 +685,46 @@ TEST_CASE("ranks meet per index file: rank 0 announces it, the others read it or
   // soon as rank 0 announces, with the same samples.
   fs::remove(files[0]);
   const DataLoader node_local(c, 1, rank1_shared);
-  CHECK(waits == 2);
+  CHECK(waits == 3);
   CHECK(read_file(files[0]) == bytes);
   for (int64_t i = 0; i < 30; ++i) CHECK(node_local.data_loader_sample(i).inputs == built.data_loader_sample(i).inputs);
 
   // Rank 0 that could not write the file says so: rank 1 builds at once and does not read a
   // stale file of that name (here a leftover with other contents).
   std::ofstream(files[0], std::ios::binary) << "stale";
-  DataIndexSync rank0_not_cached{[&](const std::string&, bool) {
+  DataIndexSync rank0_not_cached{[&](const std::string&, const DataIndexSync::Announcement&) {
     ++waits;
-    return false;
+    return DataIndexSync::Announcement{files[0], false};
   }};
   const DataLoader uncached(c, 1, rank0_not_cached);
-  CHECK(waits == 3);
+  CHECK(waits == 4);
+
+  // Rank 0 indexing other data (its file has another key): exit 3 at once, naming both files.
+  // Ranks reading differing node-local copies used to wait out the collective timeout (exit 5).
+  DataIndexSync rank0_other_data{[&](const std::string&, const DataIndexSync::Announcement&) {
+    return DataIndexSync::Announcement{kDir + "/cache-sync/sync-00000000.gptidx", true};
+  }};
+  try {
+    DataLoader(c, 1, rank0_other_data);
+    FAIL("expected the data mismatch");
+  } catch (const Error& e) {
+    CHECK(e.exit_code() == kExitData);
+    CHECK_THAT(e.what(), Catch::Contains("rank 1 reads other data than rank 0 for the train split, dataset 0") &&
+                             Catch::Contains(fs::path(files[0]).filename().string() + " here and sync-00000000.gptidx on rank 0"));
+  }
   CHECK(uncached.data_loader_sample(4).inputs == built.data_loader_sample(4).inputs);
 
   // Rank 0 never announcing (it failed, or a build outlasting the timeout) is the wait's error.
   fs::remove(files[0]);
-  DataIndexSync times_out{[](const std::string& file, bool) -> bool { throw Error(kExitDistributed, "no news of " + file); }};
+  DataIndexSync times_out{[](const std::string& slot, const DataIndexSync::Announcement&) -> DataIndexSync::Announcement {
+    throw Error(kExitDistributed, "no news of " + slot);
+  }};
   try {
     DataLoader(c, 1, times_out);
     FAIL("expected the wait's error");
   } catch (const Error& e) {
     CHECK(e.exit_code() == kExitDistributed);
-    CHECK_THAT(e.what(), Catch::Contains("no news of " + files[0]));
+    CHECK_THAT(e.what(), Catch::Contains("no news of train split, dataset 0"));
   }
 
   // The index memory check is voted on before any rank builds: a rank whose arrays fit exits 2

@@ -68,11 +68,19 @@ enum class DataSplit { kTrain = 0, kValid = 1, kTest = 2 };
 // each missing file; `sync` is how the ranks meet (empty members: one process, every miss is
 // built here). Errors in the data throw trainer::Error (exit code 3).
 struct DataIndexSync {
-  // Rank 0 calls announce(file, cached) once the file is written or found (cached = true) or it
-  // could not write it (false); another rank that does not find the file calls it to wait for
-  // rank 0 and gets rank 0's `cached`, then reads the file, or builds the index itself where rank
-  // 0 did not cache it or it cannot see rank 0's (a node-local cache directory).
-  std::function<bool(const std::string& file, bool cached)> announce;
+  // One index file as a rank sees it: its name (which holds the key of the data it indexes) and
+  // whether rank 0 wrote it.
+  struct Announcement {
+    std::string file;
+    bool cached = false;
+  };
+  // Every rank calls announce(slot, its announcement) for each index (`slot` names the split,
+  // dataset and sample count); all get rank 0's. Rank 0 calls it once its file is written or
+  // found (cached = true) or could not be written (false). Another rank waits for it, compares
+  // the file name (a different one: the ranks read different data, exit 3), then uses its own
+  // cache hit, reads rank 0's file, or builds the index itself where rank 0 did not cache it or
+  // it cannot see rank 0's (a node-local cache directory).
+  std::function<Announcement(const std::string& slot, const Announcement& mine)> announce;
   // Every rank calls vote(whether its index arrays do not fit in memory) before any builds them;
   // it returns how many ranks' do not, so all exit 2 together.
   std::function<int64_t(bool does_not_fit)> vote;

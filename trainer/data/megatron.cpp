@@ -217,7 +217,7 @@ class MegatronSource : public SampleSource {
     }
     if (!c.allow_memory_overcommit) index_memory_check(blend, index_sizes, split);
     for (size_t d = 0; d < blend.size(); ++d)
-      components_[d].indices = cached_indices(c, *components_[d].data, documents[d], s, components_[d].num_samples);
+      components_[d].indices = cached_indices(c, *components_[d].data, documents[d], s, d, components_[d].num_samples);
     if (blend.size() > 1) gpt_blend_indices(weights_, num_samples, blend_dataset_, blend_sample_);
   }
 
@@ -320,7 +320,7 @@ class MegatronSource : public SampleSource {
   }
 
   GptIndices cached_indices(const Config& c, const IndexedDataset& data, const std::vector<int32_t>& documents,
-                            int split, int64_t num_samples) {
+                            int split, size_t dataset, int64_t num_samples) {
     // Everything the indices depend on goes into the key: the data (size and a checksum of the
     // index file), which documents, the seed, the sequence length and the sample count.
     const std::string idx_path = data.prefix() + ".idx";
@@ -342,16 +342,25 @@ class MegatronSource : public SampleSource {
     // Rank 0 tells the others once the file is there, hit or built, so a rank waits exactly as
     // long as rank 0 takes, and one that still cannot see the file (a cache directory local to
     // its node) builds it at once: polling for the file with a timeout instead made such a rank
-    // wait the whole collective timeout, and rank 0 then timed out in the next collective.
-    const bool waits_for_rank0 = rank_ > 0 && sync_.announce;
+    // wait the whole collective timeout, and rank 0 then timed out in the next collective. Every
+    // rank hears rank 0 (one that hit its own cache too): the file name holds the key of the
+    // data, so ranks reading different files under the same dataset_path (node-local copies that
+    // differ) are found here; they used to wait for a file rank 0 never announced, then blame it.
+    const std::string slot = kSplitNames[static_cast<size_t>(split)] + " split, dataset " + std::to_string(dataset) +
+                             " (" + data.prefix() + "), " + std::to_string(num_samples) + " samples";
     const int64_t sequences = data.num_sequences();
-    if (read_cache(file, desc.str(), sequences, ix)) {
-      spdlog::info("data index cache hit: {} ({} samples, {:.3f} s)", file, num_samples, elapsed());
-      if (rank_ == 0 && sync_.announce) sync_.announce(file, true);
-      return ix;
-    }
-    if (waits_for_rank0) {
-      if (!sync_.announce(file, false)) {
+    const bool hit = read_cache(file, desc.str(), sequences, ix);
+    if (hit) spdlog::info("data index cache hit: {} ({} samples, {:.3f} s)", file, num_samples, elapsed());
+    if (rank_ > 0 && sync_.announce) {
+      const auto rank0 = sync_.announce(slot, {file, false});
+      if (fs::path(rank0.file).filename() != fs::path(file).filename())
+        throw Error(kExitData, "rank " + std::to_string(rank_) + " reads other data than rank 0 for the " + slot +
+                                   ": its index is " + fs::path(file).filename().string() + " here and " +
+                                   fs::path(rank0.file).filename().string() + " on rank 0 (the name's key covers the " +
+                                   ".idx checksum, the .bin size, split, seed, max_target_length and sample count); "
+                                   "every rank must read the same files");
+      if (hit) return ix;
+      if (!rank0.cached) {
         spdlog::info("rank {}: rank 0 could not cache the data index {} (see its log); building it on this rank", rank_, file);
       } else if (read_cache(file, desc.str(), sequences, ix)) {
         spdlog::info("data index from rank 0's cache: {} ({:.3f} s)", file, elapsed());
@@ -360,6 +369,9 @@ class MegatronSource : public SampleSource {
         spdlog::warn("rank {}: rank 0's data index {} is not visible here (data_cache_path local to each node?); "
                      "building it on this rank", rank_, file);
       }
+    } else if (hit) {
+      if (rank_ == 0 && sync_.announce) sync_.announce(slot, {file, true});
+      return ix;
     }
     ix = gpt_build_indices(data.sequence_lengths(), documents, c.max_target_length, num_samples,
                            static_cast<uint32_t>(c.data_shuffle_seed));
@@ -374,7 +386,7 @@ class MegatronSource : public SampleSource {
       spdlog::warn("data index built in {:.3f} s but not cached ({}); it will be rebuilt next time", elapsed(), e.what());
     }
     // Written or not: the others build what rank 0 could not cache or they cannot read.
-    if (rank_ == 0 && sync_.announce) sync_.announce(file, cached);
+    if (rank_ == 0 && sync_.announce) sync_.announce(slot, {file, cached});
     return ix;
   }
 

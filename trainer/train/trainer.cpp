@@ -36,11 +36,12 @@ DataIndexSync data_index_sync(Communicator& comm, double timeout_seconds) {
   if (comm.world_size() == 1) return {};
   DataIndexSync sync;
   sync.vote = [&comm](bool does_not_fit) { return ranks_reporting(does_not_fit, comm, "the data index memory check"); };
-  sync.announce = [&comm, timeout_seconds](const std::string& file, bool cached) {
+  sync.announce = [&comm, timeout_seconds](const std::string& slot, const DataIndexSync::Announcement& mine) {
     try {
-      return comm.broadcast_string("data index " + file, cached ? "cached" : "not cached") == "cached";
+      const std::string value = comm.broadcast_string("data index " + slot, (mine.cached ? "1" : "0") + mine.file);
+      return DataIndexSync::Announcement{value.substr(1), value.rfind('1', 0) == 0};
     } catch (const Error& e) {
-      throw Error(e.exit_code(), std::string(e.what()) + ": rank 0 did not announce the data index " + file + " within " +
+      throw Error(e.exit_code(), std::string(e.what()) + ": rank 0 did not announce the data index of " + slot + " within " +
                                      std::to_string(static_cast<int64_t>(timeout_seconds)) +
                                      " s (it failed: see its log; or building the index takes longer: raise "
                                      "collective_timeout_seconds)");
