@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -1022,6 +1023,31 @@ TEST_CASE("preprocess_data stopped by SIGINT or SIGTERM removes its temporary fi
     CHECK_FALSE(fs::exists(prefix + "_text_document.idx.partial-" + std::to_string(pid)));
     CHECK_FALSE(fs::exists(prefix + "_text_document.bin"));
   }
+  // A SIGINT the caller ignores (a shell starts background jobs so) stays ignored: the run goes on
+  // and finishes when the input ends.
+  const std::string fifo = kDir + "/ignored.fifo", prefix = kDir + "/ignored";
+  fs::remove(fifo);
+  REQUIRE(mkfifo(fifo.c_str(), 0644) == 0);
+  const int writer = open(fifo.c_str(), O_RDWR | O_CLOEXEC);
+  REQUIRE(writer >= 0);
+  const std::string line = "{\"text\": \"kept\"}\n";
+  REQUIRE(write(writer, line.data(), line.size()) == static_cast<ssize_t>(line.size()));
+  ChildProcesses children;
+  const pid_t pid = fork();
+  if (pid == 0) {
+    std::signal(SIGINT, SIG_IGN);  // inherited through exec
+    const int log = open((prefix + ".log").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(log, 1);
+    dup2(log, 2);
+    execl(PREPROCESS_BINARY, PREPROCESS_BINARY, "--input", fifo.c_str(), "--output-prefix", prefix.c_str(), nullptr);
+    _exit(127);
+  }
+  children.add(pid);
+  REQUIRE(wait_until([&] { return fs::exists(prefix + "_text_document.bin.partial-" + std::to_string(pid)); }, 60));
+  kill(pid, SIGINT);
+  close(writer);  // the end of the input
+  CHECK(children.wait(pid) == 0);
+  CHECK(read_file(prefix + "_text_document.bin") == uint16_bytes({'k', 'e', 'p', 't'}));
 }
 
 TEST_CASE("preprocess_data fails with exit 3 naming the line where Megatron's script raises", "[data][cli]") {

@@ -66,21 +66,30 @@ uint32_t cache_checksum(const std::string& description, const GptIndices& ix) {
 }
 
 // The arrays index each other and the corpus: every id in range, so that a sample never reads
-// outside the .idx (a checksum-valid file of another corpus ended a run with SIGSEGV).
-bool cache_indices_in_range(const GptIndices& ix, int64_t num_sequences) {
+// outside the .idx or .bin (a checksum-valid file of another corpus ended a run with SIGSEGV).
+// As gpt_build_indices writes them: sample boundaries are (document_index position, offset)
+// pairs with positions that never decrease and an offset inside that sequence (0 for an empty
+// one, which only the first boundary can sit on).
+bool cache_indices_in_range(const GptIndices& ix, const std::vector<int32_t>& sizes) {
+  const int64_t num_sequences = static_cast<int64_t>(sizes.size());
   for (const int32_t d : ix.document_index)
     if (d < 0 || d >= num_sequences) return false;
   if (ix.sample_index.size() < 2 || ix.sample_index.size() % 2 != 0) return false;
   const int64_t positions = static_cast<int64_t>(ix.document_index.size());
-  for (size_t i = 0; i < ix.sample_index.size(); i += 2)
-    if (ix.sample_index[i] < 0 || ix.sample_index[i] > positions || ix.sample_index[i + 1] < 0) return false;
+  for (size_t i = 0; i < ix.sample_index.size(); i += 2) {
+    const int64_t position = ix.sample_index[i], offset = ix.sample_index[i + 1];
+    if (position < 0 || position >= positions || (i > 0 && position < ix.sample_index[i - 2])) return false;
+    const int64_t size = sizes[static_cast<size_t>(ix.document_index[static_cast<size_t>(position)])];
+    if (offset < 0 || (offset >= size && offset != 0)) return false;
+  }
   const int64_t samples = static_cast<int64_t>(ix.sample_index.size() / 2) - 1;
   for (const int64_t s : ix.shuffle_index)
     if (s < 0 || s >= samples) return false;
   return true;
 }
 
-bool read_cache(const std::string& path, const std::string& description, int64_t num_sequences, GptIndices& ix) {
+bool read_cache(const std::string& path, const std::string& description, const std::vector<int32_t>& sizes,
+                GptIndices& ix) {
   std::error_code ec;
   const auto status = fs::status(path, ec);
   if (!fs::exists(status)) return false;
@@ -119,7 +128,7 @@ bool read_cache(const std::string& path, const std::string& description, int64_t
   if (!in || in.peek() != EOF) return reject("could not be read whole");
   if (cache_checksum(stored, ix) != checksum) return reject("fails its checksum");
   if (stored != description) return reject("was built from something else (" + stored + ")");
-  if (!cache_indices_in_range(ix, num_sequences)) return reject("holds ids outside this corpus");
+  if (!cache_indices_in_range(ix, sizes)) return reject("holds ids outside this corpus");
   return true;
 }
 
@@ -348,7 +357,7 @@ class MegatronSource : public SampleSource {
     // differ) are found here; they used to wait for a file rank 0 never announced, then blame it.
     const std::string slot = kSplitNames[static_cast<size_t>(split)] + " split, dataset " + std::to_string(dataset) +
                              " (" + data.prefix() + "), " + std::to_string(num_samples) + " samples";
-    const int64_t sequences = data.num_sequences();
+    const std::vector<int32_t>& sequences = data.sequence_lengths();
     const bool hit = read_cache(file, desc.str(), sequences, ix);
     if (hit) spdlog::info("data index cache hit: {} ({} samples, {:.3f} s)", file, num_samples, elapsed());
     if (rank_ > 0 && sync_.announce) {
