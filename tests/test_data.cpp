@@ -991,22 +991,25 @@ TEST_CASE("preprocess_data streams: a corpus of several batches gives Megatron's
     CHECK(entry.path().filename().string().find(".partial-") == std::string::npos);
 }
 
-TEST_CASE("preprocess_data stopped by SIGINT or SIGTERM removes its temporary files", "[data][cli]") {
-  // The input is a FIFO this test keeps open: the tool has created its temporary .bin and waits
-  // for more lines when the signal comes (a long run stopped with Ctrl-C left .partial-<pid> files).
-  for (const int signal_number : {SIGINT, SIGTERM}) {
-    const std::string name = "interrupted-" + std::to_string(signal_number);
-    const std::string fifo = kDir + "/" + name + ".fifo", prefix = kDir + "/" + name;
+// preprocess_data started on a FIFO this test holds open with one JSON line written: the tool has
+// created its temporary .bin and waits for more input until the writer end is closed.
+struct PreprocessOnFifo {
+  std::string prefix;
+  int writer = -1;
+  pid_t pid = -1;
+
+  PreprocessOnFifo(const std::string& name, const std::string& json_line, bool ignore_sigint, ChildProcesses& children)
+      : prefix(kDir + "/" + name) {
+    const std::string fifo = prefix + ".fifo";
     fs::create_directories(kDir);
     fs::remove(fifo);
     REQUIRE(mkfifo(fifo.c_str(), 0644) == 0);
-    const int writer = open(fifo.c_str(), O_RDWR | O_CLOEXEC);  // O_RDWR: does not wait for the reader
+    writer = open(fifo.c_str(), O_RDWR | O_CLOEXEC);  // O_RDWR: does not wait for the reader
     REQUIRE(writer >= 0);
-    const std::string line = "{\"text\": \"one line\"}\n";
-    REQUIRE(write(writer, line.data(), line.size()) == static_cast<ssize_t>(line.size()));
-    ChildProcesses children;
-    const pid_t pid = fork();
+    REQUIRE(write(writer, json_line.data(), json_line.size()) == static_cast<ssize_t>(json_line.size()));
+    pid = fork();
     if (pid == 0) {
+      if (ignore_sigint) std::signal(SIGINT, SIG_IGN);  // inherited through exec
       const int log = open((prefix + ".log").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       dup2(log, 1);
       dup2(log, 2);
@@ -1014,40 +1017,59 @@ TEST_CASE("preprocess_data stopped by SIGINT or SIGTERM removes its temporary fi
       _exit(127);
     }
     children.add(pid);
-    const std::string partial = prefix + "_text_document.bin.partial-" + std::to_string(pid);
-    REQUIRE(wait_until([&] { return fs::exists(partial); }, 60));
-    kill(pid, signal_number);
-    CHECK(children.wait(pid) == 128 + signal_number);  // ended by the signal, as without the handler
-    close(writer);
-    CHECK_FALSE(fs::exists(partial));
-    CHECK_FALSE(fs::exists(prefix + "_text_document.idx.partial-" + std::to_string(pid)));
-    CHECK_FALSE(fs::exists(prefix + "_text_document.bin"));
+  }
+  ~PreprocessOnFifo() { end_input(); }
+  std::string temporary(const char* extension) const {
+    return prefix + "_text_document." + extension + ".partial-" + std::to_string(pid);
+  }
+  void end_input() {
+    if (writer >= 0) close(writer);
+    writer = -1;
+  }
+};
+
+TEST_CASE("preprocess_data stopped by SIGINT or SIGTERM removes its temporary files", "[data][cli]") {
+  // A long run stopped with Ctrl-C left .partial-<pid> files.
+  for (const int signal_number : {SIGINT, SIGTERM}) {
+    ChildProcesses children;
+    PreprocessOnFifo run("interrupted-" + std::to_string(signal_number), "{\"text\": \"one line\"}\n", false, children);
+    REQUIRE(wait_until([&] { return fs::exists(run.temporary("bin")); }, 60));
+    kill(run.pid, signal_number);
+    CHECK(children.wait(run.pid) == 128 + signal_number);  // ended by the signal, as without the handler
+    run.end_input();
+    CHECK_FALSE(fs::exists(run.temporary("bin")));
+    CHECK_FALSE(fs::exists(run.temporary("idx")));
+    CHECK_FALSE(fs::exists(run.prefix + "_text_document.bin"));
   }
   // A SIGINT the caller ignores (a shell starts background jobs so) stays ignored: the run goes on
   // and finishes when the input ends.
-  const std::string fifo = kDir + "/ignored.fifo", prefix = kDir + "/ignored";
-  fs::remove(fifo);
-  REQUIRE(mkfifo(fifo.c_str(), 0644) == 0);
-  const int writer = open(fifo.c_str(), O_RDWR | O_CLOEXEC);
-  REQUIRE(writer >= 0);
-  const std::string line = "{\"text\": \"kept\"}\n";
-  REQUIRE(write(writer, line.data(), line.size()) == static_cast<ssize_t>(line.size()));
   ChildProcesses children;
-  const pid_t pid = fork();
-  if (pid == 0) {
-    std::signal(SIGINT, SIG_IGN);  // inherited through exec
-    const int log = open((prefix + ".log").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    dup2(log, 1);
-    dup2(log, 2);
-    execl(PREPROCESS_BINARY, PREPROCESS_BINARY, "--input", fifo.c_str(), "--output-prefix", prefix.c_str(), nullptr);
-    _exit(127);
-  }
-  children.add(pid);
-  REQUIRE(wait_until([&] { return fs::exists(prefix + "_text_document.bin.partial-" + std::to_string(pid)); }, 60));
-  kill(pid, SIGINT);
-  close(writer);  // the end of the input
-  CHECK(children.wait(pid) == 0);
-  CHECK(read_file(prefix + "_text_document.bin") == uint16_bytes({'k', 'e', 'p', 't'}));
+  PreprocessOnFifo run("ignored", "{\"text\": \"kept\"}\n", true, children);
+  REQUIRE(wait_until([&] { return fs::exists(run.temporary("bin")); }, 60));
+  kill(run.pid, SIGINT);
+  run.end_input();
+  CHECK(children.wait(run.pid) == 0);
+  CHECK(read_file(run.prefix + "_text_document.bin") == uint16_bytes({'k', 'e', 'p', 't'}));
+}
+
+TEST_CASE("a signal between the .bin and .idx renames still leaves a matching pair", "[data][cli]") {
+  // The injector sends SIGTERM right after the .bin rename; it used to kill the run there, the
+  // new .bin beside the old .idx. Now the signal waits for the .idx rename.
+  fs::create_directories(kDir);
+  write_bytes(kDir + "/pair-old.jsonl", "{\"text\": \"old\"}\n");
+  write_bytes(kDir + "/pair-new.jsonl", "{\"text\": \"a longer new corpus\"}\n{\"text\": \"two\"}\n");
+  const auto preprocess = [](const std::string& input, const std::string& prefix, const std::string& env) {
+    return run_command("{ " + env + " " + PREPROCESS_BINARY + " --input " + kDir + "/" + input + " --output-prefix " +
+                       kDir + "/" + prefix + "; echo exit=$?; }");
+  };
+  REQUIRE_THAT(preprocess("pair-new.jsonl", "pair-clean", "").output, Catch::Contains("exit=0"));
+  REQUIRE_THAT(preprocess("pair-old.jsonl", "pair", "").output, Catch::Contains("exit=0"));
+  const auto interrupted = preprocess("pair-new.jsonl", "pair", std::string("LD_PRELOAD=") + RENAME_THEN_SIGTERM_LIBRARY);
+  CHECK_THAT(interrupted.output, Catch::Contains("exit=143"));  // still ended by the signal
+  CHECK(read_file(kDir + "/pair_text_document.bin") == read_file(kDir + "/pair-clean_text_document.bin"));
+  CHECK(read_file(kDir + "/pair_text_document.idx") == read_file(kDir + "/pair-clean_text_document.idx"));
+  for (const auto& entry : fs::directory_iterator(kDir))
+    CHECK(entry.path().filename().string().find("pair_text_document.idx.partial-") == std::string::npos);
 }
 
 TEST_CASE("preprocess_data fails with exit 3 naming the line where Megatron's script raises", "[data][cli]") {

@@ -2,6 +2,7 @@
 #include "trainer/data/indexed_dataset.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -281,7 +282,19 @@ void IndexedDatasetWriter::finish() {
     }
     ::close(fd);
   }
-  // The .idx last: a reader that opens the new .idx finds the new .bin beside it.
+  // The .idx last: a reader that opens the new .idx finds the new .bin beside it. SIGINT and
+  // SIGTERM wait until both names are moved: a Ctrl-C between the renames ended the run with the
+  // new .bin beside the old .idx (a pair that reads as garbage, or as silently other samples).
+  // The caller's threads are joined by now; a signal blocked here is delivered when unblocked.
+  sigset_t stop_signals, previous_mask;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, &previous_mask);
+  struct RestoreMask {
+    const sigset_t& mask;
+    ~RestoreMask() { pthread_sigmask(SIG_SETMASK, &mask, nullptr); }
+  } restore_mask{previous_mask};
   if (std::rename(bin_path_.c_str(), (prefix_ + ".bin").c_str()) != 0)
     throw Error(kExitFailure, "cannot rename " + bin_path_ + " to " + prefix_ + ".bin: " + std::strerror(errno) +
                                   " (the earlier " + prefix_ + ".bin/.idx, if any, are unchanged)");
