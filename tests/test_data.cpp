@@ -266,7 +266,8 @@ TEST_CASE("split boundaries round half to even as Megatron's get_split_indices",
     CHECK(gpt_split_boundaries(c["split"], c["n"]) == c["indices"].get<std::vector<int64_t>>());
   }
   // Not finite, or not a number as a whole: refused (NaN and inf used to be cast to int64).
-  for (const std::string bad : {"nan,1,0", "inf,1,0", "1,1e308,1e308", "90x,10,0", "90,,10"}) {
+  // Hexadecimal was read as its value, where Megatron's regex [.0-9]+ reads "0x5a" as 0 and 5.
+  for (const std::string bad : {"nan,1,0", "inf,1,0", "1,1e308,1e308", "90x,10,0", "90,,10", "0x5a,10,0"}) {
     INFO(bad);
     CHECK_THROWS_WITH(gpt_split_boundaries(bad, 100), Catch::Contains("config key 'split': '" + bad + "'"));
   }
@@ -276,10 +277,11 @@ TEST_CASE("split boundaries round half to even as Megatron's get_split_indices",
   CHECK_THROWS_WITH(gpt_split_boundaries("1e308,1e308,0", 100), Catch::Contains("its parts sum past the largest double"));
 }
 
-TEST_CASE("dataset_path weights that are infinite or sum past a double are refused with exit 2", "[data][cli]") {
+TEST_CASE("dataset_path weights that are infinite, hexadecimal or sum past a double are refused with exit 2", "[data][cli]") {
   // An infinite weight left the other datasets 0 samples; two of 1e308 made every size 0 and the
-  // sample lookup read out of bounds (SIGSEGV). Refused before any file is opened.
-  for (const std::string& path : {"1 a inf b", "1e308 a 1e308 b"}) {
+  // sample lookup read out of bounds (SIGSEGV). Refused before any file is opened. A hexadecimal
+  // weight was read as its value, where Megatron's float() refuses it.
+  for (const std::string& path : {"1 a inf b", "1e308 a 1e308 b", "0x1 a 1 b"}) {
     const auto r = run_trainer("dataset_type=megatron \"dataset_path=" + path + "\" model_name=test-tiny vocab_size=258 override_model_config=true max_target_length=16 steps=1");
     INFO(r.output);
     CHECK(r.exit_code == 2);

@@ -46,7 +46,9 @@ std::vector<int64_t> gpt_split_boundaries(const std::string& split, int64_t n) {
     char* end = nullptr;
     weights.push_back(std::strtod(part.c_str(), &end));
     const size_t used = static_cast<size_t>(end - part.c_str());
-    if (used == 0 || part.find_first_not_of(' ', used) != std::string::npos || !std::isfinite(weights.back()))
+    // Hexadecimal too: strtod reads "0x10" as 16, Megatron's regex [.0-9]+ as 0 and 10.
+    if (used == 0 || part.find_first_not_of(' ', used) != std::string::npos || !std::isfinite(weights.back()) ||
+        part.find_first_of("xX") != std::string::npos)
       throw config_error("config key 'split': '" + split + "' is not a list of finite numbers like \"969,30,1\"");
   }
   while (weights.size() < 3) weights.push_back(0.0);

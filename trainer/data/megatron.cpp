@@ -40,7 +40,8 @@ std::vector<std::pair<double, std::string>> parse_dataset_path(const std::string
   for (size_t i = 0; i < words.size(); i += 2) {
     char* end = nullptr;
     const double w = std::strtod(words[i].c_str(), &end);
-    if (*end != '\0' || !(w > 0) || !std::isfinite(w))
+    // Hexadecimal too: strtod reads "0x10" as 16, Megatron's float() refuses it.
+    if (*end != '\0' || !(w > 0) || !std::isfinite(w) || words[i].find_first_of("xX") != std::string::npos)
       throw config_error("config key 'dataset_path': weight '" + words[i] + "' before " + words[i + 1] +
                          " is not a positive finite number");
     out.emplace_back(w, words[i + 1]);
