@@ -1268,6 +1268,10 @@ TEST_CASE("Hugging Face directories: config.json round trips the model keys, and
     const std::string name = index["weight_map"].begin().key();
     std::ofstream(escaping + "/model.safetensors.index.json", std::ios::trunc) << index.dump(2);
     CHECK_THROWS_WITH(hf_read_directory(escaping), Catch::Contains("puts " + name + " in \"\", which is not a file"));
+    // An index that is a directory was "cannot parse ...: unexpected end of input".
+    fs::remove(escaping + "/model.safetensors.index.json");
+    fs::create_directory(escaping + "/model.safetensors.index.json");
+    CHECK_THROWS_WITH(hf_read_directory(escaping), escaping + "/model.safetensors.index.json is not a file");
   }
   auto with = [&](const std::string& name, const torch::Tensor& replacement) {
     NamedTensors out = tensors;

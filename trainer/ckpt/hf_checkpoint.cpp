@@ -4,7 +4,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -207,9 +209,12 @@ std::map<std::string, std::set<std::string>> hf_directory_files(const std::strin
     return {{single.string(), {}}};
   }
   if (!fs::exists(index_path)) throw config_error("no model.safetensors or model.safetensors.index.json in " + dir);
+  if (!fs::is_regular_file(index_path))  // a directory read as an empty stream: "cannot parse"
+    throw config_error(index_path.string() + " is not a file");
   nlohmann::json index;
   try {
     std::ifstream in(index_path);
+    if (!in) throw config_error("cannot read " + index_path.string() + ": " + std::strerror(errno));
     index = nlohmann::json::parse(in);
   } catch (const nlohmann::json::exception& e) {
     throw config_error("cannot parse " + index_path.string() + ": " + e.what());

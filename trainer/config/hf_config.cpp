@@ -4,8 +4,10 @@
 // docs/checkpoints.md.
 #include "trainer/config/hf_config.h"
 
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -38,6 +40,7 @@ class ConfigJson {
     if (!fs::is_regular_file(path_))
       throw config_error("no config.json in " + dir + " (a Hugging Face model directory has one)");
     std::ifstream in(path_);
+    if (!in) throw config_error("cannot read " + path_ + ": " + std::strerror(errno));
     try {
       root_ = json::parse(in);
     } catch (const json::exception& e) {
