@@ -26,6 +26,7 @@
 #include "trainer/ckpt/ckpt.h"
 #include "trainer/ckpt/safetensors.h"
 #include "trainer/util/error.h"
+#include "trainer/util/json_integer.h"
 
 namespace trainer {
 namespace {
@@ -132,8 +133,7 @@ CheckpointState state_from_json(const std::string& text, const std::string& path
   const auto integer = [&](const nlohmann::json& parent, const std::string& key) {
     const auto& v = member(parent, key, key);
     if (!v.is_number_integer()) throw malformed(key + " is " + v.dump() + ", not an integer");
-    // Above 2^63 - 1, JSON's integer is parsed unsigned and get<int64_t> would wrap it negative.
-    if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+    if (!json_is_int64(v))
       throw malformed(key + " is " + v.dump() + ", beyond the 64-bit integer range");
     return v.get<int64_t>();
   };

@@ -17,6 +17,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "trainer/util/json_integer.h"
+
 namespace trainer {
 namespace {
 
@@ -179,10 +181,9 @@ SafetensorsFile safetensors_read(const std::string& path, bool with_data) {
       const auto& shape = value.at("shape");
       // get<int64_t>() would read 2.5 as 2: a shape entry must be a JSON integer.
       if (!shape.is_array()) throw fail("tensor " + name + ": \"shape\" is not an array");
-      // Above 2^63 - 1 a JSON integer is parsed unsigned: get<int64_t>() would wrap it negative.
       for (const auto& d : shape) {
         if (!d.is_number_integer()) throw fail("tensor " + name + ": shape entry " + d.dump() + " is not an integer");
-        if (d.is_number_unsigned() && d.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+        if (!json_is_int64(d))
           throw fail("tensor " + name + ": shape entry " + d.dump() + " is beyond the 64-bit integer range");
       }
       t.shape = shape.get<std::vector<int64_t>>();

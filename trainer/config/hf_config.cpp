@@ -18,6 +18,7 @@
 
 #include "trainer/config/keys.h"
 #include "trainer/util/error.h"
+#include "trainer/util/json_integer.h"
 
 namespace trainer {
 namespace {
@@ -54,9 +55,7 @@ class ConfigJson {
     throw config_error(path_ + ": field '" + field + "' " + why);
   }
   int64_t integer(const std::string& field, std::optional<int64_t> fallback = std::nullopt) const {
-    // Above 2^63 - 1, JSON's integer is parsed unsigned and get<int64_t> would wrap it negative.
-    if (has(field) && root_[field].is_number_unsigned() &&
-        root_[field].get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+    if (has(field) && root_[field].is_number_integer() && !json_is_int64(root_[field]))
       fail(field, "is " + root_[field].dump() + ", beyond the 64-bit integer range");
     return typed(field, fallback, &json::is_number_integer, "an integer");
   }
