@@ -704,9 +704,16 @@ TEST_CASE("ranks meet per index file: rank 0 announces it, the others read it or
 
   // Rank 0 indexing other data (its file has another key): exit 3 at once, naming both files.
   // Ranks reading differing node-local copies used to wait out the collective timeout (exit 5).
+  // It votes on it first, so that every rank exits 3 (rank 0 below).
+  std::vector<std::pair<std::string, bool>> agreement_votes;
+  const auto record_votes = [&](bool mine, const std::string& what) {
+    agreement_votes.emplace_back(what, mine);
+    return int64_t{what == "the data index agreement" ? 1 : 0};  // one rank differs: this one, or rank 1
+  };
   DataIndexSync rank0_other_data{[&](const std::string&, const DataIndexSync::Announcement&) {
-    return DataIndexSync::Announcement{kDir + "/cache-sync/sync-00000000.gptidx", true};
-  }};
+                                   return DataIndexSync::Announcement{kDir + "/cache-sync/sync-00000000.gptidx", true};
+                                 },
+                                 record_votes};
   try {
     DataLoader(c, 1, rank0_other_data);
     FAIL("expected the data mismatch");
@@ -715,6 +722,21 @@ TEST_CASE("ranks meet per index file: rank 0 announces it, the others read it or
     CHECK_THAT(e.what(), Catch::Contains("rank 1 reads other data than rank 0 for the train split, dataset 0") &&
                              Catch::Contains(fs::path(files[0]).filename().string() + " here and sync-00000000.gptidx on rank 0"));
   }
+  CHECK(agreement_votes == std::vector<std::pair<std::string, bool>>{{"the data index memory check", false},
+                                                                      {"the data index agreement", true}});
+  // Rank 0 hears the vote: rank 1 differs (it used to see only rank 1 die in its next collective).
+  agreement_votes.clear();
+  DataIndexSync rank0_outvoted{[&](const std::string&, const DataIndexSync::Announcement& mine) { return mine; },
+                               record_votes};
+  try {
+    DataLoader(c, 0, rank0_outvoted);
+    FAIL("expected the data mismatch");
+  } catch (const Error& e) {
+    CHECK(e.exit_code() == kExitData);
+    CHECK_THAT(e.what(), Catch::Contains("rank 0: 1 rank(s) read other data than rank 0 for the train split, dataset 0"));
+  }
+  CHECK(agreement_votes == std::vector<std::pair<std::string, bool>>{{"the data index memory check", false},
+                                                                      {"the data index agreement", false}});
   CHECK(uncached.data_loader_sample(4).inputs == built.data_loader_sample(4).inputs);
 
   // Rank 0 never announcing (it failed, or a build outlasting the timeout) is the wait's error.
@@ -734,7 +756,8 @@ TEST_CASE("ranks meet per index file: rank 0 announces it, the others read it or
   // with the others when another's do not, and builds nothing.
   fs::remove_all(kDir + "/cache-sync");
   std::vector<bool> votes;
-  DataIndexSync other_rank_short{{}, [&](bool does_not_fit) {
+  DataIndexSync other_rank_short{{}, [&](bool does_not_fit, const std::string& what) {
+                                   CHECK(what == "the data index memory check");
                                    votes.push_back(does_not_fit);
                                    return int64_t{1};
                                  }};

@@ -1098,6 +1098,30 @@ TEST_CASE("evaluation under data parallelism, with EOD masks, equals one process
   }
 }
 
+TEST_CASE("ranks reading different files under one dataset_path all exit 3, and the differing rank names both index files", "[dist][cli]") {
+  // Node-local copies that differ, made here by two working directories and a relative path.
+  // Rank 0 used to see only its peer die in its next collective (exit 5).
+  const std::string left = kOut + "/copies-a", right = kOut + "/copies-b";
+  for (const auto& [dir, offset] : {std::pair{left, 0}, std::pair{right, 1}}) {
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+    std::vector<std::vector<int64_t>> docs;
+    for (int d = 0; d < 40 + offset; ++d) docs.push_back({10 + d % 40, 11, 12, 13, 9});  // another .idx
+    indexed_dataset_write(dir + "/corpus", docs, 8);
+  }
+  const std::string args = std::string(TRAINER_BINARY) + " " + source_path("configs/base.yml") +
+                           " dataset_type=megatron dataset_path=corpus split=1,0,0 model_name=test-tiny vocab_size=258 "
+                           "override_model_config=true max_target_length=8 per_device_batch_size=1 steps=2 run_name=copies "
+                           "base_output_directory=" + kOut;
+  const auto r = run_command("mpirun --allow-run-as-root --oversubscribe --bind-to none -np 1 -wdir " + left + " " + args +
+                             " : -np 1 -wdir " + right + " " + args);
+  INFO(r.output);
+  CHECK(r.exit_code == kExitData);
+  CHECK_THAT(r.output, Catch::Contains("rank 1 reads other data than rank 0 for the train split, dataset 0") &&
+                           Catch::Contains("rank 0: 1 rank(s) read other data than rank 0 for the train split"));
+  CHECK(r.output.find("rank 0 failed") == std::string::npos);
+}
+
 namespace {
 // Starts `mpirun -np 2 <args>` in the background (output to `log`) and returns the launcher's pid.
 pid_t mpirun_spawn(ChildProcesses& children, const std::string& args, const std::string& log) {

@@ -76,14 +76,16 @@ struct DataIndexSync {
   };
   // Every rank calls announce(slot, its announcement) for each index (`slot` names the split,
   // dataset and sample count); all get rank 0's. Rank 0 calls it once its file is written or
-  // found (cached = true) or could not be written (false). Another rank waits for it, compares
-  // the file name (a different one: the ranks read different data, exit 3), then uses its own
-  // cache hit, reads rank 0's file, or builds the index itself where rank 0 did not cache it or
-  // it cannot see rank 0's (a node-local cache directory).
+  // found (cached = true) or could not be written (false). Another rank waits for it and
+  // compares the file name; all then vote on that (a different name: the ranks read different
+  // data, and every rank exits 3). Another rank then uses its own cache hit, reads rank 0's file,
+  // or builds the index itself where rank 0 did not cache it or it cannot see rank 0's (a
+  // node-local cache directory).
   std::function<Announcement(const std::string& slot, const Announcement& mine)> announce;
-  // Every rank calls vote(whether its index arrays do not fit in memory) before any builds them;
-  // it returns how many ranks' do not, so all exit 2 together.
-  std::function<int64_t(bool does_not_fit)> vote;
+  // vote(mine, what) returns how many ranks report `mine`, so that all stop together on what
+  // only some see: index arrays that do not fit in memory (voted on before any rank builds
+  // them: all exit 2), and an index file other than rank 0's (all exit 3).
+  std::function<int64_t(bool mine, const std::string& what)> vote;
 };
 // `ranks_on_host` processes of this machine each hold the index arrays (the memory check).
 std::unique_ptr<SampleSource> megatron_source(const Config& config, DataSplit split, int64_t num_samples,

@@ -312,7 +312,7 @@ class MegatronSource : public SampleSource {
     const double available = host.available_bytes;
     const bool fits = needed <= available;
     // Before any rank builds its arrays (which would shrink what the others see), all agree.
-    const int64_t ranks_failing = sync_.vote ? sync_.vote(!fits) : 0;
+    const int64_t ranks_failing = sync_.vote ? sync_.vote(!fits, "the data index memory check") : 0;
     if (fits && ranks_failing > 0)
       throw config_error("the " + kSplitNames[static_cast<int>(split)] + " split's data index arrays do not fit in host memory on " +
                          std::to_string(ranks_failing) + " other rank(s) (their message names the arrays); "
@@ -358,17 +358,29 @@ class MegatronSource : public SampleSource {
     // differ) are found here; they used to wait for a file rank 0 never announced, then blame it.
     const std::string slot = kSplitNames[static_cast<size_t>(split)] + " split, dataset " + std::to_string(dataset) +
                              " (" + data.prefix() + "), " + std::to_string(num_samples) + " samples";
-    const std::vector<int32_t>& sequences = data.sequence_lengths();
-    const bool hit = read_cache(file, desc.str(), sequences, ix);
-    if (hit) spdlog::info("data index cache hit: {} ({} samples, {:.3f} s)", file, num_samples, elapsed());
-    if (rank_ > 0 && sync_.announce) {
-      const auto rank0 = sync_.announce(slot, {file, false});
-      if (fs::path(rank0.file).filename() != fs::path(file).filename())
+    // The vote after the announcement makes a mismatch every rank's exit 3 (rank 0, which cannot
+    // compare, used to learn of it only as a peer's death in its next collective, exit 5).
+    const auto announce_and_agree = [&](bool cached) {
+      const auto rank0 = sync_.announce(slot, {file, cached});
+      const bool differs = fs::path(rank0.file).filename() != fs::path(file).filename();
+      const int64_t ranks_differing = sync_.vote ? sync_.vote(differs, "the data index agreement") : 0;
+      if (differs)
         throw Error(kExitData, "rank " + std::to_string(rank_) + " reads other data than rank 0 for the " + slot +
                                    ": its index is " + fs::path(file).filename().string() + " here and " +
                                    fs::path(rank0.file).filename().string() + " on rank 0 (the name's key covers the " +
                                    ".idx checksum, the .bin size, split, seed, max_target_length and sample count); "
                                    "every rank must read the same files");
+      if (ranks_differing > 0)
+        throw Error(kExitData, "rank " + std::to_string(rank_) + ": " + std::to_string(ranks_differing) +
+                                   " rank(s) read other data than rank 0 for the " + slot +
+                                   " (their messages name the index files); every rank must read the same files");
+      return rank0;
+    };
+    const std::vector<int32_t>& sequences = data.sequence_lengths();
+    const bool hit = read_cache(file, desc.str(), sequences, ix);
+    if (hit) spdlog::info("data index cache hit: {} ({} samples, {:.3f} s)", file, num_samples, elapsed());
+    if (rank_ > 0 && sync_.announce) {
+      const auto rank0 = announce_and_agree(false);
       if (hit) return ix;
       if (!rank0.cached) {
         spdlog::info("rank {}: rank 0 could not cache the data index {} (see its log); building it on this rank", rank_, file);
@@ -380,7 +392,7 @@ class MegatronSource : public SampleSource {
                      "building it on this rank", rank_, file);
       }
     } else if (hit) {
-      if (rank_ == 0 && sync_.announce) sync_.announce(slot, {file, true});
+      if (rank_ == 0 && sync_.announce) announce_and_agree(true);
       return ix;
     }
     ix = gpt_build_indices(data.sequence_lengths(), documents, c.max_target_length, num_samples,
@@ -396,7 +408,7 @@ class MegatronSource : public SampleSource {
       spdlog::warn("data index built in {:.3f} s but not cached ({}); it will be rebuilt next time", elapsed(), e.what());
     }
     // Written or not: the others build what rank 0 could not cache or they cannot read.
-    if (rank_ == 0 && sync_.announce) sync_.announce(slot, {file, cached});
+    if (rank_ == 0 && sync_.announce) announce_and_agree(cached);
     return ix;
   }
 

@@ -31,11 +31,11 @@ namespace {
 
 // The ranks meet once per data index file through the rendezvous store (DataIndexSync): rank 0
 // publishes the file, the others wait for it as long as a collective may take; and they vote on
-// the index memory check with an all-reduce.
+// the index memory check and on the file names with an all-reduce.
 DataIndexSync data_index_sync(Communicator& comm, double timeout_seconds) {
   if (comm.world_size() == 1) return {};
   DataIndexSync sync;
-  sync.vote = [&comm](bool does_not_fit) { return ranks_reporting(does_not_fit, comm, "the data index memory check"); };
+  sync.vote = [&comm](bool mine, const std::string& what) { return ranks_reporting(mine, comm, what); };
   sync.announce = [&comm, timeout_seconds](const std::string& slot, const DataIndexSync::Announcement& mine) {
     try {
       const std::string value = comm.broadcast_string("data index " + slot, (mine.cached ? "1" : "0") + mine.file);
