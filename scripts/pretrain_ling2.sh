@@ -3,28 +3,32 @@
 # Architecture: configs/models/ling2.yml, the RFC's hybrid (4 GLA + 1 MLA layers per 5, Ling MoE, MTP;
 # docs/model.md). MODEL_NAME=ling-mini-2.0 trains the released Ling 2.0 instead (docs/moe.md).
 # Every setting below can be overridden from the environment (${VAR:-default}); anything after
-# the script name is passed through to the trainer as key=value overrides. TRAINER names the
-# binary (default build/trainer, built by scripts/setup.sh when missing; a TRAINER that does not
-# exist is an error, never a reason to install anything).
+# the script name is passed through to the trainer as key=value overrides (and wins: dataset_path=,
+# dataset_type=, eod_id=, pad_id= there are seen by the demo-corpus rule of section 4). TRAINER
+# names the binary (default build/trainer, built by scripts/setup.sh when missing; a TRAINER that
+# does not exist is an error, never a reason to install anything). Paths you give (HOSTFILE,
+# TRAINER, CONFIG_FILE, DATA_PATH, BASE_OUTPUT_DIR, key=value arguments) are relative to your
+# working directory; the defaults are the repository's files. Running again with the same
+# RUN_NAME (default <MODEL_NAME>-pretrain) resumes that run.
 #   NPROC=8 scripts/pretrain_ling2.sh                                 # one node, 8 processes
 #   HOSTFILE=hosts NPROC=16 scripts/pretrain_ling2.sh steps=1000      # several nodes (mpirun --hostfile)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+ROOT=$(cd "$(dirname "$0")/.." && pwd -P)
 
 # ============================================================================
 # 1. Tokenizer
 # ============================================================================
 # The vocabulary is the model file's (157184 for ling2 and ling-mini-2.0); VOCAB_SIZE overrides it.
 VOCAB_SIZE=${VOCAB_SIZE:-}
-PAD_ID=${PAD_ID:-156892}   # <|endoftext|>
-EOD_ID=${EOD_ID:-156892}   # <|endoftext|>
+PAD_ID=${PAD_ID:-}         # default <|endoftext|> 156892, or 257 for the demo corpus (section 4)
+EOD_ID=${EOD_ID:-}         # default <|endoftext|> 156892, or 256 for the demo corpus (section 4)
 BOS_ID=${BOS_ID:-156891}   # <|startoftext|> (informational: documents are not prefixed)
 
 # ============================================================================
 # 2. Output paths and run name
 # ============================================================================
-BASE_OUTPUT_DIR=${BASE_OUTPUT_DIR:-runs}
-RUN_NAME=${RUN_NAME:-"ling2-pretrain-$(date +%Y%m%d_%H%M)"}
+BASE_OUTPUT_DIR=${BASE_OUTPUT_DIR:-"$ROOT/runs"}
+RUN_NAME=${RUN_NAME:-}     # default <MODEL_NAME>-pretrain (section 5): a relaunch after preemption resumes it
 
 # ============================================================================
 # 3. Launch: single process, one node x NPROC (mpirun -np), or several nodes (mpirun --hostfile)
@@ -51,16 +55,27 @@ fi
 
 # ============================================================================
 # 4. Dataset (Megatron .bin/.idx). The default is the byte-level demo corpus, whose token ids
-#    (bytes, <eod> 256, <pad> 257) are valid in Ling2's vocabulary; point DATA_PATH at data made
-#    with Ling2's tokenizer for real runs.
+#    (bytes, <eod> 256, <pad> 257) are valid in Ling2's vocabulary; point DATA_PATH (or pass
+#    dataset_path=) at data made with Ling2's tokenizer for real runs.
 # ============================================================================
 DATASET_TYPE=${DATASET_TYPE:-megatron}
-DATA_PATH=${DATA_PATH:-data/fortunes_text_document}
-if [ "$DATA_PATH" = data/fortunes_text_document ]; then
-  EOD_ID=${DEMO_EOD_ID:-256}
-  PAD_ID=${DEMO_PAD_ID:-257}
-  if [ "$DATASET_TYPE" = megatron ] && [ ! -f data/fortunes_text_document.idx ]; then scripts/prepare_corpus.sh; fi
+DEMO_PATH="$ROOT/data/fortunes_text_document"
+DATA_PATH=${DATA_PATH:-"$DEMO_PATH"}
+for arg in "$@"; do  # the arguments come last on the trainer's command line: they are what it reads
+  case "$arg" in
+    dataset_path=*) DATA_PATH=${arg#dataset_path=} ;;
+    dataset_type=*) DATASET_TYPE=${arg#dataset_type=} ;;
+    eod_id=*) EOD_ID=${arg#eod_id=} ;;
+    pad_id=*) PAD_ID=${arg#pad_id=} ;;
+  esac
+done
+if [ "$(realpath -m -- "$DATA_PATH")" = "$DEMO_PATH" ]; then
+  EOD_ID=${EOD_ID:-${DEMO_EOD_ID:-256}}
+  PAD_ID=${PAD_ID:-${DEMO_PAD_ID:-257}}
+  if [ "$DATASET_TYPE" = megatron ] && [ ! -f "$DEMO_PATH.idx" ]; then "$ROOT/scripts/prepare_corpus.sh"; fi
 fi
+EOD_ID=${EOD_ID:-156892}
+PAD_ID=${PAD_ID:-156892}
 SPLIT=${SPLIT:-"969,30,1"}
 DATA_SEED=${DATA_SEED:-1234}
 
@@ -68,7 +83,8 @@ DATA_SEED=${DATA_SEED:-1234}
 # 5. Training hyperparameters
 # ============================================================================
 MODEL_NAME=${MODEL_NAME:-ling2}
-CONFIG_FILE=${CONFIG_FILE:-configs/base.yml}
+RUN_NAME=${RUN_NAME:-"${MODEL_NAME}-pretrain"}
+CONFIG_FILE=${CONFIG_FILE:-"$ROOT/configs/base.yml"}
 STEPS=${STEPS:-100000}
 PER_DEVICE_BATCH_SIZE=${PER_DEVICE_BATCH_SIZE:-2}
 GRADIENT_ACCUMULATION_STEPS=${GRADIENT_ACCUMULATION_STEPS:-1}
@@ -83,15 +99,16 @@ DTYPE=${DTYPE:-bfloat16}
 CHECKPOINT_PERIOD=${CHECKPOINT_PERIOD:-1000}
 
 # model_name=hf reads the architecture from load_parameters_path (a Hugging Face directory).
-if [ "$MODEL_NAME" != hf ] && [ ! -f "configs/models/${MODEL_NAME}.yml" ]; then
-  echo "pretrain_ling2.sh: configs/models/${MODEL_NAME}.yml does not exist (MODEL_NAME=${MODEL_NAME})" >&2
+MODEL_FILE="$(dirname "$CONFIG_FILE")/models/${MODEL_NAME}.yml"  # where the trainer looks for it
+if [ "$MODEL_NAME" != hf ] && [ ! -f "$MODEL_FILE" ]; then
+  echo "pretrain_ling2.sh: $MODEL_FILE does not exist (MODEL_NAME=${MODEL_NAME})" >&2
   exit 2
 fi
 if [ -n "${TRAINER:-}" ]; then
   [ -x "$TRAINER" ] || { echo "pretrain_ling2.sh: TRAINER=$TRAINER is not an executable" >&2; exit 2; }
 else
-  TRAINER=build/trainer
-  [ -x "$TRAINER" ] || scripts/setup.sh
+  TRAINER="$ROOT/build/trainer"
+  [ -x "$TRAINER" ] || "$ROOT/scripts/setup.sh"
 fi
 
 # Overriding the model file's vocabulary is a deliberate act: only when VOCAB_SIZE is given.

@@ -165,6 +165,11 @@ TEST_CASE("config errors name the key and exit with code 2", "[config]") {
     CHECK_THAT(load_error({"adam_eps=1e-50"}).what(), Catch::Contains("'adam_eps'") && Catch::Contains("float32 can hold"));
     CHECK_THAT(load_error({"adam_eps=1e-320"}).what(), Catch::Contains("float32 can hold"));  // was "a finite number"
     CHECK_THAT(load_error({"collective_timeout_seconds=1e10"}).what(), Catch::Contains("collective_timeout_seconds must be in (0, 1e9]"));
+    // Its size in elements overflowed: an internal error at level optim, a 1-element bucket (a
+    // step of minutes) at optim_grads.
+    CHECK_THAT(load_error({"gradient_bucket_size_mb=9223372036854775807"}).what(),
+               Catch::Contains("gradient_bucket_size_mb must be in [1, 1048576]"));
+    CHECK_NOTHROW(config_load(source_path("configs/base.yml"), {"pad_id=0", "gradient_bucket_size_mb=1048576"}, {}));
     CHECK_NOTHROW(config_load(source_path("configs/base.yml"), {"model_name=moe-tiny", "pad_id=0", "eod_id=-1", "routed_scaling_factor=3e38"}, {}));
   }
   SECTION("sample and token counts past int64 (steps x global batch wrapped negative)") {
@@ -207,6 +212,8 @@ TEST_CASE("config errors name the key and exit with code 2", "[config]") {
     CHECK(tiny_config({"shard_optimizer_over_data=true"}).data_parallel_sharding == "optim");
     CHECK(tiny_config({"data_parallel_sharding=optim"}).shard_optimizer_over_data);
     CHECK_FALSE(tiny_config({}).shard_optimizer_over_data);
+    CHECK(tiny_config({"data_parallel_sharding=no_shard"}).data_parallel_sharding == "none");  // Megatron's spelling
+    CHECK(tiny_config({"data_parallel_sharding=no_shard", "shard_optimizer_over_data=true"}).data_parallel_sharding == "optim");
     const Error both = load_error({"shard_optimizer_over_data=true", "data_parallel_sharding=optim_grads_params"});
     CHECK(both.exit_code() == kExitUsage);
     CHECK_THAT(both.what(), Catch::Contains("shard_optimizer_over_data") && Catch::Contains("data_parallel_sharding"));

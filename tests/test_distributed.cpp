@@ -571,6 +571,26 @@ TEST_CASE("scripts/pretrain_ling2.sh: valid bash, and a 2-step run with 2 proces
                                 "MODEL_NAME=qwen3-0.6b scripts/pretrain_ling2.sh --print-config");
   CHECK(qwen.exit_code == 0);
   CHECK_THAT(qwen.output, Catch::Contains("\nvocab_size: 151936\n") && Catch::Contains("\noverride_model_config: false\n"));
+
+  // The token ids follow the data the trainer reads: a dataset_path= argument used to leave the
+  // demo corpus's byte ids (EOD 256) on Ling-tokenized data, and an EOD_ID set for the demo
+  // corpus was overwritten. Run from elsewhere, paths are the caller's (TRAINER=./trainer).
+  const auto print = [&](const std::string& env, const std::string& args) {
+    const auto r = run_command("cd " + fs::path(TRAINER_BINARY).parent_path().string() + " && TRAINER=./" +
+                               fs::path(TRAINER_BINARY).filename().string() + " MODEL_NAME=ling2-tiny VOCAB_SIZE=157184 DATASET_TYPE=synthetic " +
+                               env + " " + source_path("scripts/pretrain_ling2.sh") + " --print-config " + args);
+    INFO(env << " | " << args << ": " << r.output);
+    CHECK(r.exit_code == 0);
+    return r.output;
+  };
+  CHECK_THAT(print("", "dataset_path=/data/ling_text_document"), (Catch::Contains("\neod_id: 156892\n") && Catch::Contains("\npad_id: 156892\n")));
+  CHECK_THAT(print("DATA_PATH=/data/ling_text_document", ""), (Catch::Contains("\neod_id: 156892\n") && Catch::Contains("\npad_id: 156892\n")));
+  CHECK_THAT(print("", ""), Catch::Contains("\neod_id: 256\n") && Catch::Contains("\npad_id: 257\n") &&  // the demo corpus
+                                Catch::Contains("run_name: \"ling2-tiny-pretrain\"\n"));  // the same on a relaunch: it resumes
+  CHECK_THAT(print("EOD_ID=5", ""), Catch::Contains("\neod_id: 5\n") && Catch::Contains("\npad_id: 257\n"));
+  CHECK_THAT(print("", "pad_id=7"), Catch::Contains("\neod_id: 256\n") && Catch::Contains("\npad_id: 7\n"));
+  CHECK_THAT(print("DATA_PATH=" + source_path("data/../data/fortunes_text_document"), ""),
+             Catch::Contains("\neod_id: 256\n"));  // the demo corpus by another spelling
 }
 
 TEST_CASE("ZeRO-1 gives the same weights and optimizer state as plain data parallel", "[dist][cli]") {

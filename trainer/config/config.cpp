@@ -253,7 +253,9 @@ std::vector<std::string> validation_errors(const Config& c) {
   require(c.dist_backend != "nccl" || c.hardware == "gpu", "dist_backend=nccl needs hardware=gpu (NCCL reduces CUDA tensors)");
   require(!c.debug_cuda_sync_check || c.hardware == "gpu",
           "debug_cuda_sync_check needs hardware=gpu (it uses CUDA's synchronization debug mode)");
-  require(c.gradient_bucket_size_mb > 0, "gradient_bucket_size_mb must be > 0");
+  // Bounded so that its size in elements cannot overflow (a bucket past the model is one bucket).
+  require(c.gradient_bucket_size_mb > 0 && c.gradient_bucket_size_mb <= 1048576,
+          "gradient_bucket_size_mb must be in [1, 1048576] (1048576 MB is 1 TiB)");
   require(!c.shard_optimizer_over_data || c.data_parallel_sharding == "none" || c.data_parallel_sharding == "optim",
           "shard_optimizer_over_data=true (the old name of data_parallel_sharding=optim) contradicts "
           "data_parallel_sharding=" + c.data_parallel_sharding);
@@ -371,6 +373,7 @@ std::vector<std::string> validation_errors(const Config& c) {
 }  // namespace
 
 void config_derive_and_validate(Config& c) {
+  if (c.data_parallel_sharding == "no_shard") c.data_parallel_sharding = "none";  // Megatron's spelling
   const auto errors = validation_errors(c);
   if (!errors.empty()) {
     std::string message = "invalid config:";

@@ -19,7 +19,7 @@ const std::map<std::string, std::vector<std::string>>& allowed_values() {
   static const std::map<std::string, std::vector<std::string>> table = {
       {"hardware", {"cpu", "gpu"}},
       {"dist_backend", {"auto", "gloo", "nccl"}},
-      {"data_parallel_sharding", {"none", "optim", "optim_grads", "optim_grads_params"}},
+      {"data_parallel_sharding", {"none", "optim", "optim_grads", "optim_grads_params", "no_shard"}},  // no_shard: Megatron's none
       {"remat_policy", {"none", "full", "minimal"}},
       {"log_format", {"maxtext", "megatron"}},
       {"dtype", {"float32", "bfloat16"}},
