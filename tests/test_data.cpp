@@ -311,6 +311,22 @@ TEST_CASE("a run whose data index arrays cannot fit in host memory exits 2 at on
   CHECK(seconds < 60);  // not a bound on speed: a hang guard (the estimate is arithmetic)
 }
 
+TEST_CASE("the dry run counts the validation split's index arrays, and grain's mmap_npy data as Megatron's", "[data][cli]") {
+  // Both used to say "fits" for runs that then exit 2 on the index memory check: the validation
+  // split's samples were left out, and grain's line was missing. 10 steps of 8 sequences with
+  // eval_interval=1: 80 training and (10 / 1 + 1) x 1e9 x 8 = 8.8e10 validation samples.
+  const std::string base = "model_name=test-tiny pad_id=-1 eod_id=-1 per_device_batch_size=8 steps=10 --dry-run ";
+  const auto eval = run_trainer("dataset_type=megatron " + base + "eval_interval=1 eval_steps=1000000000");
+  INFO(eval.output);
+  CHECK(eval.exit_code == 0);
+  CHECK_THAT(eval.output, Catch::Contains("data index arrays (host memory, every rank): at least 1966.95 GiB for 80 "
+                                          "training and 88000000000 validation samples") &&
+                              Catch::Contains("does NOT fit"));  // 24 B x 88000000080 = 1966.95 GiB
+  const auto grain = run_trainer("dataset_type=grain grain_file_type=mmap_npy " + base);
+  INFO(grain.output);
+  CHECK_THAT(grain.output, Catch::Contains("at least 0.0 MiB for 80 training samples"));
+}
+
 TEST_CASE("a Megatron resume with steps that change the epochs warns that the sample order changes", "[data][cli]") {
   // 6 documents x 9 tokens = 54 tokens per epoch (6 samples); samples of 8 (+1) tokens, 2 per
   // step. steps=2: 4 samples, 1 epoch. steps=5: 10 samples, 2 epochs (the last gives 4 samples,

@@ -651,6 +651,25 @@ TEST_CASE("memory plan: sharded levels count the shard and one unit's buffers, a
   }
 }
 
+TEST_CASE("memory plan: a save's snapshot under expert parallelism counts every expert gathered to host", "[training][memory]") {
+  // With one writer every rank copies its share (P_rank: weights, m, v) and gathers all experts of
+  // the three (Trainer::with_all_experts): 12 (P_rank + E_all) bytes. The plan counted 12 P_rank
+  // (the measured peak was 784 MiB after a save, against a plan of 623 MiB).
+  const Config ep = tiny_config({"model_name=moe-tiny", "mtp_num_layers=1", "expert_parallelism=2"});
+  const auto model = model_build(ep, /*expert_rank=*/0, /*draw=*/false);
+  double P_rank = 0, all_experts = 0;
+  for (const auto& item : model->named_parameters()) {
+    P_rank += static_cast<double>(item.value().numel());
+    if (model_is_stacked_experts(item.key())) all_experts += 2 * static_cast<double>(item.value().numel());  // N = 2 shares
+  }
+  REQUIRE(all_experts > 0);
+  CHECK(plan_item(memory_plan(ep, {2, 1, false}), "checkpoint snapshot") == 12 * (P_rank + all_experts));
+  // Each rank writing its own shard gathers nothing: about 1/R of its share.
+  const Config sharded = tiny_config({"model_name=moe-tiny", "mtp_num_layers=1", "expert_parallelism=2",
+                                      "data_parallel_sharding=optim_grads"});
+  CHECK(plan_item(memory_plan(sharded, {2, 1, false}), "checkpoint snapshot") == 12 * P_rank / 2);
+}
+
 TEST_CASE("memory plan: activations scale with the micro-batch, not with K", "[training][memory]") {
   const auto activations = [](std::vector<std::string> overrides) {
     overrides.push_back("model_name=default");

@@ -348,14 +348,21 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   if (!ctx.cuda && c.enable_checkpointing) {
     // A save snapshots weights and optimizer state to host memory: all of it on rank 0 (the one
     // writer), or, with sharded levels over several ranks, each rank its own checkpoint shard
-    // (about 1/R). Asynchronous saves hold it while training goes on; synchronous ones only
-    // between steps, when the activations are gone, so then only the excess over them counts.
+    // (about 1/R). With expert parallelism and one writer, every rank also gathers every expert
+    // of the three (Trainer::with_all_experts) beside its own copy of its share. Asynchronous
+    // saves hold it while training goes on (one at a time: a save waits for the previous one
+    // before its snapshot); synchronous ones only between steps, when the activations are gone,
+    // so then only the excess over them counts.
     const bool own_shard = (zero2 || zero3) && ctx.world_size > 1;
-    const double snapshot = 12 * P / (own_shard ? static_cast<double>(ctx.world_size) : 1.0);
+    const double gathered_experts = !own_shard && c.expert_parallelism > 1 ? static_cast<double>(size.routed_expert_params) : 0.0;
+    const double snapshot = 12 * P / (own_shard ? static_cast<double>(ctx.world_size) : 1.0) + 12 * gathered_experts;
     const double counted = c.async_checkpointing ? snapshot : std::max(0.0, snapshot - activations - transient);
     add(plan, "checkpoint snapshot", counted,
         std::string(c.async_checkpointing ? "async saves: " : "synchronous saves, beyond the activations: ") +
-            (own_shard ? "this rank's checkpoint shard" : "weights + optimizer state") + " copied to host (" +
+            (own_shard ? "this rank's checkpoint shard"
+                       : gathered_experts > 0 ? "weights + optimizer state, and every expert of them gathered"
+                                              : "weights + optimizer state") +
+            " copied to host (" +
             memory_bytes_text(snapshot) + ")");
   }
   if (!ctx.cuda) add(plan, "runtime", kCpuRuntimeBytes, "LibTorch, OpenBLAS buffers, allocator (measured)");

@@ -649,6 +649,10 @@ void Trainer::train() {
     share_own_failure("before checkpoint " + std::to_string(completed_steps));
     if (!checkpointer_ && !snapshot_is_collective()) return;
     checkpoint_commit(/*block=*/true, /*fatal=*/false);  // the previous sharded save comes first
+    // So does the previous unsharded one: its snapshot and this one were both held (twice the
+    // memory plan's snapshot) when checkpoint_period outran the disk.
+    if (checkpointer_ && !sharded_checkpoints())
+      if (const std::string error = checkpointer_->wait(); !error.empty()) spdlog::error("{}", error);
     const auto begin = Clock::now();
     auto contents = snapshot(completed_steps);
     if (!checkpointer_) return;
