@@ -351,13 +351,18 @@ int main(int argc, char** argv) {
     command_line_check(app, cl);
     const trainer::Config config = trainer::config_load(cl.config_path, cl.overrides);
     trainer::perf_startup_mark("config");
+    // Under a launcher every rank checks and exits alike, and rank 0 alone prints (the copies of
+    // all ranks interleaved in a pipe).
+    const bool prints = trainer::dist_env_resolve().rank == 0;
     if (cl.print_config) {
+      if (!prints) return trainer::kExitOk;
       std::fputs(trainer::config_to_yaml(config).c_str(), stdout);
       stdout_check_written("--print-config");
       return trainer::kExitOk;
     }
     if (cl.dry_run) {
       trainer::config_check_layout(config, config.data_parallel_size);  // the Trainer checks it against its group
+      if (!prints) return trainer::kExitOk;
       print_dry_run(config);
       stdout_check_written("--dry-run");
       return trainer::kExitOk;

@@ -593,6 +593,26 @@ TEST_CASE("scripts/pretrain_ling2.sh: valid bash, and a 2-step run with 2 proces
              Catch::Contains("\neod_id: 256\n"));  // the demo corpus by another spelling
 }
 
+TEST_CASE("under mpirun --print-config and --dry-run print once, from rank 0, and every rank exits alike", "[dist][cli]") {
+  const auto count = [](const std::string& text, const std::string& what) {
+    size_t n = 0;
+    for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+    return n;
+  };
+  const auto printed = mpirun(2, "model_name=test-tiny --print-config");
+  INFO(printed.output);
+  CHECK(printed.exit_code == 0);
+  CHECK(count(printed.output, "# resolved trainer config") == 1);  // one copy per rank, interleaved
+  const auto planned = mpirun(2, "model_name=test-tiny --dry-run");
+  INFO(planned.output);
+  CHECK(planned.exit_code == 0);
+  CHECK(count(planned.output, "memory plan per rank") == 1);
+  CHECK_THAT(planned.output, Catch::Contains("(CPU, float32, 2 ranks)"));
+  const auto bad = mpirun(2, "model_name=test-tiny steps=0 --print-config");
+  CHECK(bad.exit_code == kExitUsage);
+  CHECK(count(bad.output, "steps must be > 0") == 2);  // each rank still checks
+}
+
 TEST_CASE("ZeRO-1 gives the same weights and optimizer state as plain data parallel", "[dist][cli]") {
   const std::string common = "model_name=moe-tiny max_target_length=16 per_device_batch_size=1 gradient_accumulation_steps=2 "
                              "steps=3 warmup_steps_fraction=0 learning_rate=0.01 synthetic_min_valid_fraction=0.3 "
