@@ -107,6 +107,10 @@ TEST_CASE("config errors name the key and exit with code 2", "[config]") {
     const Error e = load_error({"stepz=3"});
     CHECK(e.exit_code() == kExitUsage);
     CHECK_THAT(e.what(), Catch::Contains("'stepz'") && Catch::Contains("did you mean 'steps'"));
+    // A MaxText key with no counterpart of its name says what covers it (was "did you mean 'rope_type'?").
+    CHECK_THAT(load_error({"weight_dtype=bfloat16"}).what(),
+               Catch::Contains("unknown config key 'weight_dtype' (from command line): weights, gradients and AdamW "
+                               "state are always float32 here; 'dtype' sets the compute dtype"));
   }
   SECTION("unknown environment key") {
     const Error e = load_error({}, {"M_LERNING_RATE=1"});

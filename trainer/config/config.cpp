@@ -35,7 +35,19 @@ struct RawValue {
 };
 using RawLayer = std::map<std::string, RawValue>;
 
+// MaxText keys with no key of that name here, and what covers them (the nearest spelling is no
+// help: weight_dtype was "did you mean 'rope_type'?").
+const std::map<std::string, std::string>& maxtext_key_notes() {
+  static const std::map<std::string, std::string> notes = {
+      {"weight_dtype", "weights, gradients and AdamW state are always float32 here; 'dtype' sets the compute dtype"},
+  };
+  return notes;
+}
+
 [[noreturn]] void unknown_key(const std::string& key, const std::string& source) {
+  const auto note = maxtext_key_notes().find(key);
+  if (note != maxtext_key_notes().end())
+    throw config_error("unknown config key '" + key + "' (from " + source + "): " + note->second);
   throw config_error("unknown config key '" + key + "' (from " + source + "); did you mean '" +
                      nearest_key(key) + "'?");
 }
