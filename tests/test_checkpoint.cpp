@@ -560,6 +560,43 @@ TEST_CASE("a resume keeps the metrics lines it drops in the whole earlier file, 
   CHECK(read_file(aside[0]) == first);
 }
 
+TEST_CASE("a metrics_file that is a symbolic link or a FIFO stays one across a resume", "[checkpoint]") {
+  // The resume's rewrite renamed a regular file over the name: a link lost its target (which kept
+  // the old lines), and a device such as /dev/null, run as root, became a regular file.
+  const std::string dir = kOut + "/metrics-kinds";
+  fs::remove_all(dir);
+  fs::create_directories(dir + "/store");
+  fs::create_symlink("store/real.jsonl", dir + "/link.jsonl");
+  const std::string args = "model_name=test-tiny max_target_length=16 checkpoint_period=2 save_checkpoint_on_completion=false "
+                           "base_output_directory=" + dir + " ";
+  REQUIRE(run_trainer(args + "run_name=linked metrics_file=" + dir + "/link.jsonl steps=3").exit_code == 0);
+  REQUIRE(run_trainer(args + "run_name=linked metrics_file=" + dir + "/link.jsonl steps=4").exit_code == 0);
+  CHECK(fs::is_symlink(dir + "/link.jsonl"));
+  const auto lines = read_lines(dir + "/store/real.jsonl");
+  REQUIRE(lines.size() == 4);  // steps 0 and 1 kept, 2 and 3 run by the resume
+  for (size_t i = 0; i < lines.size(); ++i) CHECK(json_metric(lines[i], "step") == static_cast<double>(i));
+
+  // A FIFO this test reads from (its read end held open, so the trainer's open does not wait).
+  const std::string fifo = dir + "/metrics.fifo";
+  REQUIRE(mkfifo(fifo.c_str(), 0644) == 0);
+  const int reader = open(fifo.c_str(), O_RDWR | O_NONBLOCK | O_CLOEXEC);
+  REQUIRE(reader >= 0);
+  REQUIRE(run_trainer(args + "run_name=piped metrics_file=" + fifo + " steps=3").exit_code == 0);
+  const auto resumed = run_trainer(args + "run_name=piped metrics_file=" + fifo + " steps=4");
+  INFO(resumed.output);
+  CHECK(resumed.exit_code == 0);
+  CHECK(fs::is_fifo(fifo));
+  std::string piped(1 << 16, '\0');
+  const ssize_t n = read(reader, piped.data(), piped.size());
+  close(reader);
+  REQUIRE(n > 0);
+  piped.resize(static_cast<size_t>(n));
+  std::istringstream in(piped);
+  std::vector<double> steps;
+  for (std::string line; std::getline(in, line);) steps.push_back(json_metric(line, "step"));
+  CHECK(steps == std::vector<double>{0, 1, 2, 2, 3});  // as written: a pipe keeps nothing to rewrite
+}
+
 TEST_CASE("SIGTERM finishes the step, saves, and exits 0, and a resume continues from there", "[checkpoint]") {
   const std::string dir = kOut + "/sigterm";
   fs::remove_all(dir);
