@@ -560,6 +560,28 @@ TEST_CASE("a resume keeps the metrics lines it drops in the whole earlier file, 
   CHECK(read_file(aside[0]) == first);
 }
 
+TEST_CASE("a resume with a shorter skip_step_interval keeps the newest entries of the spike window", "[checkpoint]") {
+  // A window of 8 saved at step 10, resumed with 3: step 10 is non-finite (skipped: the window is
+  // not touched), so the checkpoint of step 11 shows the window the resume started from. It kept
+  // all 8 (step 10 judged against them) until an accepted step trimmed it.
+  const std::string dir = kOut + "/spike-window";
+  fs::remove_all(dir);
+  const std::string args = "model_name=test-tiny max_target_length=16 skip_step_on_spikes=true abort_on_nan_loss=false "
+                           "checkpoint_period=100 async_checkpointing=false base_output_directory=" + kOut +
+                           " run_name=spike-window ";
+  REQUIRE(run_trainer(args + "skip_step_interval=8 steps=10").exit_code == 0);
+  const auto window = [&](int step) {
+    return nlohmann::json::parse(read_file(dir + "/checkpoints/" + std::to_string(step) + "/state.json"))["spike_guard"];
+  };
+  const auto saved = window(10)["losses"].get<std::vector<double>>();
+  REQUIRE(saved.size() == 8);
+  const auto resumed = run_trainer(args + "skip_step_interval=3 steps=11 debug_inject_nonfinite_step=10");
+  INFO(resumed.output);
+  REQUIRE(resumed.exit_code == 0);
+  CHECK(window(11)["losses"].get<std::vector<double>>() == std::vector<double>(saved.end() - 3, saved.end()));
+  CHECK(window(11)["grad_norms"].size() == 3);
+}
+
 TEST_CASE("a metrics_file that is a symbolic link or a FIFO stays one across a resume", "[checkpoint]") {
   // The resume's rewrite renamed a regular file over the name: a link lost its target (which kept
   // the old lines), and a device such as /dev/null, run as root, became a regular file.
