@@ -136,6 +136,13 @@ TEST_CASE("config errors name the key and exit with code 2", "[config]") {
                                "metrics_file=" + run_dir + "/config.yml.jsonl"},
                               {}));
   }
+  SECTION("metrics_file naming a directory (DIR/ was created, then failed to open as the file)") {
+    for (const std::string& dir : {test_root() + "/metrics-dir/", test_root() + "/metrics-dir/.", std::string("..")}) {
+      INFO(dir);
+      CHECK_THAT(load_error({"metrics_file=" + dir}).what(), Catch::Contains("metrics_file " + dir + " names a directory, not a file"));
+    }
+    CHECK_FALSE(std::filesystem::exists(test_root() + "/metrics-dir"));
+  }
   SECTION("an eod_id below -1 (it was taken as none, silently; pad_id=-2 was refused)") {
     const Error e = load_error({"eod_id=-2"});
     CHECK(e.exit_code() == kExitUsage);

@@ -442,6 +442,9 @@ void config_derive_and_validate(Config& c) {
       throw config_error("metrics_file " + c.metrics_file + " is " + (at == metrics.end() ? "" : "inside ") +
                          "the run's own " + own + " (" + reserved.string() + "): name another file");
   }
+  // "DIR/" names a directory (the run created DIR, then failed opening it as the file).
+  if (c.metrics_file.back() == '/' || fs::path(c.metrics_file).filename() == "." || fs::path(c.metrics_file).filename() == "..")
+    throw config_error("metrics_file " + c.metrics_file + " names a directory, not a file");
 }
 
 Config config_load(const std::string& path, const std::vector<std::string>& overrides,
