@@ -349,7 +349,7 @@ int main(int argc, char** argv) {
       cl.export_hf_dir = dir;
     }
     command_line_check(app, cl);
-    const trainer::Config config = trainer::config_load(cl.config_path, cl.overrides);
+    trainer::Config config = trainer::config_load(cl.config_path, cl.overrides);
     trainer::perf_startup_mark("config");
     // Under a launcher every rank checks and exits alike, and rank 0 alone prints (the copies of
     // all ranks interleaved in a pipe).
@@ -375,7 +375,20 @@ int main(int argc, char** argv) {
     // Checked before the model is built (minutes for a large one).
     const std::vector<int64_t> logits_tokens =
         cl.dump_logits_path.empty() ? std::vector<int64_t>{} : parse_token_list(cl.dump_logits_tokens, config.vocab_size);
+    // A generated run name's directory, claimed here, goes again if the start fails before
+    // anything is written into it (remove() leaves a directory that holds files).
+    struct RemoveIfEmpty {
+      std::string dir;
+      ~RemoveIfEmpty() {
+        std::error_code ignored;
+        if (!dir.empty()) std::filesystem::remove(dir, ignored);
+      }
+    } claimed;
     if (!cl.exports()) {
+      if (trainer::dist_env_resolve().rank == 0 && !config.run_name_stem.empty()) {
+        trainer::run_dir_claim_generated(config);
+        claimed.dir = config.run_dir;
+      }
       trainer::run_dir_check_writable(config.run_dir);
       trainer::stop_signals_install();
     }

@@ -3,6 +3,7 @@
 #include "test_support.h"
 #include "trainer/model/model_size.h"
 #include "trainer/train/schedule.h"
+#include "trainer/train/run_dir.h"
 #include "trainer/util/error.h"
 
 #include <catch2/catch.hpp>
@@ -156,6 +157,24 @@ TEST_CASE("config errors name the key and exit with code 2", "[config]") {
     const Config second = config_load(source_path("configs/base.yml"), {"run_name=", "base_output_directory=" + base}, {});
     CHECK(second.run_dir != first.run_dir);
     CHECK_FALSE(std::filesystem::exists(second.run_dir));
+    // Two runs resolved at the same moment pick the same name; the directory decides. The one
+    // that finds it taken (here: created after its config was resolved) takes the next suffix,
+    // with its default metrics_file (both used to go on, and the second failed on the run lock).
+    Config racing = second;  // resolved alongside it
+    std::filesystem::create_directories(second.run_dir);  // the other run's claim
+    run_dir_claim_generated(racing);
+    const std::string& stem = second.run_name_stem;
+    const int taken = second.run_name == stem ? 0 : std::stoi(second.run_name.substr(stem.size() + 1));
+    const std::string expected = stem + "_" + std::to_string(taken + 1);
+    CHECK(racing.run_name == expected);
+    CHECK(racing.run_dir == base + "/" + expected);
+    CHECK(racing.metrics_file == racing.run_dir + "/metrics.jsonl");
+    CHECK(std::filesystem::is_directory(racing.run_dir));
+    // A name the user gave is never changed (its directory being there means: resume).
+    Config named = config_load(source_path("configs/base.yml"), {"run_name=mine", "base_output_directory=" + base}, {});
+    std::filesystem::create_directories(named.run_dir);
+    run_dir_claim_generated(named);
+    CHECK(named.run_name == "mine");
   }
   SECTION("document flags on synthetic data (they were accepted and changed nothing)") {
     for (const std::string key : {"eod_mask_loss", "reset_position_ids", "reset_attention_mask"}) {

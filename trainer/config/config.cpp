@@ -426,6 +426,7 @@ void config_derive_and_validate(Config& c) {
     // adopts rank 0's name.
     const std::string stamped = c.model_name + "_" + timestamp();
     c.run_name = stamped;
+    c.run_name_stem = stamped;  // claimed when training starts (run_dir_claim_generated)
     std::error_code unsearchable;  // the run directory's own checks name the problem later
     for (int n = 1; fs::exists(fs::path(c.base_output_directory) / c.run_name, unsearchable); ++n)
       c.run_name = stamped + "_" + std::to_string(n);

@@ -168,6 +168,7 @@ struct Config {
   int64_t data_parallel_size = 1;
   int64_t global_batch_size = 0;  // sequences per optimizer step, all ranks
   std::string run_dir;
+  std::string run_name_stem;  // a generated run_name's <model_name>_<timestamp>; empty: the user named the run
   std::string config_dir;  // directory of the top-level config file (models/ lives under it)
 };
 

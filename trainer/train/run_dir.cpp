@@ -12,6 +12,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "trainer/config/config.h"
 #include "trainer/util/error.h"
 
 namespace trainer {
@@ -26,6 +27,19 @@ void run_dir_check_writable(const std::string& run_dir) {
   if (!is_dir || ::access(existing.c_str(), W_OK | X_OK) != 0)
     throw Error(kExitFailure, "cannot write the run directory " + run_dir + " (base_output_directory/run_name): " +
                                   existing.string() + (is_dir ? " is not writable" : " is not a directory"));
+}
+
+void run_dir_claim_generated(Config& c) {
+  if (c.run_name_stem.empty()) return;
+  const std::string default_metrics = (fs::path(c.run_dir) / "metrics.jsonl").string();
+  std::error_code ec;
+  if (!c.base_output_directory.empty()) fs::create_directories(c.base_output_directory, ec);
+  for (int n = 1; !fs::create_directory(c.run_dir, ec); ++n) {  // false: it exists (another run's)
+    if (ec || n > 100000) return;
+    c.run_name = c.run_name_stem + "_" + std::to_string(n);
+    c.run_dir = (fs::path(c.base_output_directory) / c.run_name).string();
+  }
+  if (c.metrics_file == default_metrics) c.metrics_file = (fs::path(c.run_dir) / "metrics.jsonl").string();
 }
 
 void run_dir_create(const std::string& run_dir) {

@@ -5,6 +5,16 @@
 
 namespace trainer {
 
+struct Config;
+
+// A generated run_name (config.run_name_stem set) is claimed by creating its directory, which
+// one process wins: runs started in the same second all found the name free when their configs
+// were resolved, and all but one then failed on the run lock. A lost claim takes the next suffix
+// (_1, _2, ...); run_dir and a default metrics_file follow. A directory that cannot be created is
+// left to run_dir_create to name. Rank 0 calls it before the model is built; the others adopt
+// its name.
+void run_dir_claim_generated(Config& config);
+
 // Before a training run builds its model (minutes for a large one): run_dir exists as a directory
 // or can be created under its nearest existing ancestor; exit 1 naming both otherwise. Creates
 // nothing. Not for exports, which only read run_dir.
