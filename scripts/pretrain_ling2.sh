@@ -9,11 +9,12 @@
 # does not exist is an error, never a reason to install anything). Paths you give (HOSTFILE,
 # TRAINER, CONFIG_FILE, DATA_PATH, BASE_OUTPUT_DIR, key=value arguments) are relative to your
 # working directory; the defaults are the repository's files. Running again with the same
-# RUN_NAME (default <MODEL_NAME>-pretrain) resumes that run.
+# RUN_NAME (default <model_name>-<data file name>) resumes that run, even with other settings
+# (the trainer warns): give a new RUN_NAME to start over.
 #   NPROC=8 scripts/pretrain_ling2.sh                                 # one node, 8 processes
 #   HOSTFILE=hosts NPROC=16 scripts/pretrain_ling2.sh steps=1000      # several nodes (mpirun --hostfile)
 set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd -P)
+ROOT=$(CDPATH='' cd -- "$(dirname -- "$(readlink -f -- "$0")")/.." && pwd -P)  # also when run through a link
 
 # ============================================================================
 # 1. Tokenizer
@@ -28,7 +29,7 @@ BOS_ID=${BOS_ID:-156891}   # <|startoftext|> (informational: documents are not p
 # 2. Output paths and run name
 # ============================================================================
 BASE_OUTPUT_DIR=${BASE_OUTPUT_DIR:-"$ROOT/runs"}
-RUN_NAME=${RUN_NAME:-}     # default <MODEL_NAME>-pretrain (section 5): a relaunch after preemption resumes it
+RUN_NAME=${RUN_NAME:-}     # default <model_name>-<data file name> (section 5): a relaunch after preemption resumes it
 
 # ============================================================================
 # 3. Launch: single process, one node x NPROC (mpirun -np), or several nodes (mpirun --hostfile)
@@ -59,10 +60,12 @@ fi
 #    dataset_path=) at data made with Ling2's tokenizer for real runs.
 # ============================================================================
 DATASET_TYPE=${DATASET_TYPE:-megatron}
-DEMO_PATH="$ROOT/data/fortunes_text_document"
+DEMO_PATH=$(realpath -m -- "$ROOT/data/fortunes_text_document")  # data/ may be a link
 DATA_PATH=${DATA_PATH:-"$DEMO_PATH"}
+MODEL_NAME=${MODEL_NAME:-ling2}
 for arg in "$@"; do  # the arguments come last on the trainer's command line: they are what it reads
   case "$arg" in
+    model_name=*) MODEL_NAME=${arg#model_name=} ;;
     dataset_path=*) DATA_PATH=${arg#dataset_path=} ;;
     dataset_type=*) DATASET_TYPE=${arg#dataset_type=} ;;
     eod_id=*) EOD_ID=${arg#eod_id=} ;;
@@ -82,8 +85,9 @@ DATA_SEED=${DATA_SEED:-1234}
 # ============================================================================
 # 5. Training hyperparameters
 # ============================================================================
-MODEL_NAME=${MODEL_NAME:-ling2}
-RUN_NAME=${RUN_NAME:-"${MODEL_NAME}-pretrain"}
+# The data in the default name: a run on other data is a new run, not a resume of the demo's.
+DATA_NAME=$(basename -- "${DATA_PATH##* }" | tr -c 'A-Za-z0-9._\n-' '_')
+RUN_NAME=${RUN_NAME:-"${MODEL_NAME}-${DATA_NAME}"}
 CONFIG_FILE=${CONFIG_FILE:-"$ROOT/configs/base.yml"}
 STEPS=${STEPS:-100000}
 PER_DEVICE_BATCH_SIZE=${PER_DEVICE_BATCH_SIZE:-2}

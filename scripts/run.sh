@@ -4,14 +4,24 @@
 # the arguments are relative to the root too.
 # Example: scripts/run.sh steps=100 gradient_accumulation_steps=4
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd -- "$(dirname -- "$(readlink -f -- "$0")")/.."  # also when run through a link
 if [ ! -x build/trainer ] || [ -n "${REBUILD:-}" ]; then
   scripts/setup.sh
 fi
-# The default corpus, when the run reads it (a built tree whose data/ was deleted exited 3).
-default_corpus=true
+# The default corpus, when the run reads it (a built tree whose data/ was deleted exited 3). The
+# trainer's own precedence: base.yml, then the arguments, then M_<KEY> variables.
+dataset_type=megatron dataset_path=data/fortunes_text_document reads_data=true
 for arg in "$@"; do
-  case "$arg" in dataset_path=* | dataset_type=*) default_corpus=false ;; esac
+  case "$arg" in
+    dataset_type=*) dataset_type=${arg#dataset_type=} ;;
+    dataset_path=*) dataset_path=${arg#dataset_path=} ;;
+    -h | --help | --version | --print-config | --dry-run) reads_data=false ;;
+  esac
 done
-if [ "$default_corpus" = true ] && [ ! -f data/fortunes_text_document.idx ]; then scripts/prepare_corpus.sh; fi
+dataset_type=${M_DATASET_TYPE:-$dataset_type}
+dataset_path=${M_DATASET_PATH:-$dataset_path}
+if [ "$reads_data" = true ] && [ "$dataset_type" != synthetic ] && [ "$dataset_path" = data/fortunes_text_document ] &&
+  [ ! -f data/fortunes_text_document.idx ]; then
+  scripts/prepare_corpus.sh
+fi
 exec build/trainer configs/base.yml "$@"

@@ -569,15 +569,13 @@ TEST_CASE("a resume with a shorter skip_step_interval keeps the newest entries o
   const std::string args = "model_name=test-tiny max_target_length=16 skip_step_on_spikes=true abort_on_nan_loss=false "
                            "checkpoint_period=100 async_checkpointing=false base_output_directory=" + kOut +
                            " run_name=spike-window ";
-  REQUIRE(run_trainer(args + "skip_step_interval=8 steps=10").exit_code == 0);
+  REQUIRE(train_in_process(args + "skip_step_interval=8 steps=10") == kExitOk);
   const auto window = [&](int step) {
     return nlohmann::json::parse(read_file(dir + "/checkpoints/" + std::to_string(step) + "/state.json"))["spike_guard"];
   };
   const auto saved = window(10)["losses"].get<std::vector<double>>();
   REQUIRE(saved.size() == 8);
-  const auto resumed = run_trainer(args + "skip_step_interval=3 steps=11 debug_inject_nonfinite_step=10");
-  INFO(resumed.output);
-  REQUIRE(resumed.exit_code == 0);
+  REQUIRE(train_in_process(args + "skip_step_interval=3 steps=11 debug_inject_nonfinite_step=10") == kExitOk);
   CHECK(window(11)["losses"].get<std::vector<double>>() == std::vector<double>(saved.end() - 3, saved.end()));
   CHECK(window(11)["grad_norms"].size() == 3);
 }
@@ -591,8 +589,8 @@ TEST_CASE("a metrics_file that is a symbolic link or a FIFO stays one across a r
   fs::create_symlink("store/real.jsonl", dir + "/link.jsonl");
   const std::string args = "model_name=test-tiny max_target_length=16 checkpoint_period=2 save_checkpoint_on_completion=false "
                            "base_output_directory=" + dir + " ";
-  REQUIRE(run_trainer(args + "run_name=linked metrics_file=" + dir + "/link.jsonl steps=3").exit_code == 0);
-  REQUIRE(run_trainer(args + "run_name=linked metrics_file=" + dir + "/link.jsonl steps=4").exit_code == 0);
+  REQUIRE(train_in_process(args + "run_name=linked metrics_file=" + dir + "/link.jsonl steps=3") == kExitOk);
+  REQUIRE(train_in_process(args + "run_name=linked metrics_file=" + dir + "/link.jsonl steps=4") == kExitOk);
   CHECK(fs::is_symlink(dir + "/link.jsonl"));
   const auto lines = read_lines(dir + "/store/real.jsonl");
   REQUIRE(lines.size() == 4);  // steps 0 and 1 kept, 2 and 3 run by the resume
@@ -603,10 +601,8 @@ TEST_CASE("a metrics_file that is a symbolic link or a FIFO stays one across a r
   REQUIRE(mkfifo(fifo.c_str(), 0644) == 0);
   const int reader = open(fifo.c_str(), O_RDWR | O_NONBLOCK | O_CLOEXEC);
   REQUIRE(reader >= 0);
-  REQUIRE(run_trainer(args + "run_name=piped metrics_file=" + fifo + " steps=3").exit_code == 0);
-  const auto resumed = run_trainer(args + "run_name=piped metrics_file=" + fifo + " steps=4");
-  INFO(resumed.output);
-  CHECK(resumed.exit_code == 0);
+  REQUIRE(train_in_process(args + "run_name=piped metrics_file=" + fifo + " steps=3") == kExitOk);
+  CHECK(train_in_process(args + "run_name=piped metrics_file=" + fifo + " steps=4") == kExitOk);
   CHECK(fs::is_fifo(fifo));
   std::string piped(1 << 16, '\0');
   const ssize_t n = read(reader, piped.data(), piped.size());

@@ -314,14 +314,14 @@ TEST_CASE("a run whose data index arrays cannot fit in host memory exits 2 at on
 TEST_CASE("the dry run counts the validation split's index arrays, and grain's mmap_npy data as Megatron's", "[data][cli]") {
   // Both used to say "fits" for runs that then exit 2 on the index memory check: the validation
   // split's samples were left out, and grain's line was missing. 10 steps of 8 sequences with
-  // eval_interval=1: 80 training and (10 / 1 + 1) x 1e9 x 8 = 8.8e10 validation samples.
+  // eval_interval=1: 80 training and (10 / 1 + 1) x 1e10 x 8 = 8.8e11 validation samples.
   const std::string base = "model_name=test-tiny pad_id=-1 eod_id=-1 per_device_batch_size=8 steps=10 --dry-run ";
-  const auto eval = run_trainer("dataset_type=megatron " + base + "eval_interval=1 eval_steps=1000000000");
+  const auto eval = run_trainer("dataset_type=megatron " + base + "eval_interval=1 eval_steps=10000000000");
   INFO(eval.output);
   CHECK(eval.exit_code == 0);
-  CHECK_THAT(eval.output, Catch::Contains("data index arrays (host memory, every rank): at least 1966.95 GiB for 80 "
-                                          "training and 88000000000 validation samples") &&
-                              Catch::Contains("does NOT fit"));  // 24 B x 88000000080 = 1966.95 GiB
+  CHECK_THAT(eval.output, Catch::Contains("data index arrays (host memory, every rank): at least 19669.53 GiB for 80 "
+                                          "training and 880000000000 validation samples") &&
+                              Catch::Contains("does NOT fit"));  // 24 B x 880000000080 = 19669.53 GiB
   const auto grain = run_trainer("dataset_type=grain grain_file_type=mmap_npy " + base);
   INFO(grain.output);
   CHECK_THAT(grain.output, Catch::Contains("at least 0.0 MiB for 80 training samples"));

@@ -74,7 +74,10 @@ struct IndexedDocument {
 // both files into place. dtype code 8 (uint16) or 4 (int32). add_document throws trainer::Error
 // (exit 3) naming the document when a token does not fit the dtype or a sequence is longer than
 // the int32 length field allows. A writer destroyed before finish() (an error, an exception)
-// removes its temporary files and leaves any earlier <prefix>.bin/.idx untouched.
+// removes its temporary files and leaves any earlier <prefix>.bin/.idx untouched. finish() blocks
+// SIGINT and SIGTERM in the calling thread across the two renames, so that a handler never sees
+// a half-renamed pair; that holds for the process only when no other thread can take the signal
+// (preprocess_data calls it with its workers joined).
 class IndexedDatasetWriter {
  public:
   IndexedDatasetWriter(const std::string& prefix, uint8_t dtype_code);

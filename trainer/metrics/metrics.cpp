@@ -58,9 +58,11 @@ MetricsLogger::MetricsLogger(const Config& config, int64_t first_step) : config_
   std::error_code ec;
   // A symbolic link is followed: the file it names is the one kept, rewritten or moved aside (the
   // rename used to replace the link by a regular file, its target left with the old lines).
-  const std::filesystem::path path = std::filesystem::is_symlink(config.metrics_file, ec)
-                                         ? std::filesystem::weakly_canonical(config.metrics_file, ec)
-                                         : std::filesystem::path(config.metrics_file);
+  std::filesystem::path path(config.metrics_file);
+  if (std::filesystem::is_symlink(path, ec)) {
+    const auto target = std::filesystem::weakly_canonical(path, ec);
+    if (!ec) path = target;  // a loop (ELOOP) keeps the name: opening it then says why
+  }
   if (path.has_parent_path() && (std::filesystem::create_directories(path.parent_path(), ec), ec))
     throw Error(kExitFailure, "cannot create the directory of metrics_file " + path.string() + ": " + ec.message());
   // A directory would fail below as a rename or an empty read; named as a fresh run names it.
