@@ -75,13 +75,9 @@ void print_dry_run(const trainer::Config& c) {
   double index_bytes = 0;  // host memory the Megatron index arrays take at least (CPU: beside the plan)
   if (c.dataset_type != "synthetic") {  // .bin/.idx: dataset_type megatron, or grain with mmap_npy
     // The sample and shuffle indices take 16 + 8 B per sample at least; the data decide the rest.
-    // Both splits' are held: the validation split's for Megatron's (steps / eval_interval + 1) x
-    // eval_steps global batches (Trainer::eval_data_open).
-    const double batch = static_cast<double>(c.global_batch_size);
-    const double train = static_cast<double>(c.steps) * batch;
-    const double valid = c.eval_interval > 0
-                             ? static_cast<double>(c.steps / c.eval_interval + 1) * static_cast<double>(c.eval_steps) * batch
-                             : 0.0;
+    // Both splits' are held, the validation split's with evaluation on.
+    const double train = static_cast<double>(c.steps) * static_cast<double>(c.global_batch_size);
+    const double valid = c.eval_interval > 0 ? static_cast<double>(trainer::config_eval_samples(c, c.steps)) : 0.0;
     index_bytes = 24.0 * (train + valid);
     const std::string valid_text = valid > 0 ? " and " + std::to_string(static_cast<int64_t>(valid)) + " validation" : "";
     std::printf("data index arrays (host memory, every rank): at least %s for %.0f training%s samples (24 B each; "

@@ -448,6 +448,10 @@ void config_derive_and_validate(Config& c) {
     throw config_error("metrics_file " + c.metrics_file + " names a directory, not a file");
 }
 
+int64_t config_eval_samples(const Config& c, int64_t steps) {
+  return (steps / std::max<int64_t>(c.eval_interval, 1) + 1) * c.eval_steps * c.global_batch_size;
+}
+
 Config config_load(const std::string& path, const std::vector<std::string>& overrides,
                    const std::vector<std::string>& environment) {
   const fs::path config_path(path);

@@ -182,6 +182,10 @@ Config config_load(const std::string& path, const std::vector<std::string>& over
 // Same, reading the process environment.
 Config config_load(const std::string& path, const std::vector<std::string>& overrides);
 
+// Megatron's validation size for a run of `steps` steps: (steps / eval_interval + 1) x eval_steps
+// global batches (an eval_interval below 1 counts as 1). config_load checks that it fits 64 bits.
+int64_t config_eval_samples(const Config& config, int64_t steps);
+
 // Checks types/ranges/cross-field rules and fills derived values (called by config_load;
 // tests that edit a Config call it again).
 void config_derive_and_validate(Config& config);

@@ -449,9 +449,7 @@ MetricValues Trainer::read_metrics(const StepOutput& out) const {
 void Trainer::eval_data_open() {
   if (eval_data_) return;
   const Config& c = config_;
-  // Megatron's validation size: (steps / eval_interval + 1) * eval_steps global batches.
-  const int64_t interval = std::max<int64_t>(c.eval_interval, 1);
-  const int64_t samples = (c.steps / interval + 1) * c.eval_steps * c.global_batch_size;
+  const int64_t samples = config_eval_samples(c, c.steps);
   std::shared_ptr<SampleSource> source;
   if (c.dataset_type == "synthetic") {
     Config shifted = c;
@@ -463,7 +461,7 @@ void Trainer::eval_data_open() {
   }
   eval_data_ = std::make_unique<DataLoader>(c, dist_.rank, std::move(source));
   // As for training (load_initial_state): another steps can mean other validation epochs.
-  const int64_t samples_before = (restored_steps_ / interval + 1) * c.eval_steps * c.global_batch_size;
+  const int64_t samples_before = config_eval_samples(c, restored_steps_);
   if (restored_steps_ > 0 && restored_steps_ != c.steps && !eval_data_->data_loader_same_samples_as_built_for(samples_before))
     spdlog::warn("steps changed from {} to {}, and the validation index built for {} samples spans other epochs than "
                  "the checkpoint's run had ({} samples): the evaluation losses from here on are over other samples "
