@@ -31,7 +31,22 @@
 
 namespace {
 
-void print_dry_run(const trainer::Config& c) {
+// Host memory the Megatron index arrays take at least (CPU: beside the plan): the sample and
+// shuffle indices, 16 + 8 B per sample; the data decide the rest. Both splits' are held, the
+// validation split's with evaluation on. Synthetic data has none.
+struct DryRunIndex {
+  double train_samples = 0, valid_samples = 0, bytes = 0;
+};
+DryRunIndex dry_run_index(const trainer::Config& c) {
+  if (c.dataset_type == "synthetic") return {};  // .bin/.idx: dataset_type megatron, or grain with mmap_npy
+  DryRunIndex index;
+  index.train_samples = static_cast<double>(c.steps) * static_cast<double>(c.global_batch_size);
+  index.valid_samples = c.eval_interval > 0 ? static_cast<double>(trainer::config_eval_samples(c, c.steps)) : 0.0;
+  index.bytes = 24.0 * (index.train_samples + index.valid_samples);
+  return index;
+}
+
+void print_dry_run(const trainer::Config& c, const trainer::DistEnv& env) {
   const auto s = trainer::model_size(c);
   std::printf("model_name: %s\n", c.model_name.c_str());
   // Published counts leave MTP out (Ling-mini-2.0: 16,255,638,528 total, 1,432,968,192 active).
@@ -65,24 +80,20 @@ void print_dry_run(const trainer::Config& c) {
   std::printf("global batch: %lld sequences x %lld tokens\n", static_cast<long long>(c.global_batch_size),
               static_cast<long long>(c.max_target_length));
   // The plan for this launch's layout (world size from the launcher's variables, if any).
-  const trainer::DistEnv env = trainer::dist_env_resolve();
   const bool cuda = c.hardware == "gpu";
   const trainer::MemoryPlan plan =
       trainer::memory_plan(c, trainer::memory_plan_context(env.world_size, env.local_world_size, cuda));
   std::printf("memory plan per rank (%s, %s, %lld rank%s):\n%s", cuda ? "GPU" : "CPU", c.dtype.c_str(),
               static_cast<long long>(env.world_size), env.world_size > 1 ? "s" : "",
               trainer::memory_plan_format(plan).c_str());
-  double index_bytes = 0;  // host memory the Megatron index arrays take at least (CPU: beside the plan)
-  if (c.dataset_type != "synthetic") {  // .bin/.idx: dataset_type megatron, or grain with mmap_npy
-    // The sample and shuffle indices take 16 + 8 B per sample at least; the data decide the rest.
-    // Both splits' are held, the validation split's with evaluation on.
-    const double train = static_cast<double>(c.steps) * static_cast<double>(c.global_batch_size);
-    const double valid = c.eval_interval > 0 ? static_cast<double>(trainer::config_eval_samples(c, c.steps)) : 0.0;
-    index_bytes = 24.0 * (train + valid);
-    const std::string valid_text = valid > 0 ? " and " + std::to_string(static_cast<int64_t>(valid)) + " validation" : "";
+  const DryRunIndex index = dry_run_index(c);
+  const double index_bytes = index.bytes;
+  if (index_bytes > 0) {
+    const std::string valid_text =
+        index.valid_samples > 0 ? " and " + std::to_string(static_cast<int64_t>(index.valid_samples)) + " validation" : "";
     std::printf("data index arrays (host memory, every rank): at least %s for %.0f training%s samples (24 B each; "
                 "with the document index, checked against host memory when training starts)\n",
-                trainer::memory_bytes_text(index_bytes).c_str(), train, valid_text.c_str());
+                trainer::memory_bytes_text(index_bytes).c_str(), index.train_samples, valid_text.c_str());
   }
   if (cuda) {
     std::printf("this machine: checked against the GPU's free memory when training starts\n");
@@ -94,6 +105,24 @@ void print_dry_run(const trainer::Config& c) {
   std::printf("this machine: %s available per rank (%s): %s%s\n", trainer::memory_bytes_text(available).c_str(),
               host.source.c_str(), needed <= available ? "fits" : "does NOT fit",
               index_bytes > 0 ? " (the plan and the data index arrays)" : "");
+}
+
+// The other ranks of a launch print nothing on stdout, but each checks its own machine (another
+// node may have less memory than rank 0's) and says so on stderr, naming itself, when it does not fit.
+void dry_run_check_other_rank(const trainer::Config& c, const trainer::DistEnv& env) {
+  if (c.hardware == "gpu") return;
+  const trainer::MemoryPlan plan =
+      trainer::memory_plan(c, trainer::memory_plan_context(env.world_size, env.local_world_size, false));
+  const trainer::HostMemory host = trainer::host_memory_available(env.local_world_size);
+  const double index_bytes = dry_run_index(c).bytes;
+  const double needed = plan.total_bytes - host.resident_bytes + index_bytes;
+  if (needed <= host.available_bytes) return;
+  char name[256] = "?";
+  gethostname(name, sizeof name - 1);
+  spdlog::warn("--dry-run: rank {} (host {}): this machine does NOT fit: {} available per rank ({}), {} {}",
+               env.rank, name, trainer::memory_bytes_text(host.available_bytes), host.source,
+               index_bytes > 0 ? "the plan and the data index arrays need" : "the plan needs",
+               trainer::memory_bytes_text(needed));
 }
 
 // "1,5,9" -> {1, 5, 9}; exit 2 naming the entry that is not a token id of this vocabulary.
@@ -349,7 +378,8 @@ int main(int argc, char** argv) {
     trainer::perf_startup_mark("config");
     // Under a launcher every rank checks and exits alike, and rank 0 alone prints (the copies of
     // all ranks interleaved in a pipe).
-    const bool prints = trainer::dist_env_resolve().rank == 0;
+    const trainer::DistEnv env = trainer::dist_env_resolve();
+    const bool prints = env.rank == 0;
     if (cl.print_config) {
       if (!prints) return trainer::kExitOk;
       std::fputs(trainer::config_to_yaml(config).c_str(), stdout);
@@ -358,8 +388,11 @@ int main(int argc, char** argv) {
     }
     if (cl.dry_run) {
       trainer::config_check_layout(config, config.data_parallel_size);  // the Trainer checks it against its group
-      if (!prints) return trainer::kExitOk;
-      print_dry_run(config);
+      if (!prints) {
+        dry_run_check_other_rank(config, env);
+        return trainer::kExitOk;
+      }
+      print_dry_run(config, env);
       stdout_check_written("--dry-run");
       return trainer::kExitOk;
     }
@@ -381,7 +414,7 @@ int main(int argc, char** argv) {
       }
     } claimed;
     if (!cl.exports()) {
-      if (trainer::dist_env_resolve().rank == 0 && !config.run_name_stem.empty()) {
+      if (env.rank == 0 && !config.run_name_stem.empty()) {
         trainer::run_dir_claim_generated(config);
         claimed.dir = config.run_dir;
       }

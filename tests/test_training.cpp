@@ -743,6 +743,17 @@ TEST_CASE("a run whose memory plan exceeds the machine exits 2 with the plan and
   CHECK_THAT(suggested.output, Catch::Contains("(RLIMIT_AS (ulimit -v)): fits"));
   const auto dry = run_trainer(big + " --dry-run", limit);
   CHECK_THAT(dry.output, Catch::Contains("does NOT fit") && Catch::Contains("memory plan per rank"));
+  // Another rank of a launch prints no plan, but names itself when its own machine does not fit
+  // (another node may have less memory than rank 0's), and says nothing when it does.
+  const std::string rank_one = "OMPI_COMM_WORLD_RANK=1 OMPI_COMM_WORLD_SIZE=2 OMPI_COMM_WORLD_LOCAL_RANK=0 "
+                               "OMPI_COMM_WORLD_LOCAL_SIZE=1 ";
+  const auto other = run_trainer(big + " --dry-run", limit + rank_one);
+  CHECK(other.exit_code == 0);
+  CHECK_THAT(other.output, Catch::Contains("--dry-run: rank 1 (host ") && Catch::Contains("this machine does NOT fit") &&
+                               !Catch::Contains("memory plan per rank"));
+  const auto other_fits = run_trainer("model_name=test-tiny steps=1 --dry-run", limit + rank_one);
+  CHECK(other_fits.exit_code == 0);
+  CHECK(other_fits.output.empty());
 
   // Each process has its own rlimits: two ranks on the machine do not halve them (MemAvailable
   // and the cgroup, which they share, are divided).
