@@ -489,6 +489,10 @@ TEST_CASE("learning-rate schedules", "[config][schedule]") {
   c.wsd_decay_steps_fraction = 0.2;
   CHECK(learning_rate_at(c, 50) == Approx(1.0));
   CHECK(learning_rate_at(c, 90) == Approx(0.1 + 0.9 * 0.5));  // linear decay over 80..100
-  c.lr_schedule_type = "constant";
+  c.lr_schedule_type = "constant";  // Megatron's constant warms up first (its warmup branch comes first)
+  CHECK(learning_rate_at(c, 0) == 0.0);
+  CHECK(learning_rate_at(c, 5) == Approx(0.5));
+  for (const int64_t s : {10, 50, 99, 100}) CHECK(learning_rate_at(c, s) == 1.0);
+  c.warmup_steps_fraction = 0;
   CHECK(learning_rate_at(c, 0) == 1.0);
 }

@@ -10,6 +10,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -267,7 +268,8 @@ TEST_CASE("Megatron line: each label and number formatted as Megatron-LM's train
                         {"learning/moe_lb_loss", 98.0},     {"learning/mtp_loss_raw", 97.0},
                         {"perf/step_time_seconds", seconds}, {"optim/step_skipped", skipped},
                         {"learning/is_nan", 0.0},           {"learning/is_inf", 0.0},
-                        {"learning/current_learning_rate", 1.5e-4}, {"learning/raw_grad_norm", 2.71828},
+                        {"learning/current_learning_rate", 1.4e-4}, {"megatron/learning_rate", 1.5e-4},
+                        {"learning/raw_grad_norm", 2.71828},
                         {"learning/num_zeros", 1234.0},     {"learning/param_norm", 31.4159}};
   };
   MegatronInterval interval;
@@ -335,6 +337,15 @@ TEST_CASE("Megatron line: each interval starts after the previous line, however 
                           Catch::Contains("number of skipped iterations:   1 | number of nan iterations:   1 |"));
     CHECK_THAT(line4, Catch::Contains(loss_text(json_metric(lines[3], "megatron/lm_loss"))) &&
                           Catch::Contains("number of skipped iterations:   0 | number of nan iterations:   0 |"));
+    // The learning rate is the one Megatron holds after its scheduler's step: the next update's.
+    // Cosine over 4 updates from 3e-3 to 3e-4, no warmup (floor(0.1 x 4) = 0); step 1 was skipped,
+    // so after steps 0..3 the updates applied are 1, 1, 2, 3.
+    const auto cosine = [](double s) { return 3e-4 + (3e-3 - 3e-4) * 0.5 * (1 + std::cos(M_PI * s / 4)); };
+    const double applied[4] = {1, 1, 2, 3};
+    for (size_t i = 0; i < 4; ++i) CHECK(json_metric(lines[i], "megatron/learning_rate") == Approx(cosine(applied[i])).epsilon(1e-12));
+    CHECK(json_metric(lines[3], "learning/current_learning_rate") == Approx(cosine(2)).epsilon(1e-12));
+    CHECK_THAT(line3, Catch::Contains(printf_string("learning rate: %.6E |", cosine(2))));
+    CHECK_THAT(line4, Catch::Contains(printf_string("learning rate: %.6E |", cosine(3))));
   }
   {
     const auto [output, lines] = run("megatron-long", "steps=140 log_period=140");

@@ -34,20 +34,25 @@ double relative_difference(const torch::Tensor& a, const torch::Tensor& b) {
   return (a - b).norm().item<double>() / b.norm().item<double>();
 }
 
-// Independent MTP: loops over positions. Depth k at i predicts input token i+k+1 = targets[i+k]
-// when i+k+1 < L, that token is in the segment of position i, and targets[i+k] is unmasked.
+// Independent MTP: loops over positions. Depth k at i predicts the sample's token i+k+1 =
+// targets[i+k] (the last one beyond the inputs) when i+k < L, that token is in the segment of
+// position i, and targets[i+k] is unmasked. The segment of token L: the last input's, or the next
+// one when the last input is `eod_opening` (an EOD under reset_attention_mask; -1: none).
 // Per-depth per-token mean, averaged over depths; pooled (mtp_per_layer_loss_norm=false): all
 // depths' CE over all their targets.
-double reference_mtp_raw(const std::vector<torch::Tensor>& depth_logits, const MicroBatch& b, bool pooled = false) {
+double reference_mtp_raw(const std::vector<torch::Tensor>& depth_logits, const MicroBatch& b, bool pooled = false,
+                         int64_t eod_opening = -1) {
   double total = 0, pooled_sum = 0, pooled_count = 0;
   for (size_t d = 0; d < depth_logits.size(); ++d) {
     const int64_t k = static_cast<int64_t>(d) + 1;
     const auto logp = torch::log_softmax(depth_logits[d].to(torch::kFloat64), -1);
     double sum = 0, count = 0;
     for (int64_t r = 0; r < b.batch_size; ++r)
-      for (int64_t i = 0; i + k + 1 < b.seq_len; ++i) {
+      for (int64_t i = 0; i + k < b.seq_len; ++i) {
         const int64_t j = r * b.seq_len + i + k;
-        if (b.segment_ids[j + 1] != b.segment_ids[r * b.seq_len + i] || b.loss_mask[j] == 0) continue;
+        const int64_t target_segment = i + k + 1 < b.seq_len ? b.segment_ids[j + 1]
+                                                             : b.segment_ids[j] + (b.inputs[j] == eod_opening ? 1 : 0);
+        if (target_segment != b.segment_ids[r * b.seq_len + i] || b.loss_mask[j] == 0) continue;
         sum -= logp[r][i][b.targets[j]].item<double>();
         count += 1;
       }
@@ -320,6 +325,47 @@ TEST_CASE("MTP never uses a target from another segment", "[moe][mtp]") {
   // And the value is the independent loop-based computation.
   const auto output = model->forward(micro_batch_tensor(b.inputs, b), micro_batch_tensor(b.positions, b), micro_batch_tensor(b.segment_ids, b));
   CHECK(base.mtp_raw.item<double>() == Approx(reference_mtp_raw(output.mtp_logits, b)).epsilon(1e-5));
+}
+
+TEST_CASE("MTP counts the sample's last token as Megatron does, unless an EOD under reset_attention_mask ends the row", "[moe][mtp]") {
+  // A Megatron sample holds L+1 tokens: targets[L-1] is token L, beyond the inputs. Depth k has
+  // L-k targets per row (Megatron's roll zero-fills only the last position per depth); the last,
+  // at i = L-k-1, is token L.
+  MicroBatch b;
+  b.batch_size = 1, b.seq_len = 16;
+  for (int64_t i = 0; i < 17; ++i) b.inputs.push_back(10 + 3 * i);
+  for (int64_t i = 0; i < 16; ++i) {
+    b.targets.push_back(b.inputs[i + 1]);
+    b.loss_mask.push_back(1.0f);
+    b.segment_ids.push_back(1);
+    b.positions.push_back(i);
+  }
+  b.inputs.pop_back();
+  b.sample_indices = {0};
+  torch::NoGradGuard no_grad;
+  for (const bool reset : {false, true}) {
+    Config c = tiny_config(moe_opts({"mtp_num_layers=2", "max_target_length=16", "eod_id=55"}));
+    c.reset_attention_mask = reset;  // (the config check allows it with Megatron data only)
+    auto model = model_build(c);
+    MicroBatch ends_in_eod = b;  // the last input is an EOD: token L opens the next document
+    ends_in_eod.inputs[15] = 55, ends_in_eod.targets[14] = 55;
+    for (const MicroBatch& row : {b, ends_in_eod}) {
+      const bool opens = reset && row.inputs[15] == 55;
+      INFO("reset_attention_mask=" << reset << ", last input EOD=" << (row.inputs[15] == 55));
+      const auto base = micro_batch_losses(model, row, c, torch::kCPU);
+      const auto output = model->forward(micro_batch_tensor(row.inputs, row), micro_batch_tensor(row.positions, row),
+                                         micro_batch_tensor(row.segment_ids, row));
+      CHECK(base.mtp_raw.item<double>() == Approx(reference_mtp_raw(output.mtp_logits, row, false, reset ? 55 : -1)).epsilon(1e-6));
+      MicroBatch last_changed = row;  // token L differs: MTP sees it unless it opens another document
+      last_changed.targets[15] = 200;
+      const auto changed = micro_batch_losses(model, last_changed, c, torch::kCPU);
+      CHECK(changed.ce.item<double>() != base.ce.item<double>());
+      if (opens)
+        CHECK(changed.mtp_raw.item<double>() == base.mtp_raw.item<double>());
+      else
+        CHECK(changed.mtp_raw.item<double>() != base.mtp_raw.item<double>());
+    }
+  }
 }
 
 TEST_CASE("expert bias moves toward underloaded experts, from averaged counts", "[moe]") {

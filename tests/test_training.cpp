@@ -360,6 +360,35 @@ TEST_CASE("W = 0: zero gradient, skipped update, never NaN", "[training]") {
     CHECK(z.flat_grads().abs().max().item<double>() == 0);
     CHECK(torch::equal(before, z.flat_params()));
   }
+  // A MoE model: its load-balancing term counts the step's tokens, not its targets. Per-token mode
+  // weights it by w_i = 0 (all zero, as above); Megatron mode's J keeps it unweighted, so the loss
+  // is that term and its gradient is not zero, and the update is skipped all the same.
+  const auto moe = [&](const std::string& mode) {
+    return tiny_config(uneven({"model_name=moe-tiny", "max_target_length=16", "synthetic_min_valid_fraction=0.0625",
+                               "per_device_batch_size=1", "load_balance_loss_weight=0.01", "calculate_per_token_loss=" + mode}));
+  };
+  Trainer search(moe("true"));
+  for (step = 0; step < 500; ++step)
+    if (weights_of(search.data().data_loader_next(step, 0)) == 0) break;
+  REQUIRE(step < 500);
+  for (const std::string mode : {"true", "false"}) {
+    Trainer z(moe(mode));
+    const auto before = z.flat_params().clone();
+    const auto values = z.read_metrics(z.train_step(step));
+    INFO("MoE, per_token=" << mode);
+    CHECK(metric_get(values, "learning/total_weights") == 0);
+    CHECK(metric_get(values, "learning/lm_loss") == 0);
+    CHECK(metric_get(values, "optim/step_skipped") == 1);
+    CHECK(torch::equal(before, z.flat_params()));
+    if (mode == "true") {
+      CHECK(metric_get(values, "learning/loss") == 0);
+      CHECK(z.flat_grads().abs().max().item<double>() == 0);
+    } else {
+      CHECK(metric_get(values, "learning/moe_lb_loss") > 0);
+      CHECK(metric_get(values, "learning/loss") == metric_get(values, "learning/moe_lb_loss"));
+      CHECK(z.flat_grads().abs().max().item<double>() > 0);
+    }
+  }
 }
 
 TEST_CASE("bf16 compute: weights and gradients stay fp32, loss close to fp32", "[training]") {
@@ -783,6 +812,26 @@ TEST_CASE("a run whose memory plan exceeds the machine exits 2 with the plan and
   CHECK(r.exit_code == 1);
   CHECK_THAT(r.output, Catch::Contains("going on (allow_memory_overcommit)") && Catch::Contains("out of memory"));
   CHECK_THAT(r.output, !Catch::Contains("frame #"));
+}
+
+TEST_CASE("AdamW's weight decay takes lr x wd of each weight, unbiased by fp32 rounding of 1 - lr x wd", "[training][numerics]") {
+  // With a zero gradient the update is the decay alone: p <- p - lr wd p. At lr wd = 1e-6 the
+  // factor 1 - lr wd rounds in fp32 to 1 - 17 x 2^-24 = 1 - 1.0133e-6: every weight decayed 1.3%
+  // too much, the same way. Over the weights of magnitude below 0.5 (each rounds to its own fp32
+  // grid, up and down), the decay taken must be lr wd of their sum to 0.2%.
+  Trainer t(tiny_config(uneven({"lr_schedule_type=constant", "learning_rate=1e-5", "adam_weight_decay=0.1"})));
+  auto out = t.forward_backward(0);
+  t.flat_grads().zero_();
+  const auto before = t.flat_params().to(torch::kFloat64).clone();
+  t.optimizer_update(out);
+  REQUIRE(metric(t, out, "optim/step_skipped") == 0);
+  const auto after = t.flat_params().to(torch::kFloat64);
+  const auto small = (before.abs() < 0.5) & (before != 0);
+  REQUIRE(small.sum().item<int64_t>() > 10000);
+  const double taken = ((before - after) * before.sign()).masked_select(small).sum().item<double>();
+  const double expected = 1e-6 * before.abs().masked_select(small).sum().item<double>();
+  INFO("decay taken / expected: " << taken / expected);
+  CHECK(taken / expected == Approx(1.0).epsilon(2e-3));
 }
 
 TEST_CASE("two AdamW steps with clipping equal a hand computation in float64", "[training][numerics]") {

@@ -179,7 +179,7 @@ void megatron_interval_add(MegatronInterval& interval, const Config& config, con
 
 // Megatron-LM's training_log line, label for label as megatron/training/training.py prints it at
 // commit d98e8a64 (docs/metrics.md): a timestamp, iteration (1-based), consumed samples, time per
-// iteration, learning rate, global batch size, then each loss averaged over the interval's
+// iteration, learning rate (after the scheduler's step: the next update's), global batch size, then each loss averaged over the interval's
 // non-skipped iterations -- `lm loss` (token-weighted over the global batch, in both
 // normalization modes), `load_balancing_loss` and `z_loss` (divided by their coefficients, mean
 // over MoE layers), `mtp_<k> loss` per depth (unscaled) -- then loss scale (1.0: no fp16 scaler),
@@ -195,7 +195,7 @@ std::string megatron_log_line(const Config& config, int64_t step, const Megatron
       "learning rate: {:.6E} | global batch size: {:5d} |",
       timestamp, step + 1, config.steps, (step + 1) * config.global_batch_size,
       1000.0 * time_sum / static_cast<double>(std::max<int64_t>(iterations, 1)),
-      metric_get(v, "learning/current_learning_rate"), config.global_batch_size);
+      metric_get(v, "megatron/learning_rate"), config.global_batch_size);
   for (size_t i = 0; i < columns.size(); ++i) {
     const double sum = i < interval.loss_sums.size() ? interval.loss_sums[i] : 0.0;
     line += fmt::format(" {}: {:.6E} |", columns[i].second, sum / static_cast<double>(std::max<int64_t>(counted, 1)));

@@ -30,7 +30,7 @@ namespace {
 // with sqrtf, which may set errno. Same IEEE operations in the same order in the vector and the
 // scalar form (no FMA), so both give the same bits.
 struct AdamwConstants {
-  float w1, keep1, b2, w2, root2, eps, decay, step;
+  float w1, keep1, b2, w2, root2, eps, lr_decay, step;  // lr_decay = lr * weight_decay
 };
 
 template <bool kLerpFromStart>
@@ -39,7 +39,7 @@ void adamw_range(float* __restrict p, const float* __restrict g, float* __restri
   int64_t i = 0;
 #if defined(__SSE2__)
   const __m128 w1 = _mm_set1_ps(k.w1), keep1 = _mm_set1_ps(k.keep1), b2 = _mm_set1_ps(k.b2), w2 = _mm_set1_ps(k.w2),
-               root2 = _mm_set1_ps(k.root2), eps = _mm_set1_ps(k.eps), decay = _mm_set1_ps(k.decay),
+               root2 = _mm_set1_ps(k.root2), eps = _mm_set1_ps(k.eps), lr_decay = _mm_set1_ps(k.lr_decay),
                step = _mm_set1_ps(k.step);
   for (; i + 4 <= n; i += 4) {
     const __m128 gi = _mm_loadu_ps(g + i), m0 = _mm_loadu_ps(m + i), diff = _mm_sub_ps(gi, m0);
@@ -48,7 +48,8 @@ void adamw_range(float* __restrict p, const float* __restrict g, float* __restri
     const __m128 denominator = _mm_add_ps(_mm_div_ps(_mm_sqrt_ps(vi), root2), eps);
     _mm_storeu_ps(m + i, mi);
     _mm_storeu_ps(v + i, vi);
-    _mm_storeu_ps(p + i, _mm_add_ps(_mm_mul_ps(_mm_loadu_ps(p + i), decay), _mm_div_ps(_mm_mul_ps(step, mi), denominator)));
+    const __m128 pi = _mm_loadu_ps(p + i);
+    _mm_storeu_ps(p + i, _mm_add_ps(_mm_sub_ps(pi, _mm_mul_ps(lr_decay, pi)), _mm_div_ps(_mm_mul_ps(step, mi), denominator)));
   }
 #endif
   for (; i < n; ++i) {
@@ -58,7 +59,7 @@ void adamw_range(float* __restrict p, const float* __restrict g, float* __restri
     const float denominator = __builtin_sqrtf(vi) / k.root2 + k.eps;
     m[i] = mi;
     v[i] = vi;
-    p[i] = p[i] * k.decay + k.step * mi / denominator;
+    p[i] = (p[i] - k.lr_decay * p[i]) + k.step * mi / denominator;
   }
 }
 
@@ -74,7 +75,11 @@ void adamw_update_cpu(torch::Tensor& params, const torch::Tensor& grads, torch::
                          static_cast<float>(1.0 - b2),
                          static_cast<float>(std::sqrt(bias2)),
                          static_cast<float>(eps),
-                         static_cast<float>(1.0 - lr * weight_decay),
+                         // p - (lr wd) p, not p (1 - lr wd): 1 - lr wd rounded to fp32 moves the decay
+                         // by up to 2^-25 / (lr wd) of itself (+19% at lr wd = 1e-7), the same way for
+                         // every weight; lr wd itself rounds to 2^-24 of itself (optax, the fused CUDA
+                         // kernel: the same form)
+                         static_cast<float>(lr * weight_decay),
                          static_cast<float>(-lr / bias1)};
   float* p = params.data_ptr<float>();
   const float* g = grads.data_ptr<float>();
@@ -261,6 +266,9 @@ void Trainer::optimizer_update(StepOutput& out) {
   }
   update_expert_bias(out, /*apply=*/!skip);
   out.step_skipped = skip;
+  // Megatron steps its scheduler after the update and logs the rate it then holds: the next
+  // update's (the same again after a skipped step).
+  out.megatron_learning_rate = learning_rate_at(c, updates_applied_);
   // A collective with expert parallelism or sharding.
   out.param_norm = sharded_state_ ? sharded_state_->params_norm() : arena_norm(flat_params_);
   out.collectives += collectives_so_far() - collectives_before;  // the ZeRO-1 gather, the norm's sum

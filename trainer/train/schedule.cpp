@@ -1,5 +1,7 @@
-// Learning-rate schedules (MaxText's create_learning_rate_schedule), as a plain function of the
-// number of updates applied so far, so a skipped step freezes the schedule.
+// Learning-rate schedules, as a plain function of the number of updates applied so far, so a
+// skipped step freezes the schedule. The indexing is Megatron-LM's (OptimizerParamScheduler.get_lr,
+// and MaxText's before it moved to optax's `transition_steps - 1`): update s of a warmup of W uses
+// peak * s / W, the peak is first used at s = W, and the decay reaches the final rate at s = S.
 #include <cmath>
 
 #include "trainer/train/schedule.h"
@@ -12,8 +14,8 @@ double learning_rate_at(const Config& c, int64_t update_count) {
   const double total = static_cast<double>(c.learning_rate_schedule_steps);
   const double warmup = std::floor(c.warmup_steps_fraction * total);
   const double s = static_cast<double>(update_count);
+  if (s < warmup) return peak * s / warmup;  // linear from 0 (constant too, as Megatron's)
   if (c.lr_schedule_type == "constant") return peak;
-  if (s < warmup) return peak * s / warmup;  // linear from 0
   if (s >= total) return final_lr;
   if (c.lr_schedule_type == "cosine") {
     const double progress = (s - warmup) / std::max(total - warmup, 1.0);

@@ -84,22 +84,26 @@ MicroBatchTensors to_device(const MicroBatch& b, const torch::Device& device) {
           slot_as(2, torch::kInt64), slot_as(3, torch::kInt64), one_segment};
 }
 
-// Multi-token prediction: depth k at position i predicts input token i+k+1 (= targets[i+k]).
-// It counts only when that token lies inside the sequence (i+k+1 < L), in the same segment as
-// position i, and targets[i+k] is unmasked: no prediction crosses a document boundary or the end
-// of the sequence, even where the main loss (Megatron-style) predicts across an EOD. Each depth
-// is a per-token mean on its own (unscaled: the caller multiplies by mtp_loss_scaling_factor).
-// `ce_sum(depth, targets, valid)` gives a depth's CE summed over its valid (0/1) targets.
-// Returns the (depths) losses and, in `pooled`, the depths' CE sum over their target count
-// (mtp_per_layer_loss_norm=false; equal to the mean of the depths when they count alike).
+// Multi-token prediction: depth k at position i predicts token i+k+1 of the sample (its L+1
+// tokens: = targets[i+k], the last one beyond the inputs). It counts when i+k < L, that token is
+// in the same segment as position i, and targets[i+k] is unmasked: depth k has up to L-k targets
+// per row, as Megatron's roll (which zero-fills only the last position per depth). No prediction
+// crosses a document boundary, even where the main loss (Megatron-style) predicts across an EOD.
+// `target_segments` (B, L) is the segment of each target token (see mtp_target_segments). Each
+// depth is a per-token mean on its own (unscaled: the caller multiplies by
+// mtp_loss_scaling_factor). `ce_sum(depth, targets, valid)` gives a depth's CE summed over its
+// valid (0/1) targets. Returns the (depths) losses and, in `pooled`, the depths' CE sum over
+// their target count (mtp_per_layer_loss_norm=false; equal to the mean of the depths when they
+// count alike).
 template <class CeSum>
-torch::Tensor mtp_depth_losses(size_t depths_count, const MicroBatchTensors& t, const CeSum& ce_sum, torch::Tensor& pooled) {
+torch::Tensor mtp_depth_losses(size_t depths_count, const MicroBatchTensors& t, const torch::Tensor& target_segments,
+                               const CeSum& ce_sum, torch::Tensor& pooled) {
   const auto L = t.targets.size(1);
   std::vector<torch::Tensor> depths, sums, counts;
   for (size_t depth = 0; depth < depths_count; ++depth) {
     const int64_t k = static_cast<int64_t>(depth) + 1;
-    const auto in_range = torch::arange(L, t.segment_ids.options()) < L - k - 1;
-    const auto same_segment = t.segment_ids.roll(-(k + 1), 1) == t.segment_ids;
+    const auto in_range = torch::arange(L, t.segment_ids.options()) < L - k;
+    const auto same_segment = target_segments.roll(-k, 1) == t.segment_ids;
     const auto valid = in_range & same_segment & (t.loss_mask.roll(-k, 1) > 0);  // (B, L) bool
     sums.push_back(ce_sum(depth, t.targets.roll(-k, 1), valid));
     counts.push_back(valid.to(sums.back().scalar_type()).sum());
@@ -107,6 +111,17 @@ torch::Tensor mtp_depth_losses(size_t depths_count, const MicroBatchTensors& t, 
   }
   pooled = torch::stack(sums).sum() / torch::stack(counts).sum().clamp_min(1.0);
   return torch::stack(depths);
+}
+
+// (B, L): the segment of each target token. targets[j] is input token j+1 for j < L-1, so its
+// segment is segment_ids[j+1]; the last target (the sample's token L) is beyond the inputs: it
+// opens a new segment exactly when the last input is an EOD under reset_attention_mask (the
+// Megatron loader's rule: an EOD input closes its segment).
+torch::Tensor mtp_target_segments(const MicroBatchTensors& t, const Config& c) {
+  const auto L = t.segment_ids.size(1);
+  auto last = t.segment_ids.narrow(1, L - 1, 1);
+  if (c.reset_attention_mask) last = last + (t.inputs.narrow(1, L - 1, 1) == c.eod_id).to(last.scalar_type());
+  return torch::cat({t.segment_ids.narrow(1, 1, L - 1), last}, 1);
 }
 
 }  // namespace
@@ -167,7 +182,7 @@ MicroBatchLosses micro_batch_losses(Transformer& model, const MicroBatch& batch,
       return (ce * valid.to(logits.scalar_type())).sum();
     };
     torch::Tensor pooled;
-    const auto depths = mtp_depth_losses(output.mtp_head_inputs.size(), t, depth_ce_sum, pooled);
+    const auto depths = mtp_depth_losses(output.mtp_head_inputs.size(), t, mtp_target_segments(t, c), depth_ce_sum, pooled);
     losses.mtp_raw = c.mtp_per_layer_loss_norm ? depths.mean() : pooled;
     losses.mtp_depths = depths.detach();
   }

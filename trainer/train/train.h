@@ -50,7 +50,8 @@ struct StepOutput {
                                 // when log_num_zeros_in_grad is off)
   torch::Tensor param_norm;     // fp64 norm of the parameters after the update
   double total_weights = 0;           // W: unmasked target tokens in the step (host-known)
-  double learning_rate = 0;
+  double learning_rate = 0;            // the rate this step's update used
+  double megatron_learning_rate = 0;   // the next update's: what Megatron's log line shows
   bool step_skipped = false;          // spike guard or W == 0
   double step_time_seconds = 0;
   double data_wait_seconds = 0;       // time this step waited for its micro-batches

@@ -416,6 +416,7 @@ MetricValues Trainer::read_metrics(const StepOutput& out) const {
   };
   if (out.num_zeros.defined()) values.emplace_back("learning/num_zeros", v[8]);
   values.emplace_back("megatron/lm_loss", v[11]);
+  values.emplace_back("megatron/learning_rate", out.megatron_learning_rate);
   if (moe) {
     values.emplace_back("megatron/load_balancing_loss", v[12]);
     values.emplace_back("megatron/z_loss", v[13]);
