@@ -112,6 +112,9 @@ TEST_CASE("config errors name the key and exit with code 2", "[config]") {
     CHECK_THAT(load_error({"weight_dtype=bfloat16"}).what(),
                Catch::Contains("unknown config key 'weight_dtype' (from command line): weights, gradients and AdamW "
                                "state are always float32 here; 'dtype' sets the compute dtype"));
+    CHECK_THAT(load_error({"global_batch_size=64"}).what(), Catch::Contains("it is derived: per_device_batch_size x"));
+    CHECK_THAT(load_error({"adam_eps_root=1e-8"}).what(), Catch::Contains("'adam_eps' is added outside the square root"));
+    CHECK_THAT(load_error({"ici_expert_parallelism=2"}).what(), Catch::Contains("use 'expert_parallelism'"));
   }
   SECTION("unknown environment key") {
     const Error e = load_error({}, {"M_LERNING_RATE=1"});
@@ -121,6 +124,18 @@ TEST_CASE("config errors name the key and exit with code 2", "[config]") {
     const Error e = load_error({"steps=1.5"});
     CHECK(e.exit_code() == kExitUsage);
     CHECK_THAT(e.what(), Catch::Contains("'steps'") && Catch::Contains("'1.5'") && Catch::Contains("integer"));
+    for (const std::string bad : {"steps=0x10", "steps=1e-1", "steps=inf", "steps=1.0.0", "steps=1_000"})
+      CHECK_THAT(load_error({bad}).what(), Catch::Contains("expected an integer"));
+    CHECK_THAT(load_error({"steps=10000000000000000000"}).what(),
+               Catch::Contains("expected an integer from -9223372036854775808 to 9223372036854775807"));
+    CHECK_THAT(load_error({"steps=1e19"}).what(), Catch::Contains("a float literal only up to 2^53"));
+  }
+  SECTION("lossless integer: a float literal of a whole number (MaxText writes per_device_batch_size: 12.0)") {
+    const Config c = tiny_config({"per_device_batch_size=2.0", "steps=1e2", "gradient_accumulation_steps=+3.", "eval_steps=20E-1"});
+    CHECK(c.per_device_batch_size == 2);
+    CHECK(c.steps == 100);
+    CHECK(c.gradient_accumulation_steps == 3);
+    CHECK(c.eval_steps == 2);
   }
   SECTION("metrics_file among the run's own files (config.yml was moved aside as an earlier run's metrics)") {
     const std::string run_dir = test_root() + "/own-files/r";

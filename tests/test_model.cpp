@@ -417,8 +417,12 @@ TEST_CASE("RoPE scores depend only on relative positions, and the position input
   const auto shifted = model->forward(in.tokens, in.positions + 7, in.segments).logits;
   CHECK(torch::allclose(base, shifted, 1e-4, 1e-4));
   // ... but reversing positions does change them (positions are really used).
+  // (Compared with the shift's float noise: how far the logits move depends on the init's scale.)
   const auto reversed = model->forward(in.tokens, in.positions.flip({1}), in.segments).logits;
-  CHECK_FALSE(torch::allclose(base, reversed, 1e-3, 1e-3));
+  const double noise = (base - shifted).abs().max().item<double>(), moved = (base - reversed).abs().max().item<double>();
+  INFO("shift: " << noise << ", reversal: " << moved);
+  CHECK(moved > 1e-5);
+  CHECK(moved > 100 * noise);
 }
 
 TEST_CASE("the same init_weights_seed gives the same weights, another seed does not", "[model]") {
@@ -427,6 +431,36 @@ TEST_CASE("the same init_weights_seed gives the same weights, another seed does 
   const auto pa = a->named_parameters(), pb = b->named_parameters(), pc = c->named_parameters();
   CHECK(torch::equal(pa["model.layers.0.mlp.up_proj.weight"], pb["model.layers.0.mlp.up_proj.weight"]));
   CHECK_FALSE(torch::equal(pa["model.layers.0.mlp.up_proj.weight"], pc["model.layers.0.mlp.up_proj.weight"]));
+}
+
+TEST_CASE("init: N(0, init_method_std^2), o_proj and down_proj at std / sqrt(2 layers) as Megatron's, norms 1", "[model]") {
+  // Sample standard deviations of every weight with enough elements to pin them to 10%; the
+  // output projections (attention, MLP, routed and shared experts) against std / sqrt(2 L).
+  for (const std::string model : {"test-tiny", "ling2-tiny"})
+    for (const bool scaled : {true, false}) {
+      const Config c = tiny_config({"model_name=" + model, "init_method_std=0.05",
+                                    std::string("init_output_layers_scaled=") + (scaled ? "true" : "false")});
+      const double out_std = scaled ? 0.05 / std::sqrt(2.0 * static_cast<double>(c.base_num_decoder_layers)) : 0.05;
+      auto m = model_build(c);
+      int64_t outputs = 0, others = 0;
+      for (const auto& item : m->named_parameters()) {
+        const auto& name = item.key();
+        const auto& w = item.value();
+        INFO(model << " scaled=" << scaled << " " << name);
+        if (name.find("norm") != std::string::npos) {
+          CHECK(torch::all(w == 1).item<bool>());
+          continue;
+        }
+        if (w.numel() < 2000) continue;
+        const bool output = name.find("o_proj") != std::string::npos || name.find("down_proj") != std::string::npos;
+        (output ? outputs : others) += 1;
+        CHECK(w.std().item<double>() == Approx(output ? out_std : 0.05).epsilon(0.1));
+        CHECK(std::abs(w.mean().item<double>()) < 0.1 * (output ? out_std : 0.05));
+      }
+      CHECK(outputs >= 2);
+      CHECK(others >= 2);
+    }
+  CHECK_THROWS_WITH(tiny_config({"init_method_std=0"}), Catch::Contains("init_method_std must be"));
 }
 
 namespace {

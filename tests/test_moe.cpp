@@ -242,6 +242,36 @@ TEST_CASE("mtp_per_layer_loss_norm=false pools the depths: their CE sum over the
   CHECK(std::abs(values[0] - values[1]) > 1e-5);
 }
 
+TEST_CASE("the load-balancing loss counts the unbiased top-k, the expert load the biased routing", "[moe]") {
+  // Sigmoid, E = 2, k = 1, router logits = x. Unbiased, tokens 0 and 2 prefer expert 0 and token 1
+  // expert 1; a bias of +1 on expert 1 sends all three there. Megatron's f_e (and DeepSeek-V3's)
+  // counts the unbiased choice: f = (2/3, 1/3). By the biased choice, f = (0, 1), LB would be
+  // 2 P_1 < 1 and its gradient would push expert 1's probabilities down instead of expert 0's.
+  const Config c = tiny_config({"override_model_config=true", "base_emb_dim=2", "num_experts=2", "num_experts_per_tok=1",
+                                "base_moe_mlp_dim=4", "routed_score_func=sigmoid", "routed_bias=true"});
+  Moe moe(c);
+  draw_weights(*moe, 0.3);
+  torch::NoGradGuard no_grad;
+  moe->gate->weight.copy_(torch::eye(2));
+  moe->gate->e_score_correction_bias.copy_(torch::tensor({0.0f, 1.0f}));
+  const auto x = torch::tensor({1.0f, 0.0f, 0.0f, 1.0f, 0.8f, 0.2f}).view({1, 3, 2});
+  std::vector<MoeLayerStats> stats;
+  BlockContext ctx;
+  ctx.valid = torch::tensor({true, true, true}).view({1, 3});
+  ctx.moe_stats = &stats;
+  moe->forward(x, ctx);
+  REQUIRE(stats.size() == 1);
+  const double logits[3][2] = {{1, 0}, {0, 1}, {0.8, 0.2}};
+  double P[2] = {0, 0};
+  for (const auto& l : logits) {
+    const double s0 = 1 / (1 + std::exp(-l[0])), s1 = 1 / (1 + std::exp(-l[1]));
+    P[0] += s0 / (s0 + s1) / 3, P[1] += s1 / (s0 + s1) / 3;
+  }
+  CHECK(stats[0].load_balance.item<double>() == Approx(2 * (2.0 / 3 * P[0] + 1.0 / 3 * P[1])).epsilon(1e-6));
+  CHECK(stats[0].counts[0].item<double>() == 0);  // the load as dispatched: all three to expert 1
+  CHECK(stats[0].counts[1].item<double>() == 3);
+}
+
 TEST_CASE("load-balancing loss of a crafted router equals the hand-computed value", "[moe]") {
   for (const std::string func : {"softmax", "sigmoid"}) {
     const Config c = tiny_config({"override_model_config=true", "base_emb_dim=2", "num_experts=2", "num_experts_per_tok=1",

@@ -138,8 +138,11 @@ def random_weights(c, device):
         if c["use_qk_norm"]:
             shapes.update({pre + "self_attn.q_norm.weight": (hd,), pre + "self_attn.k_norm.weight": (hd,)})
     gen = torch.Generator(device=device).manual_seed(c["init_weights_seed"])
+    std = c.get("init_method_std", 0.02)
+    out_std = std / math.sqrt(2 * c["base_num_decoder_layers"]) if c.get("init_output_layers_scaled", False) else std
     return {name: (torch.ones(shape, device=device) if name.endswith("norm.weight")
-                   else torch.empty(shape, device=device).normal_(0.0, 0.02, generator=gen))
+                   else torch.empty(shape, device=device).normal_(
+                       0.0, out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else std, generator=gen))
             for name, shape in shapes.items()}
 
 
@@ -147,10 +150,10 @@ def lr_at(c, n):  # the trainer's cosine schedule (docs/training.md)
     peak, total = c["learning_rate"], c["learning_rate_schedule_steps"]
     final = peak * c["learning_rate_final_fraction"]
     warm = math.floor(c["warmup_steps_fraction"] * total)
-    if c["lr_schedule_type"] == "constant":
-        return peak
     if n < warm:
         return peak * n / warm
+    if c["lr_schedule_type"] == "constant":
+        return peak
     if n >= total:
         return final
     return final + (peak - final) * 0.5 * (1 + math.cos(math.pi * (n - warm) / max(total - warm, 1)))
@@ -181,7 +184,7 @@ def main():
     ap.add_argument("--device", default="cpu", help="cpu | cuda")
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of the timing statistics")
     ap.add_argument("--random-init", action="store_true",
-                    help="weights ~ N(0, 0.02), norms 1 (as the trainer's init, not its values) instead of checkpoint 0")
+                    help="weights ~ N(0, init_method_std^2) (o_proj, down_proj scaled as the trainer's), norms 1 (as the trainer's init, not its values) instead of checkpoint 0")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

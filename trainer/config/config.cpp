@@ -40,6 +40,16 @@ using RawLayer = std::map<std::string, RawValue>;
 const std::map<std::string, std::string>& maxtext_key_notes() {
   static const std::map<std::string, std::string> notes = {
       {"weight_dtype", "weights, gradients and AdamW state are always float32 here; 'dtype' sets the compute dtype"},
+      {"mu_dtype", "the AdamW moments are always float32 here"},
+      {"opt_type", "the optimizer is always AdamW here (adam_b1, adam_b2, adam_eps, adam_weight_decay)"},
+      {"adam_eps_root", "not supported: 'adam_eps' is added outside the square root (optax's eps), there is no eps inside it"},
+      {"global_batch_size", "it is derived: per_device_batch_size x data-parallel ranks x gradient_accumulation_steps"},
+      {"normalize_embedding_logits", "a tied head ('logits_via_embedding') gives unscaled logits here (Hugging Face's "
+                                     "convention), as MaxText's normalize_embedding_logits=false"},
+      {"ici_expert_parallelism", "use 'expert_parallelism' (ranks per expert-parallel group)"},
+      {"ici_fsdp_parallelism", "use 'data_parallel_sharding' (and 'data_parallel_shard_degree'); the ranks come from the launcher"},
+      {"ici_data_parallelism", "data parallelism is the launcher's ranks (mpirun -np, or RANK/WORLD_SIZE)"},
+      {"dcn_data_parallelism", "data parallelism is the launcher's ranks (mpirun -np, or RANK/WORLD_SIZE)"},
   };
   return notes;
 }
@@ -303,6 +313,7 @@ std::vector<std::string> validation_errors(const Config& c) {
             "lr_schedule_type=wsd");
   require(c.adam_b1 >= 0 && c.adam_b1 < 1, "adam_b1 must be in [0, 1)");
   require(c.adam_b2 >= 0 && c.adam_b2 < 1, "adam_b2 must be in [0, 1)");
+  require(std::isfinite(c.init_method_std) && c.init_method_std > 0, "init_method_std must be a finite number > 0");
   require(c.adam_eps > 0, "adam_eps must be > 0 (with 0, a parameter whose gradient is exactly 0 gets 0/0 = NaN)");
   require(c.adam_weight_decay >= 0, "adam_weight_decay must be >= 0");
   require(c.gradient_clipping_threshold >= 0,

@@ -75,6 +75,8 @@ using StringList = std::vector<std::string>;
   X(bool, logits_via_embedding)                   \
   X(std::string, dtype)                           \
   X(int64_t, init_weights_seed)                   \
+  X(double, init_method_std)                      \
+  X(bool, init_output_layers_scaled)              \
   /* mixture of experts */                        \
   X(int64_t, num_experts)                         \
   X(int64_t, num_experts_per_tok)                 \

@@ -106,8 +106,20 @@ struct Codec<int64_t> {
     errno = 0;
     char* end = nullptr;
     const long long v = std::strtoll(s.c_str(), &end, 10);
-    if (errno != 0 || end != s.c_str() + s.size()) bad_value(key, node, source, "an integer");
-    return static_cast<int64_t>(v);
+    if (errno == ERANGE) bad_value(key, node, source, "an integer from -9223372036854775808 to 9223372036854775807");
+    if (errno == 0 && end == s.c_str() + s.size()) return static_cast<int64_t>(v);
+    // A decimal float literal of a whole number converts without loss (MaxText's configs write
+    // per_device_batch_size: 12.0); 1.5 does not, nor 0x10 or inf (strtod would read them).
+    if (s.find_first_not_of("0123456789+-.eE") == std::string::npos) {
+      errno = 0;
+      const double d = std::strtod(s.c_str(), &end);
+      if (errno == 0 && end == s.c_str() + s.size() && std::isfinite(d) && d == std::floor(d)) {
+        if (std::fabs(d) > 9007199254740992.0)  // 2^53: past it a double is not every integer
+          bad_value(key, node, source, "an integer (a float literal only up to 2^53 = 9007199254740992)");
+        return static_cast<int64_t>(d);
+      }
+    }
+    bad_value(key, node, source, "an integer");
   }
   static std::string format(int64_t v) { return std::to_string(v); }
 };

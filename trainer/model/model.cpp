@@ -745,10 +745,17 @@ NamedTensors model_checkpoint_views(const NamedTensors& by_parameter, int64_t fi
   return out;
 }
 
+// Megatron's init: N(0, init_method_std^2), and the projections that write into the residual
+// stream (attention o_proj, MLP and expert down_proj) at std / sqrt(2 x decoder layers), so the
+// residual's variance after the stack does not grow with the depth (scaled_init_method_normal).
 ModelInitializer::ModelInitializer(const Config& config, int64_t expert_rank)
     : generator_(at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.init_weights_seed))),
       first_expert_(expert_rank * (config.num_experts / config.expert_parallelism)),
-      total_experts_(config.num_experts > 1 ? config.num_experts : 0) {}
+      total_experts_(config.num_experts > 1 ? config.num_experts : 0),
+      std_(config.init_method_std),
+      output_std_(config.init_output_layers_scaled
+                      ? config.init_method_std / std::sqrt(2.0 * static_cast<double>(config.base_num_decoder_layers))
+                      : config.init_method_std) {}
 
 void ModelInitializer::draw(const NamedTensors& parameters) {
   torch::NoGradGuard no_grad;
@@ -760,7 +767,8 @@ void ModelInitializer::draw(const NamedTensors& parameters) {
                     }
                     // Another rank's expert: drawn into scratch, so the generator stays in step.
                     if (!tensor.defined()) tensor = torch::empty(shape);
-                    tensor.normal_(0.0, 0.02, generator_);
+                    const bool output = ends_with(name, "o_proj.weight") || ends_with(name, "down_proj.weight");
+                    tensor.normal_(0.0, output ? output_std_ : std_, generator_);
                   });
 }
 

@@ -442,6 +442,8 @@ class ModelInitializer {
   at::Generator generator_;
   int64_t first_expert_ = 0;
   int64_t total_experts_ = 0;  // 0 for a dense model
+  double std_ = 0.02;          // init_method_std
+  double output_std_ = 0.02;   // o_proj, down_proj: scaled by 1 / sqrt(2 x layers) unless turned off
 };
 
 // Builds the model on the CPU; `draw` false leaves every parameter uninitialized (and untouched)

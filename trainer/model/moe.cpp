@@ -955,7 +955,19 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x, const BlockContext& ctx) 
   const auto& chosen = routing.chosen;    // (N, k) expert ids
   const auto& weights = routing.weights;  // (N, k)
   if (ctx.moe_stats) {  // the balancing statistics over valid tokens
-    const auto fraction = routing.counts / (static_cast<double>(k) * routing.n_valid);  // (E) f_e
+    // f_e counts a plain top-k of the unbiased scores, without the group limit, as Megatron's
+    // compute_routing_scores_for_aux_loss and DeepSeek-V3 (eq. 18) do: the balancing loss judges the
+    // router's own preferences, not the selection the bias and the group limit steer (with them its
+    // gradient could push the opposite experts down). `counts` (the bias update, the expert load)
+    // stays the routing's.
+    auto balance_counts = routing.counts;  // (E)
+    if (use_bias_ || shape.groups > 0) {
+      torch::NoGradGuard no_grad;
+      const auto scores = sigmoid_ ? torch::sigmoid(router_logits.detach()) : torch::softmax(router_logits.detach(), -1);
+      const auto plain = moe_top_k_experts(scores, k);  // (N, k)
+      balance_counts = torch::zeros({E}, valid.options()).index_add_(0, plain.reshape({N * k}), valid.repeat_interleave(k));
+    }
+    const auto fraction = balance_counts / (static_cast<double>(k) * routing.n_valid);  // (E) f_e
     ctx.moe_stats->push_back({static_cast<double>(E) * (fraction * routing.mean_prob).sum(),
                               (routing.lse.square() * valid).sum() / routing.n_valid,
                               routing.counts.to(torch::kFloat32), routing.score_std});
