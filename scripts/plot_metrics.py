@@ -50,7 +50,8 @@ def read_run(path):
             for name, key in MEGATRON.items():
                 v = re.search(re.escape(name) + r": ([0-9.eE+-]+)", line)
                 if v:
-                    series.setdefault(key, []).append((step, float(v.group(1))))
+                    # Megatron logs the rate after its scheduler's step: the next iteration's.
+                    series.setdefault(key, []).append((step + 1 if name == "learning rate" else step, float(v.group(1))))
             # Throughput from the iteration time and global batch size; the sequence length is
             # not in the line: --seq-length gives it (without it the panel stays empty).
             ms = re.search(r"elapsed time per iteration \(ms\): ([0-9.]+)", line)

@@ -51,6 +51,8 @@ try:
     plot.SEQ_LENGTH, plot.WORLD_SIZE = 128, 2
     series = plot.read_run(megatron)
     check(series["learning/lm_loss"] == [(0, 5.5)], "Megatron lm loss %s" % series.get("learning/lm_loss"))
+    # Its learning rate is the one after the scheduler's step: the rate of the next iteration (step 1).
+    check(series["learning/current_learning_rate"] == [(1, 1e-3)], "Megatron lr %s" % series.get("learning/current_learning_rate"))
     # 8 samples x 128 tokens / 2 ranks in 0.25 s: it was parsed and never used (an empty panel).
     check(series["perf/per_device_tokens_per_sec"] == [(0, 2048.0)], "Megatron tokens/s %s" % series.get("perf/per_device_tokens_per_sec"))
 

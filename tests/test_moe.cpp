@@ -247,29 +247,35 @@ TEST_CASE("the load-balancing loss counts the unbiased top-k, the expert load th
   // expert 1; a bias of +1 on expert 1 sends all three there. Megatron's f_e (and DeepSeek-V3's)
   // counts the unbiased choice: f = (2/3, 1/3). By the biased choice, f = (0, 1), LB would be
   // 2 P_1 < 1 and its gradient would push expert 1's probabilities down instead of expert 0's.
-  const Config c = tiny_config({"override_model_config=true", "base_emb_dim=2", "num_experts=2", "num_experts_per_tok=1",
-                                "base_moe_mlp_dim=4", "routed_score_func=sigmoid", "routed_bias=true"});
-  Moe moe(c);
-  draw_weights(*moe, 0.3);
-  torch::NoGradGuard no_grad;
-  moe->gate->weight.copy_(torch::eye(2));
-  moe->gate->e_score_correction_bias.copy_(torch::tensor({0.0f, 1.0f}));
-  const auto x = torch::tensor({1.0f, 0.0f, 0.0f, 1.0f, 0.8f, 0.2f}).view({1, 3, 2});
-  std::vector<MoeLayerStats> stats;
-  BlockContext ctx;
-  ctx.valid = torch::tensor({true, true, true}).view({1, 3});
-  ctx.moe_stats = &stats;
-  moe->forward(x, ctx);
-  REQUIRE(stats.size() == 1);
+  // With load_balance_loss_weight 0 the (logged only) statistic counts the routing: 2 P_1.
   const double logits[3][2] = {{1, 0}, {0, 1}, {0.8, 0.2}};
   double P[2] = {0, 0};
   for (const auto& l : logits) {
     const double s0 = 1 / (1 + std::exp(-l[0])), s1 = 1 / (1 + std::exp(-l[1]));
     P[0] += s0 / (s0 + s1) / 3, P[1] += s1 / (s0 + s1) / 3;
   }
-  CHECK(stats[0].load_balance.item<double>() == Approx(2 * (2.0 / 3 * P[0] + 1.0 / 3 * P[1])).epsilon(1e-6));
-  CHECK(stats[0].counts[0].item<double>() == 0);  // the load as dispatched: all three to expert 1
-  CHECK(stats[0].counts[1].item<double>() == 3);
+  for (const bool loss_on : {true, false}) {
+    const Config c = tiny_config({"override_model_config=true", "base_emb_dim=2", "num_experts=2", "num_experts_per_tok=1",
+                                  "base_moe_mlp_dim=4", "routed_score_func=sigmoid", "routed_bias=true",
+                                  std::string("load_balance_loss_weight=") + (loss_on ? "0.01" : "0")});
+    Moe moe(c);
+    draw_weights(*moe, 0.3);
+    torch::NoGradGuard no_grad;
+    moe->gate->weight.copy_(torch::eye(2));
+    moe->gate->e_score_correction_bias.copy_(torch::tensor({0.0f, 1.0f}));
+    const auto x = torch::tensor({1.0f, 0.0f, 0.0f, 1.0f, 0.8f, 0.2f}).view({1, 3, 2});
+    std::vector<MoeLayerStats> stats;
+    BlockContext ctx;
+    ctx.valid = torch::tensor({true, true, true}).view({1, 3});
+    ctx.moe_stats = &stats;
+    moe->forward(x, ctx);
+    REQUIRE(stats.size() == 1);
+    INFO("load_balance_loss_weight > 0: " << loss_on);
+    const double expected = loss_on ? 2 * (2.0 / 3 * P[0] + 1.0 / 3 * P[1]) : 2 * P[1];
+    CHECK(stats[0].load_balance.item<double>() == Approx(expected).epsilon(1e-6));
+    CHECK(stats[0].counts[0].item<double>() == 0);  // the load as dispatched: all three to expert 1
+    CHECK(stats[0].counts[1].item<double>() == 3);
+  }
 }
 
 TEST_CASE("load-balancing loss of a crafted router equals the hand-computed value", "[moe]") {
@@ -374,18 +380,18 @@ TEST_CASE("MTP counts the sample's last token as Megatron does, unless an EOD un
   b.sample_indices = {0};
   torch::NoGradGuard no_grad;
   for (const bool reset : {false, true}) {
-    Config c = tiny_config(moe_opts({"mtp_num_layers=2", "max_target_length=16", "eod_id=55"}));
+    Config c = tiny_config(moe_opts({"mtp_num_layers=2", "max_target_length=16", "eod_id=56"}));
     c.reset_attention_mask = reset;  // (the config check allows it with Megatron data only)
     auto model = model_build(c);
     MicroBatch ends_in_eod = b;  // the last input is an EOD: token L opens the next document
-    ends_in_eod.inputs[15] = 55, ends_in_eod.targets[14] = 55;
+    ends_in_eod.inputs[15] = 56, ends_in_eod.targets[14] = 56;  // (b's tokens 10 + 3i are never 56)
     for (const MicroBatch& row : {b, ends_in_eod}) {
-      const bool opens = reset && row.inputs[15] == 55;
-      INFO("reset_attention_mask=" << reset << ", last input EOD=" << (row.inputs[15] == 55));
+      const bool opens = reset && row.inputs[15] == 56;
+      INFO("reset_attention_mask=" << reset << ", last input EOD=" << (row.inputs[15] == 56));
       const auto base = micro_batch_losses(model, row, c, torch::kCPU);
       const auto output = model->forward(micro_batch_tensor(row.inputs, row), micro_batch_tensor(row.positions, row),
                                          micro_batch_tensor(row.segment_ids, row));
-      CHECK(base.mtp_raw.item<double>() == Approx(reference_mtp_raw(output.mtp_logits, row, false, reset ? 55 : -1)).epsilon(1e-6));
+      CHECK(base.mtp_raw.item<double>() == Approx(reference_mtp_raw(output.mtp_logits, row, false, reset ? 56 : -1)).epsilon(1e-6));
       MicroBatch last_changed = row;  // token L differs: MTP sees it unless it opens another document
       last_changed.targets[15] = 200;
       const auto changed = micro_batch_losses(model, last_changed, c, torch::kCPU);

@@ -323,7 +323,7 @@ std::string hf_config_json(const Config& c, const std::string& torch_dtype) {
   j["rope_scaling"] = nullptr;
   j["max_position_embeddings"] = c.max_target_length;
   j["tie_word_embeddings"] = c.logits_via_embedding;
-  j["initializer_range"] = 0.02;
+  j["initializer_range"] = c.init_method_std;
   j["torch_dtype"] = torch_dtype;
   if (c.eod_id >= 0 && c.eod_id < c.vocab_size) j["eos_token_id"] = c.eod_id;
   if (arch == kBailing) {

@@ -2,6 +2,7 @@
 #include "trainer/config/keys.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -97,29 +98,64 @@ struct Codec<bool> {
   static std::string format(bool v) { return v ? "true" : "false"; }
 };
 
+// The integer a decimal literal denotes exactly, as a digit string with its sign, or "" when it
+// denotes none: "12.0" and "1.5e1" are whole numbers, "1.5" and "2.0000000000000001" are not (the
+// decision is on the digits, not on a rounded double). YAML 1.1 digit separators ("150_001", as
+// MaxText's base.yml writes its larger integers) are read between digits.
+std::string whole_number_digits(std::string s) {
+  for (size_t i = 0; i < s.size(); ++i)
+    if (s[i] == '_' && (i == 0 || i + 1 == s.size() || !std::isdigit(static_cast<unsigned char>(s[i - 1])) ||
+                        !(std::isdigit(static_cast<unsigned char>(s[i + 1])) || s[i + 1] == '_')))
+      return "";
+  s.erase(std::remove(s.begin(), s.end(), '_'), s.end());
+  std::string sign;
+  if (!s.empty() && (s[0] == '+' || s[0] == '-')) sign = s[0] == '-' ? "-" : "", s.erase(0, 1);
+  const size_t e = s.find_first_of("eE");
+  std::string mantissa = s.substr(0, e), exponent = e == std::string::npos ? "" : s.substr(e + 1);
+  const size_t dot = mantissa.find('.');
+  std::string digits = mantissa.substr(0, dot), fraction = dot == std::string::npos ? "" : mantissa.substr(dot + 1);
+  const auto all_digits = [](const std::string& t) {
+    return std::all_of(t.begin(), t.end(), [](char ch) { return std::isdigit(static_cast<unsigned char>(ch)) != 0; });
+  };
+  if (digits.empty() && fraction.empty()) return "";
+  if (!all_digits(digits) || !all_digits(fraction) || (e != std::string::npos && exponent.empty())) return "";
+  long shift = 0;
+  if (!exponent.empty()) {
+    const bool negative = exponent[0] == '-';
+    if (exponent[0] == '+' || exponent[0] == '-') exponent.erase(0, 1);
+    if (exponent.empty() || !all_digits(exponent) || exponent.size() > 4) return "";
+    shift = std::stol(exponent) * (negative ? -1 : 1);
+  }
+  digits += fraction;  // the value is digits x 10^(shift - |fraction|)
+  shift -= static_cast<long>(fraction.size());
+  if (shift < 0) {
+    const size_t cut = static_cast<size_t>(-shift);
+    const std::string dropped = cut >= digits.size() ? digits : digits.substr(digits.size() - cut);
+    if (dropped.find_first_not_of('0') != std::string::npos) return "";  // a fractional part
+    digits = cut >= digits.size() ? "0" : digits.substr(0, digits.size() - cut);
+  } else {
+    digits.append(static_cast<size_t>(std::min<long>(shift, 40)), '0');  // past 19 digits it is out of range anyway
+  }
+  digits.erase(0, std::min(digits.find_first_not_of('0'), digits.size() - 1));
+  return sign + digits;
+}
+
 template <>
 struct Codec<int64_t> {
   static constexpr const char* type_name = "integer";
   static int64_t parse(const std::string& key, const YAML::Node& node, const std::string& source) {
     const std::string s = scalar_of(key, node, source, "an integer");
     if (s.empty()) bad_value(key, node, source, "an integer");
+    // Whole numbers in any decimal spelling (MaxText's configs write per_device_batch_size: 12.0
+    // and steps: 150_001); never 1.5, 0x10 or inf.
+    const std::string digits = whole_number_digits(s);
+    if (digits.empty()) bad_value(key, node, source, "an integer");
     errno = 0;
     char* end = nullptr;
-    const long long v = std::strtoll(s.c_str(), &end, 10);
-    if (errno == ERANGE) bad_value(key, node, source, "an integer from -9223372036854775808 to 9223372036854775807");
-    if (errno == 0 && end == s.c_str() + s.size()) return static_cast<int64_t>(v);
-    // A decimal float literal of a whole number converts without loss (MaxText's configs write
-    // per_device_batch_size: 12.0); 1.5 does not, nor 0x10 or inf (strtod would read them).
-    if (s.find_first_not_of("0123456789+-.eE") == std::string::npos) {
-      errno = 0;
-      const double d = std::strtod(s.c_str(), &end);
-      if (errno == 0 && end == s.c_str() + s.size() && std::isfinite(d) && d == std::floor(d)) {
-        if (std::fabs(d) > 9007199254740992.0)  // 2^53: past it a double is not every integer
-          bad_value(key, node, source, "an integer (a float literal only up to 2^53 = 9007199254740992)");
-        return static_cast<int64_t>(d);
-      }
-    }
-    bad_value(key, node, source, "an integer");
+    const long long v = std::strtoll(digits.c_str(), &end, 10);
+    if (errno == ERANGE || digits.size() > 20)
+      bad_value(key, node, source, "an integer from -9223372036854775808 to 9223372036854775807");
+    return static_cast<int64_t>(v);
   }
   static std::string format(int64_t v) { return std::to_string(v); }
 };

@@ -291,6 +291,7 @@ class MoeImpl : public torch::nn::Module {
   double scaling_;
   int64_t routing_groups_, topk_routing_group_;  // group-limited routing; -1 = off
   bool grouped_dispatch_;                        // moe_dispatch == grouped
+  bool balance_loss_on_;                         // load_balance_loss_weight > 0
   Communicator* expert_group_ = nullptr;         // expert parallelism; null: every expert is here
   std::string name_;
   bool kill_before_dispatch_ = false;
@@ -424,8 +425,9 @@ NamedTensors model_checkpoint_views(const NamedTensors& by_parameter, int64_t fi
 // MLA's RoPE inverse frequencies (qk_rope_head_dim / 2), rope_type default or yarn (model.cpp).
 std::vector<double> model_mla_rope_inverse_frequencies(const Config& config);
 
-// The initial weights from init_weights_seed: every Linear, expert and the embedding
-// ~ N(0, 0.02^2), norms = 1. Tensors are drawn in checkpoint order (model_checkpoint_views) from
+// The initial weights from init_weights_seed: every Linear, expert, router and the embedding
+// ~ N(0, init_method_std^2), o_proj and down_proj at init_method_std / sqrt(2 x decoder layers)
+// (Megatron's; init_output_layers_scaled), norms = 1. Tensors are drawn in checkpoint order (model_checkpoint_views) from
 // one generator, so the same seed gives the same weights on any device, stacking the experts
 // changed no weight, and drawing named_parameters() in consecutive runs (one sharding unit after
 // another) gives the values of drawing them all at once.

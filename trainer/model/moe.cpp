@@ -901,7 +901,8 @@ MoeImpl::MoeImpl(const Config& c)
       scaling_(c.routed_scaling_factor),
       routing_groups_(c.n_routing_groups),
       topk_routing_group_(c.topk_routing_group),
-      grouped_dispatch_(c.moe_dispatch == "grouped") {
+      grouped_dispatch_(c.moe_dispatch == "grouped"),
+      balance_loss_on_(c.load_balance_loss_weight > 0) {
   gate = register_module("gate", MoeGate(c.base_emb_dim, c.num_experts));
   experts = register_module("experts", MoeExperts(c.num_experts / c.expert_parallelism, c.base_emb_dim, c.base_moe_mlp_dim));
   if (c.shared_experts > 0)
@@ -959,9 +960,10 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x, const BlockContext& ctx) 
     // compute_routing_scores_for_aux_loss and DeepSeek-V3 (eq. 18) do: the balancing loss judges the
     // router's own preferences, not the selection the bias and the group limit steer (with them its
     // gradient could push the opposite experts down). `counts` (the bias update, the expert load)
-    // stays the routing's.
+    // stays the routing's. Without the loss (weight 0, as the Ling models) the balance is a
+    // logged statistic only, and the extra top-k is not spent on it: it counts the routing.
     auto balance_counts = routing.counts;  // (E)
-    if (use_bias_ || shape.groups > 0) {
+    if (balance_loss_on_ && (use_bias_ || shape.groups > 0)) {
       torch::NoGradGuard no_grad;
       const auto scores = sigmoid_ ? torch::sigmoid(router_logits.detach()) : torch::softmax(router_logits.detach(), -1);
       const auto plain = moe_top_k_experts(scores, k);  // (N, k)

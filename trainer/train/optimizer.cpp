@@ -25,7 +25,7 @@ namespace {
 // operations per element follow those kernels (lerp's two forms, addcmul's and addcdiv's
 // (value * a) * b and (value * a) / b), in fp32:
 //   m <- lerp(m, g, 1 - b1)                  v <- b2 v + ((1 - b2) g) g
-//   d = sqrt(v) / sqrt(1 - b2^t) + eps       p <- p (1 - lr wd) + ((-lr / (1 - b1^t)) m) / d
+//   d = sqrt(v) / sqrt(1 - b2^t) + eps       p <- (p - (lr wd) p) + ((-lr / (1 - b1^t)) m) / d
 // Four lanes at a time with SSE (every x86-64 has it): the compiler does not vectorize a loop
 // with sqrtf, which may set errno. Same IEEE operations in the same order in the vector and the
 // scalar form (no FMA), so both give the same bits.

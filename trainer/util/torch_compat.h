@@ -202,7 +202,7 @@ inline torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weigh
 namespace trainer::compat {
 
 // One fused AdamW kernel over a flat fp32 buffer on a CUDA device (LibTorch >= 2.1), with the
-// trainer's formula: p *= 1 - lr*wd; m = lerp(m, g, 1-b1); v = b2*v + (1-b2)*g^2;
+// trainer's formula: p -= (lr*wd) * p; m = lerp(m, g, 1-b1); v = b2*v + (1-b2)*g^2;
 // p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps). `step` is a 1-element fp32 device tensor
 // holding t. Call only where fused_adamw_available(device) is true.
 inline void fused_adamw(torch::Tensor& params, const torch::Tensor& grads, torch::Tensor& m, torch::Tensor& v,
