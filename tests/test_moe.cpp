@@ -990,7 +990,10 @@ TEST_CASE("a model with grouped dispatch trains as with the loop: gradients of a
       Trainer grouped(with("grouped")), loop(with("loop"));
       const auto a = grouped.forward_backward(0);
       const auto b = loop.forward_backward(0);
-      CHECK(relative_difference(grouped.flat_grads(), loop.flat_grads()) < 1e-6);
+      // Float rounding (the experts' sums in another order): measured up to 1.02e-6 for ling2-tiny
+      // under LibTorch 2.6 with Megatron's init; a wrong expert or weight would be far off.
+      INFO("relative gradient difference " << relative_difference(grouped.flat_grads(), loop.flat_grads()));
+      CHECK(relative_difference(grouped.flat_grads(), loop.flat_grads()) < 3e-6);
       CHECK(metric(grouped, a, "learning/loss") == Approx(metric(loop, b, "learning/loss")).epsilon(1e-6));
       CHECK(torch::equal(a.expert_load, b.expert_load));
     }
