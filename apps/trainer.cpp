@@ -46,6 +46,20 @@ DryRunIndex dry_run_index(const trainer::Config& c) {
   return index;
 }
 
+// Whether this machine holds the plan and the index arrays beside what the process already uses
+// (CPU), judged alike on every rank.
+struct DryRunFit {
+  trainer::HostMemory host;
+  double needed = 0;
+  bool fits() const { return needed <= host.available_bytes; }
+};
+DryRunFit dry_run_fit(const trainer::MemoryPlan& plan, double index_bytes, const trainer::DistEnv& env) {
+  DryRunFit fit;
+  fit.host = trainer::host_memory_available(env.local_world_size);
+  fit.needed = plan.total_bytes - fit.host.resident_bytes + index_bytes;
+  return fit;
+}
+
 void print_dry_run(const trainer::Config& c, const trainer::DistEnv& env) {
   const auto s = trainer::model_size(c);
   std::printf("model_name: %s\n", c.model_name.c_str());
@@ -99,11 +113,9 @@ void print_dry_run(const trainer::Config& c, const trainer::DistEnv& env) {
     std::printf("this machine: checked against the GPU's free memory when training starts\n");
     return;
   }
-  const trainer::HostMemory host = trainer::host_memory_available(env.local_world_size);
-  const double available = host.available_bytes;
-  const double needed = plan.total_bytes - host.resident_bytes + index_bytes;
-  std::printf("this machine: %s available per rank (%s): %s%s\n", trainer::memory_bytes_text(available).c_str(),
-              host.source.c_str(), needed <= available ? "fits" : "does NOT fit",
+  const DryRunFit fit = dry_run_fit(plan, index_bytes, env);
+  std::printf("this machine: %s available per rank (%s): %s%s\n", trainer::memory_bytes_text(fit.host.available_bytes).c_str(),
+              fit.host.source.c_str(), fit.fits() ? "fits" : "does NOT fit",
               index_bytes > 0 ? " (the plan and the data index arrays)" : "");
 }
 
@@ -113,16 +125,15 @@ void dry_run_check_other_rank(const trainer::Config& c, const trainer::DistEnv& 
   if (c.hardware == "gpu") return;
   const trainer::MemoryPlan plan =
       trainer::memory_plan(c, trainer::memory_plan_context(env.world_size, env.local_world_size, false));
-  const trainer::HostMemory host = trainer::host_memory_available(env.local_world_size);
   const double index_bytes = dry_run_index(c).bytes;
-  const double needed = plan.total_bytes - host.resident_bytes + index_bytes;
-  if (needed <= host.available_bytes) return;
+  const DryRunFit fit = dry_run_fit(plan, index_bytes, env);
+  if (fit.fits()) return;
   char name[256] = "?";
   gethostname(name, sizeof name - 1);
   spdlog::warn("--dry-run: rank {} (host {}): this machine does NOT fit: {} available per rank ({}), {} {}",
-               env.rank, name, trainer::memory_bytes_text(host.available_bytes), host.source,
+               env.rank, name, trainer::memory_bytes_text(fit.host.available_bytes), fit.host.source,
                index_bytes > 0 ? "the plan and the data index arrays need" : "the plan needs",
-               trainer::memory_bytes_text(needed));
+               trainer::memory_bytes_text(fit.needed));
 }
 
 // "1,5,9" -> {1, 5, 9}; exit 2 naming the entry that is not a token id of this vocabulary.

@@ -706,6 +706,11 @@ struct MoeRouting {
   torch::Tensor score_std;  // () std of the scores over valid tokens and experts (a statistic)
 };
 
+// (E): how many valid (token, slot) pairs of `chosen` (N, k) went to each expert.
+torch::Tensor expert_counts(const torch::Tensor& chosen, const torch::Tensor& valid, int64_t E) {
+  return torch::zeros({E}, valid.options()).index_add_(0, chosen.reshape({-1}), valid.repeat_interleave(chosen.size(1)));
+}
+
 // The routing as ATen kernels (CUDA, and the CPU reference of RouterRows).
 MoeRouting route_with_aten(const torch::Tensor& logits, const torch::Tensor& bias, const torch::Tensor& valid,
                            const model_detail::RouterShape& shape) {
@@ -726,7 +731,7 @@ MoeRouting route_with_aten(const torch::Tensor& logits, const torch::Tensor& bia
   if (shape.normalize) r.weights = r.weights / (r.weights.sum(-1, true) + 1e-20);
   r.weights = r.weights * shape.scaling;
   r.n_valid = valid.sum().clamp_min(1.0);
-  r.counts = torch::zeros({E}, valid.options()).index_add_(0, r.chosen.reshape({N * k}), valid.repeat_interleave(k));
+  r.counts = expert_counts(r.chosen, valid, E);
   const auto probs = shape.sigmoid ? scores / scores.sum(-1, true) : scores;  // (N, E)
   r.mean_prob = (probs * valid.unsqueeze(1)).sum(0) / r.n_valid;
   r.lse = torch::logsumexp(logits, -1);
@@ -966,8 +971,7 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& x, const BlockContext& ctx) 
     if (balance_loss_on_ && (use_bias_ || shape.groups > 0)) {
       torch::NoGradGuard no_grad;
       const auto scores = sigmoid_ ? torch::sigmoid(router_logits.detach()) : torch::softmax(router_logits.detach(), -1);
-      const auto plain = moe_top_k_experts(scores, k);  // (N, k)
-      balance_counts = torch::zeros({E}, valid.options()).index_add_(0, plain.reshape({N * k}), valid.repeat_interleave(k));
+      balance_counts = expert_counts(moe_top_k_experts(scores, k), valid, E);
     }
     const auto fraction = balance_counts / (static_cast<double>(k) * routing.n_valid);  // (E) f_e
     ctx.moe_stats->push_back({static_cast<double>(E) * (fraction * routing.mean_prob).sum(),
