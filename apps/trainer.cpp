@@ -321,9 +321,12 @@ void print_samples(const trainer::Config& config, int64_t count) {
   const trainer::DataLoader loader(config, /*rank=*/0);
   for (int64_t i = 0; i < count; ++i) {
     const auto b = loader.data_loader_sample(i);
+    // L + 1 tokens as the model reads them (Megatron's sample, a pad id as 0), then the L masks.
     std::string line = "{\"index\": " + std::to_string(i) + ", \"tokens\": [";
     for (int64_t t = 0; t < b.seq_len; ++t) line += std::to_string(b.inputs[t]) + ", ";
-    line += std::to_string(b.targets[b.seq_len - 1]) + "]}\n";  // L + 1 tokens, as Megatron's sample
+    line += std::to_string(b.targets[b.seq_len - 1]) + "], \"loss_mask\": [";
+    for (int64_t t = 0; t < b.seq_len; ++t) line += (t > 0 ? ", " : "") + std::to_string(b.loss_mask[t] != 0 ? 1 : 0);
+    line += "]}\n";
     errno = 0;
     if (std::fputs(line.c_str(), stdout) < 0) {
       if (errno == EPIPE) return;  // the reader has what it wanted

@@ -21,7 +21,7 @@ ROOT=$(CDPATH='' cd -- "$(dirname -- "$(readlink -f -- "$0")")/.." && pwd -P)  #
 # ============================================================================
 # The vocabulary is the model file's (157184 for ling2 and ling-mini-2.0); VOCAB_SIZE overrides it.
 VOCAB_SIZE=${VOCAB_SIZE:-}
-PAD_ID=${PAD_ID:-}         # default <|endoftext|> 156892, or 257 for the demo corpus (section 4)
+PAD_ID=${PAD_ID:-}         # default -1 (none) for Megatron data, 156892 for synthetic, 257 for the demo corpus (section 4)
 EOD_ID=${EOD_ID:-}         # default <|endoftext|> 156892, or 256 for the demo corpus (section 4)
 BOS_ID=${BOS_ID:-156891}   # <|startoftext|> (informational: documents are not prefixed)
 
@@ -78,7 +78,10 @@ if [ "$(realpath -m -- "$DATA_PATH")" = "$DEMO_PATH" ]; then
   if [ "$DATASET_TYPE" = megatron ] && [ ! -f "$DEMO_PATH.idx" ]; then "$ROOT/scripts/prepare_corpus.sh"; fi
 fi
 EOD_ID=${EOD_ID:-156892}
-PAD_ID=${PAD_ID:-156892}
+# The RFC's script sets PAD_ID=156892 (<|endoftext|>), which is the EOD id: Megatron's GPTDataset
+# then drops the pad (it would mask every EOD target), and so does the trainer, with a warning.
+# -1 says so without one. Synthetic rows are padded, so they need an id.
+if [ "$DATASET_TYPE" = synthetic ]; then PAD_ID=${PAD_ID:-156892}; else PAD_ID=${PAD_ID:--1}; fi
 SPLIT=${SPLIT:-"969,30,1"}
 DATA_SEED=${DATA_SEED:-1234}
 

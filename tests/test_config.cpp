@@ -308,6 +308,30 @@ TEST_CASE("config errors name the key and exit with code 2", "[config]") {
     CHECK_THAT(steps, Catch::Contains("steps must be > 0, or -1"));
     CHECK_THAT(steps, !Catch::Contains("both unset"));
   }
+  SECTION("a value's canonical text: two spellings of one value are equal, others are not") {
+    // A checkpoint written before reals were printed with their fewest digits holds the 17-digit
+    // expansion; resuming compares values, not spellings (it warned that learning_rate changed).
+    CHECK(config_value_canonical("learning_rate", "0.00029999999999999997") == "0.0003");
+    CHECK(config_value_canonical("learning_rate", "3e-4") == config_value_canonical("learning_rate", "0.0003"));
+    CHECK(config_value_canonical("learning_rate", "0.0003") != config_value_canonical("learning_rate", "0.0004"));
+    CHECK(config_value_canonical("rope_max_timescale", "10000") == "10000.0");
+    CHECK(config_value_canonical("steps", "1e3") == "1000");
+    CHECK(config_value_canonical("mlp_activations", "[silu, linear]") == "[silu, linear]");
+    CHECK(config_value_canonical("no_such_key", "x y") == "x y");     // unknown key: the text
+    CHECK(config_value_canonical("steps", "not a number") == "not a number");  // unparsable: the text
+  }
+  SECTION("a range error repeats the value, as the key prints it, inside the rule's note if it has one") {
+    CHECK_THAT(load_error({"adam_b1=1.5"}).what(), Catch::Contains("adam_b1 must be in [0, 1) (got 1.5)"));
+    CHECK_THAT(load_error({"learning_rate=-3e-4"}).what(), Catch::Contains("learning_rate must be >= 0 (got -0.0003)"));
+    CHECK_THAT(load_error({"max_num_checkpoints_to_keep=-2"}).what(),
+               Catch::Contains("max_num_checkpoints_to_keep must be >= 0 (0 = keep all; got -2)"));
+    CHECK_THAT(load_error({"per_device_batch_size=0"}).what(), Catch::Contains("per_device_batch_size must be > 0 (got 0)"));
+    CHECK_THAT(load_error({"steps=-5"}).what(), Catch::Contains("(got -5)"));
+    // Every violated rule is listed, each with its own value.
+    const std::string both = load_error({"adam_b2=1", "warmup_steps_fraction=2"}).what();
+    CHECK_THAT(both, Catch::Contains("adam_b2 must be in [0, 1) (got 1.0)") &&
+                         Catch::Contains("warmup_steps_fraction must be in [0, 1] (got 2.0)"));
+  }
 }
 
 TEST_CASE("base_config chains, YAML syntax and malformed overrides are errors naming the file or argument", "[config]") {

@@ -260,7 +260,7 @@ TEST_CASE("NumpyRandomState reproduces numpy.random.RandomState(seed).shuffle", 
   }
 }
 
-TEST_CASE("split boundaries round half to even as Megatron's get_split_indices", "[data]") {
+TEST_CASE("split boundaries: cumulative normalized weights, each rounded half to even, as Megatron's builder", "[data]") {
   for (const auto& c : reference()["splits"]) {
     INFO(c["split"] << " over " << c["n"]);
     CHECK(gpt_split_boundaries(c["split"], c["n"]) == c["indices"].get<std::vector<int64_t>>());
@@ -435,7 +435,20 @@ TEST_CASE("GPTDataset samples equal the numpy reference (epochs, separate final 
   CHECK(multi_epoch >= 3);
 }
 
-TEST_CASE("blending follows Megatron's error rule and 0.5% surplus", "[data]") {
+TEST_CASE("numpy_sum adds as numpy.sum does (pairwise from 8 values), bit for bit", "[data]") {
+  int differs_from_in_order = 0;
+  for (const auto& c : reference()["sums"]) {
+    const auto values = c["values"].get<std::vector<double>>();
+    INFO(values.size() << " values");
+    CHECK(numpy_sum(values) == c["sum"].get<double>());  // exact: the last bit decides blend ties
+    double in_order = 0;
+    for (double v : values) in_order += v;
+    differs_from_in_order += in_order != c["sum"].get<double>();
+  }
+  CHECK(differs_from_in_order >= 1);  // the fixture can tell the two apart
+}
+
+TEST_CASE("blending follows Megatron's error rule (weights normalized twice) and 0.5% surplus", "[data]") {
   for (const auto& b : reference()["blends"]) {
     const auto weights = b["weights"].get<std::vector<double>>();
     std::vector<int16_t> dataset;
@@ -535,6 +548,33 @@ TEST_CASE("a blended dataset_path serves each component's own GPT samples in Meg
     CHECK(blended.data_loader_sample(i).inputs == component.data_loader_sample(sample[static_cast<size_t>(i)]).inputs);
   }
   CHECK(from_b == Approx(0.7 * N).margin(1));  // the weights are honoured
+}
+
+TEST_CASE("a weighted single dataset_path (\"1.0 prefix\") is Megatron's one-dataset blend: built for 0.5% more samples", "[data]") {
+  // Megatron takes the blend path whenever weights are given, one prefix too: its GPTDataset is
+  // built for ceil(N * 1.005) samples, which here needs a second epoch and so another shuffle.
+  const auto& g = reference()["gpt"][0];
+  const Config plain = corpus_config(g, "single");
+  const auto sizes = g["sizes"].get<std::vector<int32_t>>();
+  const auto bounds = gpt_split_boundaries(g["split"], static_cast<int64_t>(sizes.size()));
+  int64_t tokens = 0;
+  for (int64_t d = bounds[0]; d < bounds[1]; ++d) tokens += sizes[static_cast<size_t>(d)];
+  const int64_t L = g["seq_length"], N = (tokens - 1) / L;  // the most samples one epoch gives
+  const int64_t built = gpt_blend_sizes({1.0}, N)[0];
+  REQUIRE(built == N + 1);
+  Config weighted = plain;
+  weighted.dataset_path = "1.0 " + plain.dataset_path;
+  weighted.data_cache_path = kDir + "/cache-single-weighted";
+  const DataLoader as_blend(weighted, 0, megatron_source(weighted, DataSplit::kTrain, N));
+  const DataLoader built_for_more(plain, 0, megatron_source(plain, DataSplit::kTrain, built));
+  const DataLoader unweighted(plain, 0, megatron_source(plain, DataSplit::kTrain, N));
+  int64_t differ = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    INFO("sample " << i);
+    CHECK(as_blend.data_loader_sample(i).inputs == built_for_more.data_loader_sample(i).inputs);
+    differ += as_blend.data_loader_sample(i).inputs != unweighted.data_loader_sample(i).inputs;
+  }
+  CHECK(differ > 0);
 }
 
 TEST_CASE("a re-created loader continues exactly, and the index cache is reused and keyed", "[data]") {
@@ -789,34 +829,72 @@ TEST_CASE("ranks meet per index file: rank 0 announces it, the others read it or
 }
 
 TEST_CASE("Megatron masks: pad targets, eod_mask_loss, reset_position_ids, reset_attention_mask", "[data]") {
-  // Documents end with EOD = 9; pad = 8. One sample of L = 9 spans three documents.
+  // Documents end with EOD = 9; pad = 8. One sample of L = 9 spans three documents. No document
+  // holds token 0, so a 0 can only be a pad id, which Megatron feeds as 0 (GPTDataset.__getitem__).
   fs::create_directories(kDir);
   indexed_dataset_write(kDir + "/masks", {{1, 2, 9}, {3, 9}, {4, 5, 8, 9}, {6, 7, 9}}, 8);
-  auto row = [&](std::vector<std::string> flags) {
+  auto rows = [&](std::vector<std::string> flags) {
     std::vector<std::string> o = {"dataset_type=megatron", "dataset_path=" + kDir + "/masks", "split=1,0,0",
-                                  "max_target_length=9", "eod_id=9", "pad_id=8", "steps=1",
+                                  "max_target_length=9", "eod_id=9", "pad_id=8", "steps=3",
                                   "per_device_batch_size=1", "data_cache_path=" + kDir + "/cache-masks"};
     o.insert(o.end(), flags.begin(), flags.end());
-    return DataLoader(tiny_config(o), 0).data_loader_sample(0);
+    const DataLoader loader(tiny_config(o), 0);
+    return std::vector<MicroBatch>{loader.data_loader_sample(0), loader.data_loader_sample(1), loader.data_loader_sample(2)};
   };
-  const auto plain = row({});
-  std::vector<int64_t> eods;
-  for (int64_t t = 0; t < 9; ++t) {
-    CHECK(plain.positions[t] == t);
-    CHECK(plain.segment_ids[t] == 1);
-    CHECK(plain.loss_mask[t] == (plain.targets[t] == 8 ? 0.0f : 1.0f));
-    if (plain.inputs[t] == 9) eods.push_back(t);
+  int64_t pads = 0;
+  for (const auto& plain : rows({})) {
+    std::vector<int64_t> eods;
+    for (int64_t t = 0; t < 9; ++t) {
+      CHECK(plain.positions[t] == t);
+      CHECK(plain.segment_ids[t] == 1);
+      CHECK(plain.inputs[t] != 8);
+      CHECK(plain.targets[t] != 8);
+      CHECK(plain.loss_mask[t] == (plain.targets[t] == 0 ? 0.0f : 1.0f));
+      pads += plain.targets[t] == 0;
+      if (plain.inputs[t] == 9) eods.push_back(t);
+    }
+    REQUIRE(!eods.empty());
   }
-  REQUIRE(!eods.empty());
-  const auto masked = row({"eod_mask_loss=true", "reset_position_ids=true", "reset_attention_mask=true"});
-  int64_t expected_position = 0, expected_segment = 1;
-  for (int64_t t = 0; t < 9; ++t) {
-    INFO("t " << t << " input " << masked.inputs[t]);
-    CHECK(masked.positions[t] == expected_position);
-    CHECK(masked.segment_ids[t] == expected_segment);
-    CHECK(masked.loss_mask[t] == ((masked.inputs[t] == 9 || masked.targets[t] == 8) ? 0.0f : 1.0f));
-    ++expected_position;
-    if (masked.inputs[t] == 9) expected_position = 0, ++expected_segment;
+  CHECK(pads >= 1);
+  for (const auto& masked : rows({"eod_mask_loss=true", "reset_position_ids=true", "reset_attention_mask=true"})) {
+    int64_t expected_position = 0, expected_segment = 1;
+    for (int64_t t = 0; t < 9; ++t) {
+      INFO("t " << t << " input " << masked.inputs[t]);
+      CHECK(masked.positions[t] == expected_position);
+      CHECK(masked.segment_ids[t] == expected_segment);
+      CHECK(masked.loss_mask[t] == ((masked.inputs[t] == 9 || masked.targets[t] == 0) ? 0.0f : 1.0f));
+      ++expected_position;
+      if (masked.inputs[t] == 9) expected_position = 0, ++expected_segment;
+    }
+  }
+  // A pad id equal to the EOD id is dropped, as Megatron does: EOD targets keep their loss and
+  // their id (it masked every EOD target before).
+  int64_t eod_targets = 0;
+  for (const auto& same : rows({"pad_id=9"}))
+    for (int64_t t = 0; t < 9; ++t) {
+      CHECK(same.loss_mask[t] == 1.0f);
+      CHECK(same.targets[t] != 0);
+      eod_targets += same.targets[t] == 9;
+    }
+  CHECK(eod_targets >= 1);
+}
+
+TEST_CASE("pad_id=-1 with MTP layers trains: the MTP inputs past a row's end are token 0, as Megatron's roll", "[data][cli]") {
+  // The shift filled them with pad_id, and embedding -1 ended step 0 with exit 1.
+  fs::create_directories(kDir);
+  std::vector<std::vector<int64_t>> docs;
+  for (int d = 0; d < 40; ++d) docs.push_back({1 + d % 50, 2 + d % 50, 3 + d % 50, 4 + d % 50, 5 + d % 50});
+  indexed_dataset_write(kDir + "/mtpcorpus", docs, 8);
+  const auto r = run_trainer("dataset_type=megatron dataset_path=" + kDir + "/mtpcorpus split=1,0,0 model_name=test-tiny "
+                             "override_model_config=true mtp_num_layers=2 pad_id=-1 eod_id=-1 max_target_length=8 "
+                             "per_device_batch_size=2 steps=2 log_period=1 data_cache_path=" + kDir +
+                             "/cache-mtp base_output_directory=" + kDir + " run_name=mtprun enable_checkpointing=false");
+  REQUIRE(r.exit_code == 0);
+  const auto lines = read_lines(kDir + "/mtprun/metrics.jsonl");
+  REQUIRE(lines.size() == 2);
+  for (const auto& line : lines) {
+    CHECK(std::isfinite(json_metric(line, "learning/mtp_loss")));
+    CHECK(json_metric(line, "learning/mtp_loss") > 0);
   }
 }
 
@@ -1196,6 +1274,7 @@ TEST_CASE("dump-samples prints the first samples in global order", "[data][cli]"
     const auto j = nlohmann::json::parse(line);
     CHECK(j["index"] == i);
     CHECK(j["tokens"] == g["samples"][i]);
+    CHECK(j["loss_mask"] == std::vector<int>(8, 1));  // no pad, no EOD masking
   }
   CHECK(i == 5);
   // More samples than the run reads (steps x global_batch_size): a usage error before any is printed.
@@ -1220,13 +1299,19 @@ TEST_CASE("evaluation on the validation split: token-mean lm_loss and perplexity
                              "eval_steps=2 data_cache_path=" + kDir + "/cache-eval base_output_directory=" + kDir +
                              " run_name=evalrun");
   REQUIRE(r.exit_code == 0);
-  CHECK_THAT(r.output, Catch::Contains("eval after step 2: lm_loss") && Catch::Contains("eval after step 5"));
+  CHECK_THAT(r.output, Catch::Contains("eval after step 2: lm_loss") && Catch::Contains("eval after step 5") &&
+                          Catch::Contains("eval (after training) after step 5"));
+  // As Megatron: one every eval_interval steps and one after training, each on the next
+  // eval_steps global batches of the validation split (its (6 / 3 + 1) groups).
   std::vector<std::string> evals;
   for (const auto& line : read_lines(kDir + "/evalrun/metrics.jsonl"))
     if (line.find("eval/lm_loss") != std::string::npos) evals.push_back(line);
-  REQUIRE(evals.size() == 2);
+  REQUIRE(evals.size() == 3);
   CHECK(json_metric(evals[0], "step") == 2);
   CHECK(json_metric(evals[1], "step") == 5);
+  CHECK(json_metric(evals[2], "step") == 5);
+  for (size_t g = 0; g < 3; ++g) CHECK(json_metric(evals[g], "eval/group") == static_cast<double>(g));
+  CHECK(json_metric(evals[2], "eval/lm_loss") != json_metric(evals[1], "eval/lm_loss"));  // other samples, same weights
   CHECK(json_metric(evals[0], "eval/total_weights") == 2 * 2 * 8);  // eval_steps x batch x L, no masks
   CHECK(json_metric(evals[1], "eval/perplexity") == Approx(std::exp(json_metric(evals[1], "eval/lm_loss"))));
 

@@ -588,6 +588,9 @@ TEST_CASE("scripts/pretrain_ling2.sh: valid bash, and a 2-step run with 2 proces
   };
   CHECK_THAT(print("", "dataset_path=/data/ling_text_document"), (Catch::Contains("\neod_id: 156892\n") && Catch::Contains("\npad_id: 156892\n")));
   CHECK_THAT(print("DATA_PATH=/data/ling_text_document", ""), (Catch::Contains("\neod_id: 156892\n") && Catch::Contains("\npad_id: 156892\n")));
+  // Megatron data: the RFC's pad (the EOD id) is one Megatron drops, so the script says none.
+  CHECK_THAT(print("DATASET_TYPE=megatron", "dataset_path=/data/ling_text_document"),
+             (Catch::Contains("\neod_id: 156892\n") && Catch::Contains("\npad_id: -1\n")));
   CHECK_THAT(print("", ""), Catch::Contains("\neod_id: 256\n") && Catch::Contains("\npad_id: 257\n") &&  // the demo corpus
                                 Catch::Contains("run_name: \"ling2-tiny-fortunes_text_document\"\n"));  // the same on a relaunch: it resumes
   CHECK_THAT(print("", "model_name=test-tiny dataset_path=/data/ling_text_document"),
@@ -1133,10 +1136,11 @@ TEST_CASE("evaluation under data parallelism, with EOD masks, equals one process
     return out;
   };
   const auto a = evals("eval-r2"), b = evals("eval-r1");
-  REQUIRE(a.size() == 2);
-  REQUIRE(b.size() == 2);
-  for (size_t i = 0; i < 2; ++i) {
+  REQUIRE(a.size() == 3);  // after steps 2 and 4, and Megatron's one after training
+  REQUIRE(b.size() == 3);
+  for (size_t i = 0; i < 3; ++i) {
     INFO("evaluation " << i);
+    CHECK(json_metric(a[i], "eval/group") == static_cast<double>(i));
     CHECK(json_metric(a[i], "eval/total_weights") == json_metric(b[i], "eval/total_weights"));
     CHECK(json_metric(a[i], "eval/total_weights") < 2 * 4 * 8);  // eval_steps x global batch x L, less the masked EODs
     CHECK(json_metric(a[i], "eval/lm_loss") == Approx(json_metric(b[i], "eval/lm_loss")).epsilon(1e-6));

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <regex>
 
@@ -237,7 +238,9 @@ TEST_CASE("log_format=megatron prints Megatron-LM's training_log line", "[metric
   std::smatch m;
   REQUIRE(std::regex_search(r.output, m, pattern));
   CHECK(m[1].str() == expected_loss);  // averaged over the interval, as Megatron does
-  CHECK_THAT(r.output, Catch::Contains(" iteration        2/       4 |"));
+  // Megatron prints iteration 1 too (a process's first), then every log_period-th.
+  CHECK_THAT(r.output, Catch::Contains(" iteration        1/       4 |") && Catch::Contains(" iteration        2/       4 |"));
+  CHECK_THAT(r.output, !Catch::Contains(" iteration        3/       4 |"));
 }
 
 namespace {
@@ -307,13 +310,55 @@ TEST_CASE("Megatron line: each label and number formatted as Megatron-LM's train
   CHECK_THAT(dense, Catch::Contains(" lm loss: 2.500000E+00 | loss scale: 1.0 | grad norm: 2.718 | params norm: 31.416 |"
                                     " number of skipped iterations:   1 |"));
   CHECK_THAT(dense, !Catch::Contains("num zeros") && !Catch::Contains("load_balancing_loss"));
+
+  // Megatron's MoE and MTP trackers add every iteration's losses, skipped ones too, and divide by
+  // the applied iterations like the lm loss, which sums the applied ones only.
+  MegatronInterval moe_skip;
+  megatron_interval_add(moe_skip, c, step_values(2.5, 1.25, 0.5, 3.0, 4.0, 1.0, 0));
+  megatron_interval_add(moe_skip, c, skipped_step);
+  CHECK_THAT(megatron_log_line(c, 4, moe_skip, skipped_step, "t"),
+             Catch::Contains(" lm loss: 2.500000E+00 | load_balancing_loss: 1.012500E+02 | z_loss: 1.005000E+02 |"
+                             " mtp_1 loss: 1.030000E+02 | mtp_2 loss: 1.040000E+02 |") &&
+                 Catch::Contains("number of skipped iterations:   1 | number of nan iterations:   0 |"));
+  // A nan iteration is a skipped one whose lm loss is NaN or Inf; an applied NaN loss is not
+  // counted there, and a mean that is not >= 0 is left out of the line (Megatron's `avg >= 0.0`).
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  MegatronInterval nan_skipped, nan_applied, grad_only;
+  megatron_interval_add(nan_skipped, quiet, step_values(nan, 0, 0, 0, 0, 1.0, 1));
+  megatron_interval_add(nan_applied, quiet, step_values(nan, 0, 0, 0, 0, 1.0, 0));
+  MetricValues nan_grad = step_values(2.0, 0, 0, 0, 0, 1.0, 1);
+  for (auto& [name, value] : nan_grad)
+    if (name == "learning/is_nan") value = 1.0;  // a skipped step with a NaN gradient, finite loss
+  megatron_interval_add(grad_only, quiet, nan_grad);
+  CHECK(nan_skipped.nan == 1);
+  CHECK(nan_applied.nan == 0);
+  CHECK(grad_only.nan == 0);
+  const std::string applied_line = megatron_log_line(quiet, 0, nan_applied, step_values(nan, 0, 0, 0, 0, 1.0, 0), "t");
+  CHECK_THAT(applied_line, !Catch::Contains("lm loss") && Catch::Contains("global batch size:     8 | loss scale: 1.0 |"));
+}
+
+TEST_CASE("Megatron validation block: Megatron-LM's evaluate_and_print_results, rules and all", "[metrics]") {
+  // Transcribed from megatron/training/training.py at d98e8a64:
+  //   string = f' validation loss at {prefix} | '; string += '{} value: {:.6E} | '.format(key, loss)
+  //   ppl = math.exp(min(20, loss)); string += '{} PPL: {:.6E} | '.format(key, ppl)
+  //   print('-' * (len(string) + 1)); print(string); print('-' * (len(string) + 1))
+  // with prefix 'iteration N' in the loop and 'iteration N on validation set' after training.
+  const std::string in_loop = " validation loss at iteration 20 | lm loss value: 4.400000E+00 | lm loss PPL: 8.145087E+01 | ";
+  CHECK(megatron_validation_block(20, 4.4, false) ==
+        std::string(in_loop.size() + 1, '-') + "\n" + in_loop + "\n" + std::string(in_loop.size() + 1, '-') + "\n");
+  const std::string after = " validation loss at iteration 7 on validation set | lm loss value: 2.500000E+01 | "
+                            "lm loss PPL: 4.851652E+08 | ";  // exp(min(20, 25))
+  CHECK(megatron_validation_block(7, 25.0, true) ==
+        std::string(after.size() + 1, '-') + "\n" + after + "\n" + std::string(after.size() + 1, '-') + "\n");
 }
 
 TEST_CASE("Megatron line: each interval starts after the previous line, however long log_period is", "[metrics][cli]") {
-  // Step 1 is made non-finite and skipped. The line of iteration 3 counts it; the final line
-  // (iteration 4, steps=4 ends the run) covers step 3 alone. It used to look back log_period
-  // steps through the history, counting step 1 twice, and a log_period past the 128 kept steps
-  // saw only those.
+  // Step 1 is made non-finite and skipped. The line of iteration 1 (a process's first, which
+  // Megatron prints without starting a new interval) covers step 0; the line of iteration 3 covers
+  // steps 0..2, the skipped one counted; nothing is printed for iteration 4 (not a multiple of
+  // log_period: Megatron prints no extra line at the end). It used to look back log_period steps
+  // through the history, counting step 1 twice, and a log_period past the 128 kept steps saw only
+  // those.
   const auto run = [](const std::string& name, const std::string& more) {
     fs::remove_all(kOut + "/" + name);
     const auto r = run_trainer("model_name=test-tiny max_target_length=16 per_device_batch_size=1 log_format=megatron "
@@ -327,16 +372,17 @@ TEST_CASE("Megatron line: each interval starts after the previous line, however 
     const auto [output, lines] = run("megatron-interval", "steps=4 log_period=3");
     REQUIRE(lines.size() == 4);
     CHECK(json_metric(lines[1], "optim/step_skipped") == 1.0);
-    const auto third = output.find(" iteration        3/       4 |"), fourth = output.find(" iteration        4/       4 |");
+    const auto first = output.find(" iteration        1/       4 |"), third = output.find(" iteration        3/       4 |");
+    REQUIRE(first != std::string::npos);
     REQUIRE(third != std::string::npos);
-    REQUIRE(fourth != std::string::npos);
+    CHECK(output.find(" iteration        4/       4 |") == std::string::npos);
+    const std::string line1 = output.substr(first, output.find('\n', first) - first);
     const std::string line3 = output.substr(third, output.find('\n', third) - third);
-    const std::string line4 = output.substr(fourth, output.find('\n', fourth) - fourth);
+    CHECK_THAT(line1, Catch::Contains(loss_text(json_metric(lines[0], "megatron/lm_loss"))) &&
+                          Catch::Contains("number of skipped iterations:   0 | number of nan iterations:   0 |"));
     CHECK_THAT(line3, Catch::Contains(loss_text((json_metric(lines[0], "megatron/lm_loss") +
                                                  json_metric(lines[2], "megatron/lm_loss")) / 2)) &&
                           Catch::Contains("number of skipped iterations:   1 | number of nan iterations:   1 |"));
-    CHECK_THAT(line4, Catch::Contains(loss_text(json_metric(lines[3], "megatron/lm_loss"))) &&
-                          Catch::Contains("number of skipped iterations:   0 | number of nan iterations:   0 |"));
     // The learning rate is the one Megatron holds after its scheduler's step: the next update's.
     // Cosine over 4 updates from 3e-3 to 3e-4, no warmup (floor(0.1 x 4) = 0); step 1 was skipped,
     // so after steps 0..3 the updates applied are 1, 1, 2, 3.
@@ -344,8 +390,8 @@ TEST_CASE("Megatron line: each interval starts after the previous line, however 
     const double applied[4] = {1, 1, 2, 3};
     for (size_t i = 0; i < 4; ++i) CHECK(json_metric(lines[i], "megatron/learning_rate") == Approx(cosine(applied[i])).epsilon(1e-12));
     CHECK(json_metric(lines[3], "learning/current_learning_rate") == Approx(cosine(2)).epsilon(1e-12));
+    CHECK_THAT(line1, Catch::Contains(printf_string("learning rate: %.6E |", cosine(1))));
     CHECK_THAT(line3, Catch::Contains(printf_string("learning rate: %.6E |", cosine(2))));
-    CHECK_THAT(line4, Catch::Contains(printf_string("learning rate: %.6E |", cosine(3))));
   }
   {
     const auto [output, lines] = run("megatron-long", "steps=140 log_period=140");

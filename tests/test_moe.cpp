@@ -528,7 +528,7 @@ TEST_CASE("Ling 2.0 MTP: a MoE block in the balancing statistics and bias update
     const auto h = model->model->forward(model->model->embed_tokens(tokens), ctx);
     auto mtp = model->model->layers[3]->as<MtpLayerImpl>();
     REQUIRE(mtp->moe);  // mtp_moe_mlp: the block's MLP is a MoE block
-    const auto shifted = model->model->embed_tokens(mtp_shift_tokens(tokens, segments, 1, c.pad_id));
+    const auto shifted = model->model->embed_tokens(mtp_shift_tokens(tokens, segments, 1));
     const auto depth = mtp->forward_depth(after ? model->model->norm(h) : h, shifted, ctx);
     const auto expected = model->lm_head(mtp->shared_head->norm(depth));
     CHECK(torch::allclose(out.mtp_logits[0], expected, 1e-5, 1e-6));

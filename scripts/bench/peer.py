@@ -160,11 +160,11 @@ def lr_at(c, n):  # the trainer's cosine schedule (docs/training.md)
 
 
 def rows(c, samples):
-    tokens = torch.tensor(samples)
+    # The trainer's samples as the model reads them (a Megatron pad id shows as token 0) and their
+    # loss masks (pads, eod_mask_loss, Megatron's pad rules: docs/data.md).
+    tokens = torch.tensor([s["tokens"] for s in samples])
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    mask = (targets != c["pad_id"]).float()
-    if c["eod_mask_loss"]:
-        mask = mask * (inputs != c["eod_id"]).float()
+    mask = torch.tensor([s["loss_mask"] for s in samples], dtype=torch.float32)
     B, L = inputs.shape
     positions = torch.arange(L).repeat(B, 1)
     segments = torch.ones(B, L, dtype=torch.long)
@@ -201,7 +201,7 @@ def main():
     gbs = K * b  # one process
     dump = subprocess.run([args.trainer, os.path.join(args.run_dir, "config.yml"), "model_name=",
                            f"--dump-samples={steps * gbs}"], capture_output=True, text=True, check=True).stdout
-    samples = [json.loads(l)["tokens"] for l in dump.splitlines() if l.startswith("{")]
+    samples = [json.loads(l) for l in dump.splitlines() if l.startswith("{")]
     # On CUDA the fused AdamW kernel: the fastest stock PyTorch optimizer, so the peer is a strong one.
     fused = {"fused": True} if device.type == "cuda" else {}
     opt = torch.optim.AdamW(model.parameters(), lr=0.0, betas=(c["adam_b1"], c["adam_b2"]), eps=c["adam_eps"],

@@ -164,9 +164,14 @@ std::vector<std::string> validation_errors(const Config& c) {
   auto require = [&errors](bool ok, const std::string& message) {
     if (!ok) errors.push_back(message);
   };
-  auto positive = [&require](int64_t v, const char* name) {
-    require(v > 0, std::string(name) + " must be > 0 (got " + std::to_string(v) + ")");
+  // "<key> <rule> (got <value>)", the value printed as the key prints it; a note joins it:
+  // "(0 = keep all; got -2)".
+  auto bad_value = [&c](const std::string& key, const std::string& rule, const std::string& note = "") {
+    const config_detail::KeyInfo* info = find_key(key);
+    if (info == nullptr) throw std::logic_error("validation names an unknown key: " + key);
+    return key + " " + rule + " (" + (note.empty() ? "" : note + "; ") + "got " + info->format(c) + ")";
   };
+  auto positive = [&require, &bad_value](int64_t v, const char* name) { require(v > 0, bad_value(name, "must be > 0")); };
   positive(c.vocab_size, "vocab_size");
   positive(c.base_emb_dim, "base_emb_dim");
   positive(c.base_num_query_heads, "base_num_query_heads");
@@ -180,7 +185,7 @@ std::vector<std::string> validation_errors(const Config& c) {
   positive(c.log_period, "log_period");
   positive(c.skip_step_interval, "skip_step_interval");
   positive(c.checkpoint_period, "checkpoint_period");
-  require(c.max_num_checkpoints_to_keep >= 0, "max_num_checkpoints_to_keep must be >= 0 (0 = keep all)");
+  require(c.max_num_checkpoints_to_keep >= 0, bad_value("max_num_checkpoints_to_keep", "must be >= 0", "0 = keep all"));
   require(c.load_parameters_path.empty() || c.load_full_state_path.empty(),
           "load_parameters_path and load_full_state_path are both set: choose one");
   require(c.num_threads >= 0 && c.num_threads <= kMaxThreads,
@@ -200,7 +205,7 @@ std::vector<std::string> validation_errors(const Config& c) {
               ") must be an even whole number of dimensions in (0, head_dim]");
   // Attention variants (docs/model.md). Which layers use which: model_layer_attention.
   require(c.inhomogeneous_layer_cycle_interval >= 0,
-          "inhomogeneous_layer_cycle_interval must be >= 0 (0 = every layer uses attention_type)");
+          bad_value("inhomogeneous_layer_cycle_interval", "must be >= 0", "0 = every layer uses attention_type"));
   require(c.inhomogeneous_layer_cycle_interval == 0 || c.attention_type != "gla",
           "inhomogeneous_layer_cycle_interval=" + std::to_string(c.inhomogeneous_layer_cycle_interval) +
               " makes every N-th layer use attention_type, which must then be global or mla (got gla)");
@@ -209,13 +214,13 @@ std::vector<std::string> validation_errors(const Config& c) {
               ": MTP layers use full attention (set attention_type=global|mla with inhomogeneous_layer_cycle_interval)");
   const bool any_gla = c.attention_type == "gla" || c.inhomogeneous_layer_cycle_interval > 1;
   if (c.attention_type == "mla") {
-    require(c.q_lora_rank >= 0, "q_lora_rank must be >= 0 (0 = full-rank query projection)");
+    require(c.q_lora_rank >= 0, bad_value("q_lora_rank", "must be >= 0", "0 = full-rank query projection"));
     positive(c.kv_lora_rank, "kv_lora_rank");
-    require(c.qk_nope_head_dim >= 0, "qk_nope_head_dim must be >= 0");
+    require(c.qk_nope_head_dim >= 0, bad_value("qk_nope_head_dim", "must be >= 0"));
     require(c.qk_rope_head_dim > 0 && c.qk_rope_head_dim % 2 == 0,
             "qk_rope_head_dim must be even and > 0 (got " + std::to_string(c.qk_rope_head_dim) + ")");
     positive(c.v_head_dim, "v_head_dim");
-    require(c.rope_factor >= 1, "rope_factor must be >= 1");
+    require(c.rope_factor >= 1, bad_value("rope_factor", "must be >= 1"));
     positive(c.max_position_embeddings, "max_position_embeddings");
     positive(c.original_max_position_embeddings, "original_max_position_embeddings");
     if (c.rope_type == "yarn")
@@ -235,18 +240,18 @@ std::vector<std::string> validation_errors(const Config& c) {
             "group_norm_size (" + std::to_string(c.group_norm_size) + ") must be > 0 and divide base_num_query_heads * head_dim (" +
                 std::to_string(c.base_num_query_heads * c.head_dim) + ")");
   }
-  require(c.moe_shared_expert_dim >= 0, "moe_shared_expert_dim must be >= 0 (0 = base_moe_mlp_dim)");
+  require(c.moe_shared_expert_dim >= 0, bad_value("moe_shared_expert_dim", "must be >= 0", "0 = base_moe_mlp_dim"));
   require(c.mlp_activations == StringList{"silu", "linear"},
-          "mlp_activations must be [silu, linear] (SwiGLU); other MLPs are not implemented");
-  require(c.normalization_layer_epsilon > 0, "normalization_layer_epsilon must be > 0");
-  require(c.rope_max_timescale > 0, "rope_max_timescale must be > 0");
+          bad_value("mlp_activations", "must be [silu, linear] (SwiGLU); other MLPs are not implemented"));
+  require(c.normalization_layer_epsilon > 0, bad_value("normalization_layer_epsilon", "must be > 0"));
+  require(c.rope_max_timescale > 0, bad_value("rope_max_timescale", "must be > 0"));
   require(c.synthetic_min_valid_fraction > 0 && c.synthetic_min_valid_fraction <= 1,
-          "synthetic_min_valid_fraction must be in (0, 1]");
+          bad_value("synthetic_min_valid_fraction", "must be in (0, 1]"));
   require(c.pad_id >= -1 && c.pad_id < c.vocab_size,
           "pad_id (" + std::to_string(c.pad_id) + ") must be in [0, vocab_size (" +
               std::to_string(c.vocab_size) + ")), or -1 for none (Megatron data only)");
-  require(c.pad_id >= 0 || c.dataset_type != "synthetic", "pad_id must be >= 0 with synthetic data");
-  require(c.vocab_size >= 4, "vocab_size must be >= 4");
+  require(c.pad_id >= 0 || c.dataset_type != "synthetic", bad_value("pad_id", "must be >= 0 with synthetic data"));
+  require(c.vocab_size >= 4, bad_value("vocab_size", "must be >= 4"));
   // Any negative id meant "none" before, silently; only -1 says so (as for pad_id).
   require(c.eod_id >= -1, "eod_id (" + std::to_string(c.eod_id) + ") must be >= 0, or -1 for none");
   if (c.dataset_type != "synthetic") {
@@ -266,18 +271,18 @@ std::vector<std::string> validation_errors(const Config& c) {
       require(!on, std::string(key) + "=true needs documents that end in eod_id (dataset_type=megatron); "
                    "synthetic rows have none, so it would change nothing");
   }
-  require(c.eval_interval >= 0, "eval_interval must be >= 0 (0 = no evaluation)");
-  require(c.eval_steps > 0, "eval_steps must be > 0");
-  require(c.peak_tflops_per_device >= 0, "peak_tflops_per_device must be >= 0 (0 = known GPU peaks, else unknown)");
+  require(c.eval_interval >= 0, bad_value("eval_interval", "must be >= 0", "0 = no evaluation"));
+  require(c.eval_steps > 0, bad_value("eval_steps", "must be > 0"));
+  require(c.peak_tflops_per_device >= 0, bad_value("peak_tflops_per_device", "must be >= 0", "0 = known GPU peaks, else unknown"));
   // c10d counts it in int64 milliseconds: a larger one would overflow there.
   require(c.collective_timeout_seconds > 0 && c.collective_timeout_seconds <= 1e9,
-          "collective_timeout_seconds must be in (0, 1e9] (1e9 s is 31 years)");
+          bad_value("collective_timeout_seconds", "must be in (0, 1e9]", "1e9 s is 31 years"));
   require(c.dist_backend != "nccl" || c.hardware == "gpu", "dist_backend=nccl needs hardware=gpu (NCCL reduces CUDA tensors)");
   require(!c.debug_cuda_sync_check || c.hardware == "gpu",
           "debug_cuda_sync_check needs hardware=gpu (it uses CUDA's synchronization debug mode)");
   // Bounded so that its size in elements cannot overflow (a bucket past the model is one bucket).
   require(c.gradient_bucket_size_mb > 0 && c.gradient_bucket_size_mb <= 1048576,
-          "gradient_bucket_size_mb must be in [1, 1048576] (1048576 MB is 1 TiB)");
+          bad_value("gradient_bucket_size_mb", "must be in [1, 1048576]", "1048576 MB is 1 TiB"));
   require(!c.shard_optimizer_over_data || c.data_parallel_sharding == "none" || c.data_parallel_sharding == "optim",
           "shard_optimizer_over_data=true (the old name of data_parallel_sharding=optim) contradicts "
           "data_parallel_sharding=" + c.data_parallel_sharding);
@@ -293,32 +298,32 @@ std::vector<std::string> validation_errors(const Config& c) {
           "data_parallel_shard_degree=" + std::to_string(c.data_parallel_shard_degree) +
               " (HSDP) needs data_parallel_sharding=optim_grads or optim_grads_params (data_parallel_sharding=" +
               c.data_parallel_sharding + ")");
-  require(c.expert_parallelism >= 1, "expert_parallelism must be >= 1 (1 = every rank holds every expert)");
+  require(c.expert_parallelism >= 1, bad_value("expert_parallelism", "must be >= 1", "1 = every rank holds every expert"));
   if (c.expert_parallelism > 1) {
     const std::string ep = "expert_parallelism=" + std::to_string(c.expert_parallelism);
     require(c.num_experts > 1 && c.num_experts % c.expert_parallelism == 0,
             ep + " must divide num_experts (" + std::to_string(c.num_experts) + ") of a MoE model");
   }
-  require(c.z_loss_multiplier >= 0, "z_loss_multiplier must be >= 0");
-  require(c.num_vocab_tiling >= 1, "num_vocab_tiling must be >= 1 (1 = the whole (B, L, V) logits at once)");
-  require(c.learning_rate >= 0, "learning_rate must be >= 0");
+  require(c.z_loss_multiplier >= 0, bad_value("z_loss_multiplier", "must be >= 0"));
+  require(c.num_vocab_tiling >= 1, bad_value("num_vocab_tiling", "must be >= 1", "1 = the whole (B, L, V) logits at once"));
+  require(c.learning_rate >= 0, bad_value("learning_rate", "must be >= 0"));
   require(c.warmup_steps_fraction >= 0 && c.warmup_steps_fraction <= 1,
-          "warmup_steps_fraction must be in [0, 1]");
+          bad_value("warmup_steps_fraction", "must be in [0, 1]"));
   require(c.learning_rate_final_fraction >= 0 && c.learning_rate_final_fraction <= 1,
-          "learning_rate_final_fraction must be in [0, 1]");
+          bad_value("learning_rate_final_fraction", "must be in [0, 1]"));
   if (c.lr_schedule_type == "wsd")
     require(c.wsd_decay_steps_fraction >= 0 &&
                 c.warmup_steps_fraction + c.wsd_decay_steps_fraction <= 1,
             "warmup_steps_fraction + wsd_decay_steps_fraction must be <= 1 with "
             "lr_schedule_type=wsd");
-  require(c.adam_b1 >= 0 && c.adam_b1 < 1, "adam_b1 must be in [0, 1)");
-  require(c.adam_b2 >= 0 && c.adam_b2 < 1, "adam_b2 must be in [0, 1)");
-  require(std::isfinite(c.init_method_std) && c.init_method_std > 0, "init_method_std must be a finite number > 0");
-  require(c.adam_eps > 0, "adam_eps must be > 0 (with 0, a parameter whose gradient is exactly 0 gets 0/0 = NaN)");
-  require(c.adam_weight_decay >= 0, "adam_weight_decay must be >= 0");
+  require(c.adam_b1 >= 0 && c.adam_b1 < 1, bad_value("adam_b1", "must be in [0, 1)"));
+  require(c.adam_b2 >= 0 && c.adam_b2 < 1, bad_value("adam_b2", "must be in [0, 1)"));
+  require(std::isfinite(c.init_method_std) && c.init_method_std > 0, bad_value("init_method_std", "must be a finite number > 0"));
+  require(c.adam_eps > 0, bad_value("adam_eps", "must be > 0", "with 0, a parameter whose gradient is exactly 0 gets 0/0 = NaN"));
+  require(c.adam_weight_decay >= 0, bad_value("adam_weight_decay", "must be >= 0"));
   require(c.gradient_clipping_threshold >= 0,
-          "gradient_clipping_threshold must be >= 0 (0 disables clipping)");
-  require(c.skip_step_scaling_factor > 0, "skip_step_scaling_factor must be > 0");
+          bad_value("gradient_clipping_threshold", "must be >= 0", "0 disables clipping"));
+  require(c.skip_step_scaling_factor > 0, bad_value("skip_step_scaling_factor", "must be > 0"));
   // A dense model has no router: a top-k other than the default would be silently ignored.
   require(c.num_experts > 1 || c.num_experts_per_tok == 1,
           "num_experts_per_tok=" + std::to_string(c.num_experts_per_tok) + " on a dense model (num_experts=" +
@@ -327,19 +332,19 @@ std::vector<std::string> validation_errors(const Config& c) {
     require(c.num_experts_per_tok >= 1 && c.num_experts_per_tok <= c.num_experts,
             "num_experts_per_tok (" + std::to_string(c.num_experts_per_tok) + ") must be in [1, num_experts (" +
                 std::to_string(c.num_experts) + ")]");
-    require(c.base_moe_mlp_dim > 0, "base_moe_mlp_dim must be > 0 when num_experts > 1");
+    require(c.base_moe_mlp_dim > 0, bad_value("base_moe_mlp_dim", "must be > 0 when num_experts > 1"));
     require(c.first_num_dense_layers >= 0 && c.first_num_dense_layers < c.base_num_decoder_layers,
             "first_num_dense_layers (" + std::to_string(c.first_num_dense_layers) +
                 ") must be in [0, base_num_decoder_layers (" + std::to_string(c.base_num_decoder_layers) +
                 ")) when num_experts > 1");
   } else {
-    require(c.num_experts >= 0, "num_experts must be >= 0 (0 or 1 = dense)");
+    require(c.num_experts >= 0, bad_value("num_experts", "must be >= 0", "0 or 1 = dense"));
     require(c.shared_experts == 0 && !c.routed_bias,
             "shared_experts and routed_bias need num_experts > 1 (got num_experts = " +
                 std::to_string(c.num_experts) + ")");
   }
-  require(c.shared_experts >= 0, "shared_experts must be >= 0");
-  require(c.routed_scaling_factor > 0, "routed_scaling_factor must be > 0");
+  require(c.shared_experts >= 0, bad_value("shared_experts", "must be >= 0"));
+  require(c.routed_scaling_factor > 0, bad_value("routed_scaling_factor", "must be > 0"));
   require(!c.mtp_moe_mlp || (c.num_experts > 1 && c.mtp_num_layers > 0),
           "mtp_moe_mlp=true needs num_experts > 1 and mtp_num_layers > 0");
   if (c.n_routing_groups != -1 || c.topk_routing_group != -1) {
@@ -353,9 +358,9 @@ std::vector<std::string> validation_errors(const Config& c) {
                 std::to_string(groups) + ")] and keep at least num_experts_per_tok (" +
                 std::to_string(c.num_experts_per_tok) + ") experts (both keys -1 = no group limit)");
   }
-  require(c.load_balance_loss_weight >= 0, "load_balance_loss_weight must be >= 0");
-  require(c.router_z_loss_weight >= 0, "router_z_loss_weight must be >= 0");
-  require(c.routed_bias_update_rate >= 0, "routed_bias_update_rate must be >= 0");
+  require(c.load_balance_loss_weight >= 0, bad_value("load_balance_loss_weight", "must be >= 0"));
+  require(c.router_z_loss_weight >= 0, bad_value("router_z_loss_weight", "must be >= 0"));
+  require(c.routed_bias_update_rate >= 0, bad_value("routed_bias_update_rate", "must be >= 0"));
   require(c.mtp_num_layers >= 0 && c.mtp_num_layers < c.max_target_length,
           "mtp_num_layers (" + std::to_string(c.mtp_num_layers) + ") must be in [0, max_target_length (" +
               std::to_string(c.max_target_length) + ")): depth d predicts the token d + 1 ahead");
@@ -380,16 +385,16 @@ std::vector<std::string> validation_errors(const Config& c) {
     require(bound < 1e17L, "the model's dimensions allow over 1e17 parameters (base_emb_dim, base_mlp_dim, base_moe_mlp_dim, "
                            "vocab_size, heads x head_dim, base_num_decoder_layers, num_experts): check them for a typo");
   }
-  require(c.mtp_loss_scaling_factor >= 0, "mtp_loss_scaling_factor must be >= 0");
+  require(c.mtp_loss_scaling_factor >= 0, bad_value("mtp_loss_scaling_factor", "must be >= 0"));
   require(c.steps != -1 || c.learning_rate_schedule_steps != -1,
           "steps and learning_rate_schedule_steps are both unset (-1): set at least one");
   if (c.steps > 0 && c.learning_rate_schedule_steps > 0)
     require(c.learning_rate_schedule_steps >= c.steps,
             "learning_rate_schedule_steps (" + std::to_string(c.learning_rate_schedule_steps) +
                 ") must be >= steps (" + std::to_string(c.steps) + ")");
-  require(c.steps == -1 || c.steps > 0, "steps must be > 0, or -1 for learning_rate_schedule_steps");
+  require(c.steps == -1 || c.steps > 0, bad_value("steps", "must be > 0, or -1 for learning_rate_schedule_steps"));
   require(c.learning_rate_schedule_steps == -1 || c.learning_rate_schedule_steps > 0,
-          "learning_rate_schedule_steps must be > 0, or -1 for steps");
+          bad_value("learning_rate_schedule_steps", "must be > 0, or -1 for steps"));
   return errors;
 }
 
@@ -583,6 +588,18 @@ std::string config_to_yaml(const Config& config) {
   out += "# global_batch_size: " + std::to_string(config.global_batch_size) + "\n";
   out += "# run_dir: " + config_detail::yaml_double_quoted(config.run_dir) + "\n";  // one line, whatever run_name holds
   return out;
+}
+
+std::string config_value_canonical(const std::string& key, const std::string& text) {
+  const config_detail::KeyInfo* info = find_key(key);
+  if (info == nullptr) return text;
+  try {
+    Config scratch;
+    info->assign(scratch, YAML::Load(text), "a checkpoint's config.yml");
+    return info->format(scratch);
+  } catch (const std::exception&) {
+    return text;
+  }
 }
 
 int64_t config_shard_degree(const Config& config) {

@@ -195,6 +195,11 @@ void config_derive_and_validate(Config& config);
 // The resolved config as YAML, every key in declaration order plus the derived values as comments.
 std::string config_to_yaml(const Config& config);
 
+// `text`, a value of `key` as a config file holds it, printed as the key prints values now; the
+// text itself when the key is unknown or the text does not parse. Two spellings of one value
+// (a checkpoint's 0.00029999999999999997 and today's 0.0003) come out equal.
+std::string config_value_canonical(const std::string& key, const std::string& text);
+
 // The ranks each sharding group spans (HSDP): data_parallel_shard_degree, or all data-parallel
 // ranks when it is -1. R / degree groups each hold a full copy of the model state, sharded.
 int64_t config_shard_degree(const Config& config);

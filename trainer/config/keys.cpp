@@ -177,12 +177,22 @@ struct Codec<double> {
     // it). The others (timeouts, peak FLOP/s) have no use for such magnitudes either.
     if (std::fabs(v) > std::numeric_limits<float>::max() ||
         (v != 0 && std::fabs(v) < std::numeric_limits<float>::denorm_min()) || (errno == ERANGE && v == 0))
-      bad_value(key, node, source, "a number float32 can hold (magnitude 0, or from 1.4e-45 to 3.4e38)");
+      bad_value(key, node, source, "a number float32 can hold (magnitude 0, or from 1.41e-45 to 3.4e38)");
     return v;
   }
+  // The fewest significant digits that read back as the same double: 3e-4 prints as 0.0003, not
+  // as its 17-digit expansion 0.00029999999999999997 (the printed config and error messages show
+  // it); whole numbers below 1e17 keep their digits (10000, not %g's 1e+04).
   static std::string format(double v) {
     char buf[64];
-    std::snprintf(buf, sizeof buf, "%.17g", v);
+    int digits = 1;
+    for (; digits < 17; ++digits) {
+      std::snprintf(buf, sizeof buf, "%.*g", digits, v);
+      if (std::strtod(buf, nullptr) == v) break;
+    }
+    const int exponent = v == 0 ? 0 : static_cast<int>(std::floor(std::log10(std::fabs(v))));
+    if (exponent >= digits && exponent < 17) digits = exponent + 1;
+    std::snprintf(buf, sizeof buf, "%.*g", digits, v);
     std::string s = buf;
     // Keep it a float when read back as YAML (1 -> 1.0).
     if (s.find_first_of(".eEn") == std::string::npos) s += ".0";

@@ -38,6 +38,42 @@ uint64_t NumpyRandomState::random_interval(uint64_t max) {
   return value;
 }
 
+namespace {
+
+// numpy's pairwise_sum (the DOUBLE add reduction), from 0: under 8 values in order, up to 128 in
+// eight interleaved sums, above that split at a multiple of 8 below half.
+double pairwise_sum(const double* values, size_t n) {
+  if (n < 8) {
+    double sum = 0;
+    for (size_t i = 0; i < n; ++i) sum += values[i];
+    return sum;
+  }
+  if (n <= 128) {
+    double r[8];
+    for (size_t j = 0; j < 8; ++j) r[j] = values[j];
+    size_t i = 8;
+    for (; i < n - n % 8; i += 8)
+      for (size_t j = 0; j < 8; ++j) r[j] += values[i + j];
+    double sum = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+    for (; i < n; ++i) sum += values[i];
+    return sum;
+  }
+  size_t half = n / 2;
+  half -= half % 8;
+  return pairwise_sum(values, half) + pairwise_sum(values + half, n - half);
+}
+
+}  // namespace
+
+double numpy_sum(const std::vector<double>& values) { return pairwise_sum(values.data(), values.size()); }
+
+std::vector<double> numpy_normalize(const std::vector<double>& weights) {
+  const double total = numpy_sum(weights);
+  std::vector<double> out;
+  for (double w : weights) out.push_back(w / total);
+  return out;
+}
+
 std::vector<int64_t> gpt_split_boundaries(const std::string& split, int64_t n) {
   std::vector<double> weights;
   std::stringstream ss(split);
@@ -53,16 +89,23 @@ std::vector<int64_t> gpt_split_boundaries(const std::string& split, int64_t n) {
   }
   while (weights.size() < 3) weights.push_back(0.0);
   if (weights.size() != 3) throw config_error("config key 'split': '" + split + "' must have at most 3 parts");
-  const double total = weights[0] + weights[1] + weights[2];
-  if (std::isinf(total))
+  if (std::isinf(numpy_sum(weights)))
     throw config_error("config key 'split': '" + split + "': its parts sum past the largest double; scale them down");
-  if (!(total > 0) || !std::isfinite(total) || weights[0] < 0 || weights[1] < 0 || weights[2] < 0)
+  if (!(numpy_sum(weights) > 0) || weights[0] < 0 || weights[1] < 0 || weights[2] < 0)
     throw config_error("config key 'split': '" + split + "' must be non-negative with a positive sum");
+  // Megatron (parse_and_normalize_split, convert_split_vector_to_split_matrix, the builder's
+  // split): the normalized weights are summed into book-ends 0, w0, w0 + w1, w0 + w1 + w2 (Python
+  // floats, left to right), and each book-end is rounded on its own: int(round(e * n)), half to
+  // even, which std::nearbyint does by default. Rounding each part and shifting the total back to
+  // n (the legacy get_split_indices) gives other ranges: "1,1,1" over 10 is 0,3,7,10 here, 0,4,7,10
+  // there.
+  const std::vector<double> normalized = numpy_normalize(weights);
   std::vector<int64_t> bounds = {0};
-  for (double w : weights)  // Python's round(): half to even, which std::nearbyint does by default
-    bounds.push_back(bounds.back() + static_cast<int64_t>(std::nearbyint(w / total * static_cast<double>(n))));
-  const int64_t diff = bounds.back() - n;
-  for (size_t i = 1; i < bounds.size(); ++i) bounds[i] -= diff;
+  double edge = 0;
+  for (double w : normalized) {
+    edge += w;
+    bounds.push_back(static_cast<int64_t>(std::nearbyint(edge * static_cast<double>(n))));
+  }
   return bounds;
 }
 
@@ -203,25 +246,27 @@ std::vector<GptPiece> gpt_sample_pieces(const GptIndices& ix, const std::vector<
 }
 
 std::vector<int64_t> gpt_blend_sizes(const std::vector<double>& weights, int64_t target) {
-  const double total = std::accumulate(weights.begin(), weights.end(), 0.0);
   std::vector<int64_t> sizes;
-  for (double w : weights)
-    sizes.push_back(static_cast<int64_t>(std::ceil(std::ceil(static_cast<double>(target) * (w / total)) * 1.005)));
+  for (double w : numpy_normalize(weights))
+    sizes.push_back(static_cast<int64_t>(std::ceil(std::ceil(static_cast<double>(target) * w) * 1.005)));
   return sizes;
 }
 
-void gpt_blend_indices(const std::vector<double>& weights, int64_t size, std::vector<int16_t>& dataset_index,
+void gpt_blend_indices(const std::vector<double>& raw_weights, int64_t size, std::vector<int16_t>& dataset_index,
                        std::vector<int64_t>& dataset_sample_index) {
-  const double total = std::accumulate(weights.begin(), weights.end(), 0.0);
+  // Normalized twice, as Megatron does (the builder, then BlendedDataset.__init__): the second
+  // pass moves the last bits, and with them which dataset wins a near tie ("0.7 A 0.2 B 0.1 C"
+  // gives samples 6 and 7 the other way round with one pass).
+  const std::vector<double> weights = numpy_normalize(numpy_normalize(raw_weights));
   std::vector<int64_t> current(weights.size(), 0);
   dataset_index.resize(static_cast<size_t>(size));
   dataset_sample_index.resize(static_cast<size_t>(size));
   for (int64_t s = 0; s < size; ++s) {
     const double s_double = std::max(static_cast<double>(s), 1.0);
     size_t best = 0;
-    double best_error = weights[0] / total * s_double - static_cast<double>(current[0]);
+    double best_error = weights[0] * s_double - static_cast<double>(current[0]);
     for (size_t d = 1; d < weights.size(); ++d) {
-      const double error = weights[d] / total * s_double - static_cast<double>(current[d]);
+      const double error = weights[d] * s_double - static_cast<double>(current[d]);
       if (error > best_error) best_error = error, best = d;
     }
     dataset_index[static_cast<size_t>(s)] = static_cast<int16_t>(best);

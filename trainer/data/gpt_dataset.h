@@ -28,7 +28,15 @@ class NumpyRandomState {
   std::mt19937 mt_;
 };
 
-// Megatron's get_split_indices: "969,30,1" over n documents -> 4 boundaries (half-to-even rounding).
+// numpy.sum of a float64 array, bit for bit: pairwise in blocks of 8 from 8 values on. Megatron
+// normalizes split and blend weights with it (utils.normalize), and the sum's last bit decides
+// near ties.
+double numpy_sum(const std::vector<double>& values);
+// utils.normalize: each weight divided by numpy_sum of them.
+std::vector<double> numpy_normalize(const std::vector<double>& weights);
+
+// Megatron's split of n sequences: "969,30,1" -> 4 boundaries, each cumulative normalized weight
+// times n rounded half to even (the builder's int(round(e * n))).
 std::vector<int64_t> gpt_split_boundaries(const std::string& split, int64_t n);
 
 struct GptIndices {
@@ -78,11 +86,13 @@ struct GptPiece {
 };
 std::vector<GptPiece> gpt_sample_pieces(const GptIndices& indices, const std::vector<int32_t>& sizes, int64_t i);
 
-// Megatron's blend sizes: ceil(ceil(target * w) * 1.005) samples per dataset, weights normalized.
+// Megatron's blend sizes: ceil(ceil(target * w) * 1.005) samples per dataset, weights normalized
+// once (numpy_normalize).
 std::vector<int64_t> gpt_blend_sizes(const std::vector<double>& weights, int64_t target);
 
 // Megatron's build_blending_indices: sample s goes to the dataset with the largest
-// w_d * max(s, 1) - count_d (first on ties). Fills dataset ids and per-dataset sample ids.
+// w_d * max(s, 1) - count_d (first on ties), w the raw weights normalized twice as Megatron's
+// builder and BlendedDataset do. Fills dataset ids and per-dataset sample ids.
 void gpt_blend_indices(const std::vector<double>& weights, int64_t size, std::vector<int16_t>& dataset_index,
                        std::vector<int64_t>& dataset_sample_index);
 

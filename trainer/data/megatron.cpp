@@ -27,12 +27,18 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// "prefix" or "w1 prefix1 w2 prefix2 ...".
-std::vector<std::pair<double, std::string>> parse_dataset_path(const std::string& text) {
+// "prefix" or "w1 prefix1 w2 prefix2 ...". Weighted, even one prefix ("1.0 prefix", a common
+// Megatron spelling) takes Megatron's blend path: its dataset is built for the blend's 0.5% surplus.
+struct DatasetBlend {
+  std::vector<std::pair<double, std::string>> parts;  // (weight, prefix)
+  bool weighted = false;
+};
+
+DatasetBlend parse_dataset_path(const std::string& text) {
   std::istringstream in(text);
   std::vector<std::string> words;
   for (std::string w; in >> w;) words.push_back(w);
-  if (words.size() == 1) return {{1.0, words[0]}};
+  if (words.size() == 1) return {{{1.0, words[0]}}, false};
   if (words.empty() || words.size() % 2 != 0)
     throw config_error("config key 'dataset_path': '" + text + "' must be a prefix or \"w1 prefix1 w2 prefix2 ...\"");
   std::vector<std::pair<double, std::string>> out;
@@ -49,7 +55,7 @@ std::vector<std::pair<double, std::string>> parse_dataset_path(const std::string
   }
   if (!std::isfinite(total))  // each weight is divided by the sum: infinity would zero them all
     throw config_error("config key 'dataset_path': the weights in '" + text + "' sum past the largest double; scale them down");
-  return out;
+  return {out, true};
 }
 
 // A cache file: magic, counts, the CRC32C of what follows, the description of the key (what the
@@ -198,10 +204,19 @@ class MegatronSource : public SampleSource {
       : rank_(rank), ranks_on_host_(ranks_on_host), sync_(sync), seq_len_(c.max_target_length), vocab_size_(c.vocab_size), eod_(c.eod_id), pad_(c.pad_id),
         eod_mask_loss_(c.eod_mask_loss), reset_positions_(c.reset_position_ids), reset_attention_(c.reset_attention_mask),
         num_samples_(num_samples) {
-    const auto blend = parse_dataset_path(c.dataset_path);
+    // Megatron (MegatronDataset.__init__) drops a pad id that collides with the EOD id: masking
+    // every EOD target as padding would change the loss. (A tokenizer whose pad is its EOS is common.)
+    if (pad_ >= 0 && pad_ == eod_) {
+      if (rank_ == 0)
+        spdlog::warn("pad_id {} equals eod_id: as Megatron's GPTDataset, no token is treated as padding "
+                     "(EOD targets keep their loss); set pad_id=-1 to say so", pad_);
+      pad_ = -1;
+    }
+    const DatasetBlend parsed = parse_dataset_path(c.dataset_path);
+    const auto& blend = parsed.parts;
+    weighted_ = parsed.weighted;
     for (const auto& [w, prefix] : blend) weights_.push_back(w);
-    const std::vector<int64_t> sizes =
-        blend.size() == 1 ? std::vector<int64_t>{num_samples} : gpt_blend_sizes(weights_, num_samples);
+    const std::vector<int64_t> sizes = component_sizes(num_samples);
     const int s = static_cast<int>(split);
     std::vector<std::vector<int32_t>> documents(blend.size());  // per dataset: sequence ids; Megatron calls them documents
     std::vector<GptIndicesSize> index_sizes;
@@ -234,8 +249,7 @@ class MegatronSource : public SampleSource {
   bool same_samples_as_built_for(int64_t other_num_samples) const override {
     // The blend's dataset choice for sample s depends on s and the weights alone; each dataset's
     // samples depend on its sample count through its epochs alone (gpt_epochs).
-    const std::vector<int64_t> other_sizes = components_.size() == 1 ? std::vector<int64_t>{other_num_samples}
-                                                                     : gpt_blend_sizes(weights_, other_num_samples);
+    const std::vector<int64_t> other_sizes = component_sizes(other_num_samples);
     for (size_t d = 0; d < components_.size(); ++d)
       if (!(gpt_epochs(components_[d].tokens_per_epoch, seq_len_, components_[d].num_samples) ==
             gpt_epochs(components_[d].tokens_per_epoch, seq_len_, other_sizes[d])))
@@ -275,8 +289,10 @@ class MegatronSource : public SampleSource {
     int64_t segment = 1, position = 0;
     for (int64_t t = 0; t < L; ++t) {
       const int64_t input = text[static_cast<size_t>(t)], target = text[static_cast<size_t>(t + 1)];
-      b.inputs[base + t] = input;
-      b.targets[base + t] = target;
+      // Megatron (GPTDataset.__getitem__): pad ids become token 0 after the masks are made from
+      // them, so that the embedding never sees the pad id.
+      b.inputs[base + t] = input == pad_ ? 0 : input;
+      b.targets[base + t] = target == pad_ ? 0 : target;
       // Megatron: no loss on pad targets, nor (eod_mask_loss) where the input is EOD.
       b.loss_mask[base + t] = (target == pad_ || (eod_mask_loss_ && input == eod_)) ? 0.0f : 1.0f;
       b.segment_ids[base + t] = segment;
@@ -418,6 +434,12 @@ class MegatronSource : public SampleSource {
   bool eod_mask_loss_, reset_positions_, reset_attention_;
   int64_t num_samples_;
   std::vector<double> weights_;
+  bool weighted_ = false;  // dataset_path gave weights (one prefix too): Megatron's blend sizes
+
+  // The samples each dataset is built for: a weighted blend's with their surplus, else the split's.
+  std::vector<int64_t> component_sizes(int64_t num_samples) const {
+    return weighted_ ? gpt_blend_sizes(weights_, num_samples) : std::vector<int64_t>{num_samples};
+  }
   std::vector<Component> components_;
   std::vector<int16_t> blend_dataset_;
   std::vector<int64_t> blend_sample_;

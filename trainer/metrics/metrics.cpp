@@ -54,7 +54,7 @@ std::string metrics_aside_name(const std::filesystem::path& path) {
 }
 }  // namespace
 
-MetricsLogger::MetricsLogger(const Config& config, int64_t first_step) : config_(config) {
+MetricsLogger::MetricsLogger(const Config& config, int64_t first_step) : config_(config), first_step_(first_step) {
   std::error_code ec;
   // A symbolic link is followed: the file it names is the one kept, rewritten or moved aside (the
   // rename used to replace the link by a regular file, its target left with the old lines).
@@ -142,10 +142,15 @@ void MetricsLogger::log(int64_t step, const MetricValues& values) {
   if (tensorboard_) tensorboard_->tensorboard_add_scalars(step, values);
   history_.emplace_back(step, values);
   while (history_.size() > kHistoryLength) history_.pop_front();
-  // MaxText logs step 0, log_period, ...; Megatron logs iterations log_period, 2*log_period, ...
+  // The console line at steps 0, log_period, ... (current MaxText prints every step: log_period=1);
+  // Megatron logs iterations log_period, 2*log_period, ...
+  // and the first iteration of each process (a fresh start or a resume: its startup cost shows
+  // there), that one without starting a new interval (training_log's should_reset), and nothing
+  // extra at the last iteration.
   if (config_.log_format == "megatron") {
     megatron_interval_add(megatron_interval_, config_, values);
-    if ((step + 1) % config_.log_period == 0 || step + 1 == config_.steps) megatron_line(step);
+    const bool first = step == first_step_;
+    if ((step + 1) % config_.log_period == 0 || first) megatron_line(step, /*reset=*/!first);
   } else if (step % config_.log_period == 0 || step + 1 == config_.steps) {
     console_line(step, values);
   }
@@ -171,20 +176,24 @@ void megatron_interval_add(MegatronInterval& interval, const Config& config, con
   interval.time_sum += metric_get(v, "perf/step_time_seconds");
   const bool skipped = metric_get(v, "optim/step_skipped") != 0;
   interval.skipped += skipped;
-  interval.nan += metric_get(v, "learning/is_nan") > 0 || metric_get(v, "learning/is_inf") > 0;
-  if (skipped) return;
-  ++interval.counted;
-  for (size_t i = 0; i < columns.size(); ++i) interval.loss_sums[i] += metric_get(v, columns[i].first);
+  // training_log: a NaN iteration is a skipped one whose loss dict (lm loss) is NaN or Inf; the
+  // lm loss sums the applied iterations only, while the MoE and MTP trackers add every
+  // iteration's losses, all divided by the applied count.
+  interval.nan += skipped && !std::isfinite(metric_get(v, "megatron/lm_loss"));
+  interval.counted += !skipped;
+  for (size_t i = skipped ? 1 : 0; i < columns.size(); ++i) interval.loss_sums[i] += metric_get(v, columns[i].first);
 }
 
 // Megatron-LM's training_log line, label for label as megatron/training/training.py prints it at
 // commit d98e8a64 (docs/metrics.md): a timestamp, iteration (1-based), consumed samples, time per
-// iteration, learning rate (after the scheduler's step: the next update's), global batch size, then each loss averaged over the interval's
-// non-skipped iterations -- `lm loss` (token-weighted over the global batch, in both
-// normalization modes), `load_balancing_loss` and `z_loss` (divided by their coefficients, mean
-// over MoE layers), `mtp_<k> loss` per depth (unscaled) -- then loss scale (1.0: no fp16 scaler),
-// grad norm (before clipping), num zeros (with log_num_zeros_in_grad), params norm, and the
-// interval's skipped and nan iteration counts. Printed to stdout without a logger prefix.
+// iteration, learning rate (after the scheduler's step: the next update's), global batch size,
+// then each loss summed over the interval and divided by its applied iterations -- `lm loss`
+// (applied iterations only; token-weighted over the global batch, in both normalization modes),
+// `load_balancing_loss` and `z_loss` (divided by their coefficients, mean over MoE layers),
+// `mtp_<k> loss` per depth (unscaled) (these three over every iteration, as Megatron's trackers)
+// -- each left out when its mean is not >= 0 (NaN), as Megatron does; then loss scale (1.0: no
+// fp16 scaler), grad norm (before clipping), num zeros (with log_num_zeros_in_grad), params norm,
+// and the interval's skipped and nan iteration counts. Printed to stdout without a logger prefix.
 std::string megatron_log_line(const Config& config, int64_t step, const MegatronInterval& interval,
                               const MetricValues& v, const std::string& timestamp) {
   const auto columns = megatron_loss_columns(config);
@@ -198,7 +207,8 @@ std::string megatron_log_line(const Config& config, int64_t step, const Megatron
       metric_get(v, "megatron/learning_rate"), config.global_batch_size);
   for (size_t i = 0; i < columns.size(); ++i) {
     const double sum = i < interval.loss_sums.size() ? interval.loss_sums[i] : 0.0;
-    line += fmt::format(" {}: {:.6E} |", columns[i].second, sum / static_cast<double>(std::max<int64_t>(counted, 1)));
+    const double mean = sum / static_cast<double>(std::max<int64_t>(counted, 1));
+    if (mean >= 0.0) line += fmt::format(" {}: {:.6E} |", columns[i].second, mean);
   }
   line += fmt::format(" loss scale: 1.0 | grad norm: {:.3f} |", metric_get(v, "learning/raw_grad_norm"));
   if (config.log_num_zeros_in_grad) line += fmt::format(" num zeros: {:.1f} |", metric_get(v, "learning/num_zeros"));
@@ -207,7 +217,7 @@ std::string megatron_log_line(const Config& config, int64_t step, const Megatron
   return line;
 }
 
-void MetricsLogger::megatron_line(int64_t step) {
+void MetricsLogger::megatron_line(int64_t step, bool reset) {
   const auto now = std::chrono::system_clock::now();
   const auto micros = std::chrono::duration_cast<std::chrono::microseconds>(now.time_since_epoch()).count() % 1000000;
   const std::time_t seconds = std::chrono::system_clock::to_time_t(now);
@@ -219,17 +229,35 @@ void MetricsLogger::megatron_line(int64_t step) {
       megatron_log_line(config_, step, megatron_interval_, history_.back().second, fmt::format("{}.{:06d}", date, micros));
   std::fputs((line + "\n").c_str(), stdout);
   std::fflush(stdout);
-  megatron_interval_ = MegatronInterval{};  // Megatron zeroes its totals after each line
+  if (reset) megatron_interval_ = MegatronInterval{};  // Megatron zeroes its totals after each line but the first
 }
 
-void MetricsLogger::log_eval(int64_t step, const MetricValues& values) {
+void MetricsLogger::log_eval(int64_t step, const MetricValues& values, bool after_training) {
   const std::string line = metrics_to_json(step, values) + "\n";
   if (std::fputs(line.c_str(), file_) < 0 || std::fflush(file_) != 0)
     throw Error(kExitFailure, "cannot write metrics_file " + config_.metrics_file + ": " + std::strerror(errno));
   if (tensorboard_) tensorboard_->tensorboard_add_scalars(step, values);
-  spdlog::info("eval after step {}: lm_loss {:.4f}, perplexity {:.3f} ({:.0f} tokens)", step,
-               metric_get(values, "eval/lm_loss"), metric_get(values, "eval/perplexity"),
+  if (config_.log_format == "megatron") {
+    const std::string block = megatron_validation_block(step + 1, metric_get(values, "eval/lm_loss") - metric_get(values, "eval/z_loss"),
+                                                        after_training);
+    std::fputs(block.c_str(), stdout);
+    std::fflush(stdout);
+    return;
+  }
+  spdlog::info("eval {}after step {}: lm_loss {:.4f}, perplexity {:.3f} ({:.0f} tokens)", after_training ? "(after training) " : "",
+               step, metric_get(values, "eval/lm_loss"), metric_get(values, "eval/perplexity"),
                metric_get(values, "eval/total_weights"));
+}
+
+// Megatron-LM's evaluate_and_print_results (d98e8a64): the line between two rules of dashes one
+// longer than it, the loss and exp(min(20, loss)) in %.6E, the trailing " | " included; prefix
+// "iteration N" inside the loop, "iteration N on validation set" after training.
+std::string megatron_validation_block(int64_t iteration, double lm_loss, bool after_training) {
+  const std::string text = fmt::format(" validation loss at iteration {}{} | lm loss value: {:.6E} | lm loss PPL: {:.6E} | ",
+                                       iteration, after_training ? " on validation set" : "", lm_loss,
+                                       std::exp(std::min(20.0, lm_loss)));
+  const std::string rule(text.size() + 1, '-');
+  return rule + "\n" + text + "\n" + rule + "\n";
 }
 
 void MetricsLogger::console_line(int64_t step, const MetricValues& v) {

@@ -29,9 +29,9 @@ using MetricHistory = std::deque<std::pair<int64_t, MetricValues>>;  // (step, v
 struct MegatronInterval {
   int64_t iterations = 0;        // steps in the interval
   int64_t counted = 0;           // of them not skipped: the loss means' denominator
-  int64_t skipped = 0, nan = 0;  // skipped steps; steps with a NaN or Inf loss
+  int64_t skipped = 0, nan = 0;  // skipped steps; of them, those whose lm loss is NaN or Inf
   double time_sum = 0;           // seconds
-  std::vector<double> loss_sums;  // per megatron_loss_columns entry, over the counted steps
+  std::vector<double> loss_sums;  // per megatron_loss_columns entry: lm loss over the counted steps, the rest over all
 };
 void megatron_interval_add(MegatronInterval& interval, const Config& config, const MetricValues& step_values);
 
@@ -40,6 +40,10 @@ void megatron_interval_add(MegatronInterval& interval, const Config& config, con
 // `timestamp` goes between the leading brackets ("2026-12-01 10:00:00.123456").
 std::string megatron_log_line(const Config& config, int64_t step, const MegatronInterval& interval,
                               const MetricValues& last, const std::string& timestamp);
+
+// Megatron-LM's validation print for `iteration` (1-based): three lines, the loss and its
+// perplexity between two rules of dashes (metrics.cpp).
+std::string megatron_validation_block(int64_t iteration, double lm_loss, bool after_training);
 
 class MetricsLogger {
  public:
@@ -51,15 +55,17 @@ class MetricsLogger {
   MetricsLogger(const Config& config, int64_t first_step = 0);
   ~MetricsLogger();
   void log(int64_t step, const MetricValues& values);
-  // An evaluation after `step`: one JSON line {"step": step, "eval/...": ...} and a console line.
-  void log_eval(int64_t step, const MetricValues& values);
+  // An evaluation after `step` (after_training: the one Megatron runs after the last step): one
+  // JSON line {"step": step, "eval/...": ...} and a console line, or Megatron's validation block.
+  void log_eval(int64_t step, const MetricValues& values, bool after_training = false);
   const MetricHistory& history() const { return history_; }
 
  private:
   void console_line(int64_t step, const MetricValues& values);
-  void megatron_line(int64_t step);
+  void megatron_line(int64_t step, bool reset);
 
   Config config_;
+  int64_t first_step_;  // this process's first step (Megatron prints its line)
   std::unique_ptr<TensorBoardWriter> tensorboard_;
   std::FILE* file_ = nullptr;
   MetricHistory history_;            // the last kHistoryLength steps (the console line's ETA)

@@ -638,7 +638,7 @@ torch::Tensor DecoderStackImpl::forward(const torch::Tensor& embeddings, const B
 }
 
 TransformerImpl::TransformerImpl(const Config& c)
-    : mtp_num_layers_(c.mtp_num_layers), mtp_input_after_final_norm_(c.mtp_input_after_final_norm), pad_id_(c.pad_id) {
+    : mtp_num_layers_(c.mtp_num_layers), mtp_input_after_final_norm_(c.mtp_input_after_final_norm) {
   model = register_module("model", DecoderStack(c));
   if (!c.logits_via_embedding) lm_head = register_module("lm_head", linear(c.base_emb_dim, c.vocab_size));
 }
@@ -648,12 +648,11 @@ torch::Tensor TransformerImpl::head(const torch::Tensor& normed_hidden) {
   return logits.to(at::promote_types(logits.scalar_type(), torch::kFloat32));
 }
 
-torch::Tensor mtp_shift_tokens(const torch::Tensor& tokens, const torch::Tensor& segment_ids, int64_t k,
-                               int64_t pad_id) {
+torch::Tensor mtp_shift_tokens(const torch::Tensor& tokens, const torch::Tensor& segment_ids, int64_t k) {
   const auto L = tokens.size(1);
   const auto in_range = torch::arange(L, segment_ids.options()) < L - k;  // (L)
   const auto same = (segment_ids.roll(-k, 1) == segment_ids) & in_range;   // (B, L)
-  return torch::where(same, tokens.roll(-k, 1), torch::full_like(tokens, pad_id));
+  return torch::where(same, tokens.roll(-k, 1), torch::zeros_like(tokens));
 }
 
 torch::Tensor TransformerImpl::head_weight() const {
@@ -673,7 +672,7 @@ ModelOutput TransformerImpl::forward(const torch::Tensor& tokens, const torch::T
   // (mtp_input_after_final_norm: Ling 2.0's HF code and Megatron; it is then also the head's input).
   for (int64_t k = 1; k <= mtp_num_layers_; ++k) {
     auto mtp = model->layers[model->num_decoder_layers + k - 1]->as<MtpLayerImpl>();
-    const auto shifted = model->embed_tokens(mtp_shift_tokens(tokens, segment_ids, k, pad_id_));
+    const auto shifted = model->embed_tokens(mtp_shift_tokens(tokens, segment_ids, k));
     hidden = mtp->forward_depth(mtp_input_after_final_norm_ ? normed : hidden, shifted, ctx);
     normed = mtp->shared_head->norm(hidden);
     out.mtp_head_inputs.push_back(normed);

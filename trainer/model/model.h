@@ -395,14 +395,14 @@ class TransformerImpl : public torch::nn::Module {
   torch::Tensor head(const torch::Tensor& normed_hidden);
   int64_t mtp_num_layers_;
   bool mtp_input_after_final_norm_;
-  int64_t pad_id_;
 };
 TORCH_MODULE(Transformer);
 
-// Depth-k MTP inputs: the token k positions ahead in the same segment, else pad_id.
+// Depth-k MTP inputs: the token k positions ahead in the same segment, else token 0 (Megatron's
+// roll_tensor fills 0; a pad id of -1 could not be embedded). Only positions whose loss is not
+// counted get the fill, and causal attention keeps it from the counted ones.
 // tokens, segment_ids: (B, L). Returns (B, L).
-torch::Tensor mtp_shift_tokens(const torch::Tensor& tokens, const torch::Tensor& segment_ids, int64_t k,
-                               int64_t pad_id);
+torch::Tensor mtp_shift_tokens(const torch::Tensor& tokens, const torch::Tensor& segment_ids, int64_t k);
 
 // Checkpoint tensors under Hugging Face names (docs/checkpoints.md) from tensors named as
 // named_parameters() (the parameters themselves, or same-shaped views of a copy of the arena):

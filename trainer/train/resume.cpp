@@ -395,7 +395,8 @@ void Trainer::restore_state(const CheckpointState& state, const std::string& con
     parse(current_yaml, after);
     std::string changed;
     for (const auto& [key, value] : after)
-      if (before.count(key) && before[key] != value) changed += (changed.empty() ? "" : ", ") + key + " " + before[key] + " -> " + value;
+      if (before.count(key) && config_value_canonical(key, before[key]) != value)  // not another spelling of it
+        changed += (changed.empty() ? "" : ", ") + key + " " + before[key] + " -> " + value;
     if (!changed.empty()) spdlog::warn("resuming with a config that differs from the checkpoint's: {}", changed);
     // An edited config.yml whose steps is not an integer leaves it unknown (no steps warning).
     if (before.count("steps")) {

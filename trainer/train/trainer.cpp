@@ -516,7 +516,8 @@ std::optional<MetricValues> Trainer::evaluate(int64_t index) {
   return MetricValues{{"eval/lm_loss", lm_loss},
                       {"eval/z_loss", z_loss},
                       {"eval/perplexity", std::exp(lm_loss - z_loss)},
-                      {"eval/total_weights", weights}};
+                      {"eval/total_weights", weights},
+                      {"eval/group", static_cast<double>(index)}};
 }
 
 void stop_signals_install() {
@@ -668,11 +669,16 @@ void Trainer::train() {
   if (c.enable_checkpointing && c.save_checkpoint_on_start && start_step == 0) save(0, c.async_checkpointing);
   prefetcher_ = std::make_unique<DataPrefetcher>(data_, start_step, c.steps, c.gradient_accumulation_steps,
                                                  static_cast<size_t>(2 * c.gradient_accumulation_steps));
-  // False when a stop signal dropped the evaluation (all ranks agree, evaluate()).
-  auto run_eval = [&](int64_t completed) {
+  // Megatron's validation schedule: evaluation g (0-based) reads global batches
+  // [g * eval_steps, (g + 1) * eval_steps) of the valid split; one every eval_interval steps
+  // (g = completed / eval_interval - 1), and one after training (g = steps / eval_interval), even
+  // when the last step just had one. The valid split is sized for exactly these
+  // (config_eval_samples). False when a stop signal dropped the evaluation (all ranks agree).
+  auto run_eval = [&](int64_t completed, bool after_training) {
     flush(Clock::now());
-    const auto values = evaluate(completed / c.eval_interval - 1 + (completed % c.eval_interval != 0));
-    if (values && logger_) own_work([&] { logger_->log_eval(completed - 1, *values); });
+    const int64_t group = after_training ? c.steps / c.eval_interval : completed / c.eval_interval - 1;
+    const auto values = evaluate(group);
+    if (values && logger_) own_work([&] { logger_->log_eval(completed - 1, *values, after_training); });
     return values.has_value();
   };
 
@@ -696,7 +702,9 @@ void Trainer::train() {
     const int64_t completed = step + 1;
     steps_done = completed;
     int signal = stop ? std::max(g_stop_signal.load(), 1) : 0;
-    if (c.eval_interval > 0 && (completed % c.eval_interval == 0 || completed == c.steps) && !signal && !run_eval(completed))
+    if (c.eval_interval > 0 && completed % c.eval_interval == 0 && !signal && !run_eval(completed, false))
+      signal = std::max(g_stop_signal.load(), 1);
+    if (c.eval_interval > 0 && completed == c.steps && !signal && !run_eval(completed, true))
       signal = std::max(g_stop_signal.load(), 1);
     const bool final_step = completed == c.steps || signal != 0;
     if (c.enable_checkpointing &&
