@@ -337,6 +337,38 @@ TEST_CASE("Megatron line: each label and number formatted as Megatron-LM's train
   CHECK_THAT(applied_line, !Catch::Contains("lm loss") && Catch::Contains("global batch size:     8 | loss scale: 1.0 |"));
 }
 
+TEST_CASE("Megatron format: validation blocks every eval_interval and after training, that one after the final checkpoint", "[metrics][cli]") {
+  fs::remove_all(kOut + "/megatron-eval");
+  const auto r = run_trainer("model_name=test-tiny max_target_length=16 steps=4 log_period=2 log_format=megatron "
+                             "eval_interval=2 eval_steps=2 per_device_batch_size=2 base_output_directory=" + kOut +
+                             " run_name=megatron-eval");
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  std::vector<std::string> evals;
+  for (const auto& line : read_lines(kOut + "/megatron-eval/metrics.jsonl"))
+    if (line.find("eval/lm_loss") != std::string::npos) evals.push_back(line);
+  REQUIRE(evals.size() == 3);  // after iterations 2 and 4, and after training
+  size_t previous = 0;
+  for (size_t g = 0; g < 3; ++g) {
+    CHECK(json_metric(evals[g], "eval/group") == static_cast<double>(g));
+    const double ce = json_metric(evals[g], "eval/lm_loss") - json_metric(evals[g], "eval/z_loss");
+    const std::string block = megatron_validation_block(g < 2 ? 2 * (g + 1) : 4, ce, g == 2);
+    const size_t at = r.output.find(block);
+    REQUIRE(at != std::string::npos);
+    CHECK(at >= previous);
+    previous = at;
+  }
+  // Megatron's verbose lines, once, for the evaluation after training, which follows the final
+  // checkpoint (a stop signal during it loses nothing).
+  const size_t verbose = r.output.find("Evaluating on 4 samples\nEvaluating iter 1/2\nEvaluating iter 2/2\n");
+  REQUIRE(verbose != std::string::npos);
+  CHECK(r.output.find("Evaluating on", verbose + 1) == std::string::npos);
+  const size_t saved = r.output.find("checkpoints/4 in ");
+  REQUIRE(saved != std::string::npos);
+  CHECK(saved < verbose);
+  CHECK(verbose < r.output.find("on validation set"));
+}
+
 TEST_CASE("Megatron validation block: Megatron-LM's evaluate_and_print_results, rules and all", "[metrics]") {
   // Transcribed from megatron/training/training.py at d98e8a64:
   //   string = f' validation loss at {prefix} | '; string += '{} value: {:.6E} | '.format(key, loss)

@@ -249,6 +249,14 @@ void MetricsLogger::log_eval(int64_t step, const MetricValues& values, bool afte
                metric_get(values, "eval/total_weights"));
 }
 
+void MetricsLogger::log_eval_progress(int64_t done, int64_t steps, int64_t samples) {
+  if (config_.log_format != "megatron") return;
+  const std::string text = (done == 0 ? fmt::format("Evaluating on {} samples\n", samples) : std::string()) +
+                           fmt::format("Evaluating iter {}/{}\n", done + 1, steps);
+  std::fputs(text.c_str(), stdout);
+  std::fflush(stdout);
+}
+
 // Megatron-LM's evaluate_and_print_results (d98e8a64): the line between two rules of dashes one
 // longer than it, the loss and exp(min(20, loss)) in %.6E, the trailing " | " included; prefix
 // "iteration N" inside the loop, "iteration N on validation set" after training.

@@ -58,6 +58,9 @@ class MetricsLogger {
   // An evaluation after `step` (after_training: the one Megatron runs after the last step): one
   // JSON line {"step": step, "eval/...": ...} and a console line, or Megatron's validation block.
   void log_eval(int64_t step, const MetricValues& values, bool after_training = false);
+  // Before evaluation step `done` of `steps` (over `samples` samples): with log_format megatron,
+  // Megatron's verbose evaluation lines "Evaluating on N samples" (first) and "Evaluating iter i/n".
+  void log_eval_progress(int64_t done, int64_t steps, int64_t samples);
   const MetricHistory& history() const { return history_; }
 
  private:

@@ -161,7 +161,9 @@ class Trainer {
   // `index`-th evaluation reads the next batches): {eval/lm_loss (token mean), eval/perplexity}.
   // nullopt when a SIGTERM/SIGINT on any rank stopped it between two of its steps (all ranks
   // return nullopt at the same step; logs at most one progress line a minute on rank 0).
-  std::optional<MetricValues> evaluate(int64_t index);
+  // announce: the progress lines of Megatron's verbose evaluation (the one after training), in
+  // its log format.
+  std::optional<MetricValues> evaluate(int64_t index, bool announce = false);
   // Builds the validation split's loader (and its index) once; train() calls it at the start when
   // eval_interval > 0, so an empty or unreadable validation split stops the run before step 0.
   void eval_data_open();

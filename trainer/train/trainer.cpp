@@ -470,7 +470,7 @@ void Trainer::eval_data_open() {
                  restored_steps_, c.steps, samples, samples_before);
 }
 
-std::optional<MetricValues> Trainer::evaluate(int64_t index) {
+std::optional<MetricValues> Trainer::evaluate(int64_t index, bool announce) {
   const Config& c = config_;
   eval_data_open();
   torch::NoGradGuard no_grad;
@@ -499,6 +499,7 @@ std::optional<MetricValues> Trainer::evaluate(int64_t index) {
       spdlog::info("evaluating: {} of {} steps in {:.0f} s, about {:.0f} s to go", s, c.eval_steps, elapsed,
                    elapsed / static_cast<double>(s) * static_cast<double>(c.eval_steps - s));
     }
+    if (announce && logger_) logger_->log_eval_progress(s, c.eval_steps, c.eval_steps * c.global_batch_size);
     for (int64_t micro = 0; micro < c.gradient_accumulation_steps; ++micro) {
       const auto batch = eval_data_->data_loader_next(index * c.eval_steps + s, micro);
       const auto m = micro_batch_losses(model_, batch, c, device_);
@@ -671,18 +672,20 @@ void Trainer::train() {
                                                  static_cast<size_t>(2 * c.gradient_accumulation_steps));
   // Megatron's validation schedule: evaluation g (0-based) reads global batches
   // [g * eval_steps, (g + 1) * eval_steps) of the valid split; one every eval_interval steps
-  // (g = completed / eval_interval - 1), and one after training (g = steps / eval_interval), even
-  // when the last step just had one. The valid split is sized for exactly these
-  // (config_eval_samples). False when a stop signal dropped the evaluation (all ranks agree).
+  // (g = completed / eval_interval - 1), and one after training and its final checkpoint
+  // (g = steps / eval_interval), even when the last step just had one. The valid split is sized
+  // for exactly these (config_eval_samples). False when a stop signal dropped the evaluation (all
+  // ranks agree).
   auto run_eval = [&](int64_t completed, bool after_training) {
     flush(Clock::now());
     const int64_t group = after_training ? c.steps / c.eval_interval : completed / c.eval_interval - 1;
-    const auto values = evaluate(group);
+    const auto values = evaluate(group, /*announce=*/after_training);
     if (values && logger_) own_work([&] { logger_->log_eval(completed - 1, *values, after_training); });
     return values.has_value();
   };
 
   int64_t steps_done = start_step;  // below c.steps after a stop signal
+  bool stopped = false;              // by a stop signal (at the last step too)
   for (int64_t step = start_step; step < c.steps; ++step) {
     const auto start = Clock::now();
     stop_vote_ = g_stop_signal.load() != 0;
@@ -704,8 +707,6 @@ void Trainer::train() {
     int signal = stop ? std::max(g_stop_signal.load(), 1) : 0;
     if (c.eval_interval > 0 && completed % c.eval_interval == 0 && !signal && !run_eval(completed, false))
       signal = std::max(g_stop_signal.load(), 1);
-    if (c.eval_interval > 0 && completed == c.steps && !signal && !run_eval(completed, true))
-      signal = std::max(g_stop_signal.load(), 1);
     const bool final_step = completed == c.steps || signal != 0;
     if (c.enable_checkpointing &&
         (completed % c.checkpoint_period == 0 || (final_step && (c.save_checkpoint_on_completion || signal))))
@@ -718,12 +719,19 @@ void Trainer::train() {
                    checkpointer_          ? ", checkpoint " + std::to_string(completed) + " saved"
                    : dist_.rank > 0 ? " (rank 0 saves the checkpoint)"
                                     : " (checkpointing disabled)");
+      stopped = true;
       break;
     }
   }
   flush(Clock::now());
   share_own_failure("after the last step");
   prefetcher_.reset();
+  // After the final checkpoint, as Megatron: a stop signal during this evaluation drops it and
+  // loses nothing. Not on a relaunch of a finished run (no step ran).
+  if (c.eval_interval > 0 && steps_done == c.steps && start_step < c.steps && !stopped) {
+    run_eval(c.steps, true);
+    share_own_failure("after the evaluation after training");
+  }
   checkpoint_commit(/*block=*/true, /*fatal=*/true);
   if (checkpointer_) {
     const std::string error = checkpointer_->wait();
