@@ -89,9 +89,10 @@ std::vector<int64_t> gpt_split_boundaries(const std::string& split, int64_t n) {
   }
   while (weights.size() < 3) weights.push_back(0.0);
   if (weights.size() != 3) throw config_error("config key 'split': '" + split + "' must have at most 3 parts");
-  if (std::isinf(numpy_sum(weights)))
+  const double total = numpy_sum(weights);
+  if (std::isinf(total))
     throw config_error("config key 'split': '" + split + "': its parts sum past the largest double; scale them down");
-  if (!(numpy_sum(weights) > 0) || weights[0] < 0 || weights[1] < 0 || weights[2] < 0)
+  if (!(total > 0) || weights[0] < 0 || weights[1] < 0 || weights[2] < 0)
     throw config_error("config key 'split': '" + split + "' must be non-negative with a positive sum");
   // Megatron (parse_and_normalize_split, convert_split_vector_to_split_matrix, the builder's
   // split): the normalized weights are summed into book-ends 0, w0, w0 + w1, w0 + w1 + w2 (Python

@@ -142,11 +142,10 @@ void MetricsLogger::log(int64_t step, const MetricValues& values) {
   if (tensorboard_) tensorboard_->tensorboard_add_scalars(step, values);
   history_.emplace_back(step, values);
   while (history_.size() > kHistoryLength) history_.pop_front();
-  // The console line at steps 0, log_period, ... (current MaxText prints every step: log_period=1);
-  // Megatron logs iterations log_period, 2*log_period, ...
-  // and the first iteration of each process (a fresh start or a resume: its startup cost shows
-  // there), that one without starting a new interval (training_log's should_reset), and nothing
-  // extra at the last iteration.
+  // The console line at steps 0, log_period, ... (current MaxText prints every step: log_period=1).
+  // Megatron logs iterations log_period, 2*log_period, ... and the first iteration of each process
+  // (a start or a resume: its startup cost shows there), that one without starting a new interval
+  // (training_log's should_reset); nothing extra at the last iteration.
   if (config_.log_format == "megatron") {
     megatron_interval_add(megatron_interval_, config_, values);
     const bool first = step == first_step_;
