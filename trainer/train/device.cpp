@@ -32,18 +32,21 @@ void host_memory_keep_freed() {
 
 namespace {
 
-// Counts LibTorch's CPU allocations, and those of exactly watch_bytes.
+// Counts LibTorch's CPU allocations, and those of exactly watch_bytes. The watched size can
+// change: LibTorch keeps the first allocator installed for the life of the process, and a later
+// Trainer in the same process (the tests) watches its own gradient size.
 class CountingCpuAllocator final : public compat::ForwardingAllocator {
  public:
   CountingCpuAllocator(c10::Allocator* base, size_t watch_bytes) : ForwardingAllocator(base), watch_bytes_(watch_bytes) {}
   HostAllocationCounts counts() const { return {true, allocations_.load(), watched_.load()}; }
+  void watch(size_t watch_bytes) { watch_bytes_.store(watch_bytes); }
 
  private:
   void on_allocate(size_t n, void* /*data*/) const override {
     allocations_.fetch_add(1, std::memory_order_relaxed);
-    if (n == watch_bytes_) watched_.fetch_add(1, std::memory_order_relaxed);
+    if (n == watch_bytes_.load(std::memory_order_relaxed)) watched_.fetch_add(1, std::memory_order_relaxed);
   }
-  size_t watch_bytes_;
+  std::atomic<size_t> watch_bytes_;
   mutable std::atomic<int64_t> allocations_{0}, watched_{0};
 };
 CountingCpuAllocator* g_counting_allocator = nullptr;  // installed once, never freed (LibTorch keeps it)
@@ -79,7 +82,10 @@ void host_memory_huge_pages() {
 }
 
 void host_allocations_watch(size_t watch_bytes) {
-  if (g_counting_allocator) return;
+  if (g_counting_allocator) {
+    g_counting_allocator->watch(watch_bytes);
+    return;
+  }
   g_counting_allocator = new CountingCpuAllocator(c10::GetCPUAllocator(), watch_bytes);
   c10::SetCPUAllocator(g_counting_allocator, /*priority=*/100);
 }

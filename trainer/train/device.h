@@ -61,7 +61,8 @@ void host_memory_huge_pages();
 // LibTorch CPU allocations, counted by a wrapper around the CPU allocator that
 // host_allocations_watch installs (`available` is false until then; the Trainer watches on CPU
 // devices). `watched` counts allocations of exactly the watched size (the flat gradient buffer's
-// bytes), so a gradient-sized temporary in the step cannot hide.
+// bytes; a later call only changes that size), so a gradient-sized temporary in the step cannot
+// hide.
 struct HostAllocationCounts {
   bool available = false;
   int64_t allocations = 0;  // since the watch started
