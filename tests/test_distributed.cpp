@@ -534,6 +534,47 @@ TEST_CASE("checkpoints of R=2 resume bit-exactly with R=2, and load with R=1", "
   CHECK_THAT(one.output, Catch::Contains("written with 2 ranks, resuming with 1"));
 }
 
+TEST_CASE("ranks that see different newest checkpoints all exit 3 naming both, before any step", "[dist][cli][checkpoint]") {
+  // A relative base_output_directory under node-local working directories: each rank reads its own
+  // copy of the run directory. Rank 1 used to start fresh beside a resumed rank 0 (or resume
+  // another checkpoint of the same step), average gradients with it and commit valid-looking
+  // checkpoints. Here rank 0 works in A, rank 1 in B (mpirun -wdir).
+  const std::string a = kOut + "/wdir-a", b = kOut + "/wdir-b";
+  fs::remove_all(a);
+  fs::remove_all(b);
+  fs::create_directories(a);
+  fs::create_directories(b);
+  const std::string common = std::string(TRAINER_BINARY) + " " + source_path("configs/base.yml") + " " + kSyntheticData +
+                             " model_name=test-tiny max_target_length=16 per_device_batch_size=1 learning_rate_schedule_steps=4 "
+                             "checkpoint_period=2 base_output_directory=runs run_name=r ";
+  const std::string launch = "mpirun --allow-run-as-root --oversubscribe --bind-to none ";
+  const auto split = [&](const std::string& args) {
+    return run_command(launch + "-np 1 -wdir " + a + " " + common + args + " : -np 1 -wdir " + b + " " + common + args);
+  };
+  REQUIRE(run_command(launch + "-np 2 -wdir " + a + " " + common + "steps=2").exit_code == 0);
+  const auto fresh = split("steps=4");
+  INFO(fresh.output);
+  CHECK(fresh.exit_code == 3);
+  CHECK_THAT(fresh.output, Catch::Contains("rank 1 found the newest valid checkpoint in runs/r/checkpoints to be none (a fresh "
+                                           "start), rank 0 runs/r/checkpoints/2 (manifest.json checksum "));
+  CHECK_THAT(fresh.output, Catch::Contains("rank 0: 1 rank(s) found another newest checkpoint"));
+  CHECK(read_lines(a + "/runs/r/metrics.jsonl").size() == 2);  // no step ran
+  CHECK_FALSE(fs::exists(b + "/runs/r/metrics.jsonl"));
+  // The same step in both, written by different runs (another seed, one process, the same global batch).
+  REQUIRE(run_command("cd " + b + " && " + common + "steps=2 per_device_batch_size=2 init_weights_seed=7").exit_code == 0);
+  const auto other = split("steps=4");
+  INFO(other.output);
+  CHECK(other.exit_code == 3);
+  CHECK_THAT(other.output, Catch::Contains("rank 1 found the newest valid checkpoint in runs/r/checkpoints to be "
+                                           "runs/r/checkpoints/2 (manifest.json checksum "));
+  // The same copies agree: both ranks in A resume.
+  const auto agreed = run_command(launch + "-np 2 -wdir " + a + " " + common + "steps=4");
+  CHECK(agreed.exit_code == 0);
+  CHECK_THAT(agreed.output, Catch::Contains("resumed from checkpoint runs/r/checkpoints/2"));
+  fs::remove_all(a);
+  fs::remove_all(b);
+}
+
 TEST_CASE("scripts/pretrain_ling2.sh: valid bash, and a 2-step run with 2 processes", "[dist][cli]") {
   CHECK(run_command("bash -n " + source_path("scripts/pretrain_ling2.sh")).exit_code == 0);
   fs::remove_all(kOut + "/ling2-script");

@@ -5,6 +5,7 @@
 #include <charconv>
 #include <exception>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <set>
@@ -407,9 +408,43 @@ void Trainer::restore_state(const CheckpointState& state, const std::string& con
   }
 }
 
+// Every rank looks for the newest valid checkpoint itself, and all must resume from the same one:
+// a rank that sees another (a node-local or stale copy of the run directory, a read error that
+// made it skip the newest) would average its gradients with replicas at another step and commit
+// checkpoints that look valid. Rank 0's pick is broadcast; a rank that found another makes every
+// rank exit 3, each naming what it found. (Megatron takes the maximum iteration over the ranks.)
+std::optional<std::string> Trainer::agree_on_latest_checkpoint() {
+  const std::string checkpoints_dir = (std::filesystem::path(config_.run_dir) / "checkpoints").string();
+  std::optional<std::string> own;
+  ranks_share_failure(*comm_, "looking for a checkpoint in " + checkpoints_dir,
+                      [&] { own = checkpoint_find_latest(checkpoints_dir); });
+  if (comm_->is_local()) return own;
+  // The path and the manifest's checksum (which covers every file's): two copies of a run
+  // directory can hold different checkpoints under one step.
+  std::string mine;
+  if (own) {
+    std::ifstream manifest(std::filesystem::path(*own) / "manifest.json", std::ios::binary);
+    std::ostringstream text;
+    text << manifest.rdbuf();
+    mine = *own + " (manifest.json checksum " + checkpoint_hash_text(text.str()) + ")";
+  }
+  const std::string rank0 = comm_->broadcast_string("checkpoint to resume", mine);
+  const int64_t differing = ranks_reporting(mine != rank0, *comm_, "the checkpoint agreement");
+  const auto described = [](const std::string& dir) { return dir.empty() ? std::string("none (a fresh start)") : dir; };
+  if (mine != rank0)
+    throw Error(kExitData, "rank " + std::to_string(dist_.rank) + " found the newest valid checkpoint in " +
+                               checkpoints_dir + " to be " + described(mine) + ", rank 0 " + described(rank0) +
+                               ": every rank must see the same run directory (a shared filesystem; docs/distributed.md)");
+  if (differing > 0)
+    throw Error(kExitData, "rank " + std::to_string(dist_.rank) + ": " + std::to_string(differing) +
+                               " rank(s) found another newest checkpoint in " + checkpoints_dir + " than rank 0's " +
+                               described(rank0) + " (their messages say which); every rank must see the same run directory");
+  return own;
+}
+
 int64_t Trainer::load_initial_state(StartingFor use) {
   const Config& c = config_;
-  const auto own = checkpoint_find_latest((std::filesystem::path(c.run_dir) / "checkpoints").string());
+  const auto own = agree_on_latest_checkpoint();
   // `dir` was verified (checkpoint_find_latest, checkpoint_check_full_state_path). Sharded levels
   // read one tensor at a time and keep their parts; the others read it all.
   const auto restore_full = [&](const std::string& dir, const std::string& source) {
@@ -457,7 +492,8 @@ int64_t Trainer::load_initial_state(StartingFor use) {
     return state.step;
   }
   if (!c.load_full_state_path.empty()) {
-    checkpoint_check_full_state_path(c.load_full_state_path);
+    ranks_share_failure(*comm_, "checking load_full_state_path " + c.load_full_state_path,
+                        [&] { checkpoint_check_full_state_path(c.load_full_state_path); });
     const auto state = restore_full(c.load_full_state_path, "load_full_state_path " + c.load_full_state_path);
     spdlog::info("loaded full state from {} (step {})", c.load_full_state_path, state.step);
     initial_state_source_ = "load_full_state_path " + c.load_full_state_path;

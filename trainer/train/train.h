@@ -132,6 +132,8 @@ class Trainer {
   // reads the weights).
   enum class StartingFor { kTraining, kExport };
   int64_t load_initial_state(StartingFor use);
+  // The newest valid checkpoint in run_dir, the same on every rank (exit 3 when ranks differ).
+  std::optional<std::string> agree_on_latest_checkpoint();
   // Whether load_initial_state restored a checkpoint (this run's or load_full_state_path's).
   bool restored_checkpoint() const { return restored_consumed_samples_ >= 0; }
   // Host-side copy of everything a bit-exact resume needs, after `completed_steps` steps; every
