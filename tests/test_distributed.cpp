@@ -278,14 +278,16 @@ TEST_CASE("a named backend builds a real process group even for one process, and
 // rank r logs to <kOut>-<run>-r.log. With `kill_rank1_when_training`, rank 1 is SIGKILLed once
 // rank 0 has logged 3 steps (else the args make a rank end itself). `prepare` runs after the run
 // directory is removed, before the ranks start. `rank1_environment` is set for rank 1 after the
-// launch's variables. Returns both exit codes. The port is drawn at random and the launch retried
+// launch's variables. `while_running` runs once both ranks started, with their pids. Returns both
+// exit codes. The port is drawn at random and the launch retried
 // when rank 0's store finds it taken.
 struct TwoRankExits {
   int rank0 = -1, rank1 = -1;
 };
 TwoRankExits launch_two_ranks(const std::string& run, const std::vector<std::string>& args, bool kill_rank1_when_training,
                               const std::function<void()>& prepare = {},
-                              const std::map<std::string, std::string>& rank1_environment = {}) {
+                              const std::map<std::string, std::string>& rank1_environment = {},
+                              const std::function<void(pid_t rank0, pid_t rank1)>& while_running = {}) {
   std::random_device entropy;
   int port = 0;
   const auto log_of = [&](int rank) { return kOut + "-" + run + "-" + std::to_string(rank) + ".log"; };
@@ -329,6 +331,7 @@ TwoRankExits launch_two_ranks(const std::string& run, const std::vector<std::str
       REQUIRE(training);
       kill(rank1, SIGKILL);
     }
+    if (while_running) while_running(rank0, rank1);
     // rank 0 must notice within collective_timeout_seconds; the ctest TIMEOUT bounds a hang.
     const int code = children.wait(rank0), code1 = children.wait(rank1);
     if (code != 0 && !kill_rank1_when_training && port_taken()) continue;
@@ -398,6 +401,41 @@ TEST_CASE("a failure only rank 0 sees during training (metrics_file, a sync chec
                           // Where the save writes its `latest` pointer: the save fails as it commits.
                           fs::create_directories(kOut + "/unwritable-sync/checkpoints/.latest.tmp/blocker");
                         });
+}
+
+TEST_CASE("rank 0 writing a checkpoint for longer than collective_timeout_seconds: the others wait, warn, and all exit 0", "[dist][cli][checkpoint]") {
+  // The final save is synchronous and rank 0's alone; rank 1 used to wait for it in its next
+  // collective and exit 5 after the timeout ("a peer rank died or hung"). Here rank 0's save of
+  // step 2 is held (debug_pause_checkpoint_save_step) until rank 1 has waited past the 4 s timeout
+  // and said so.
+  const std::string run = "slow-save", tmp = kOut + "/" + run + "/checkpoints/.tmp-2";
+  const auto exits = launch_two_ranks(
+      run, {"model_name=test-tiny", "max_target_length=16", "steps=2", "checkpoint_period=2", "collective_timeout_seconds=4",
+            "debug_pause_checkpoint_save_step=2"},
+      false, {}, {}, [&](pid_t, pid_t) {
+        CHECK(wait_until([&] { return read_file(kOut + "-" + run + "-1.log").find("rank 0 is still saving checkpoint 2") != std::string::npos; }, 120));
+        CHECK(fs::exists(tmp + "/PAUSED"));
+        std::ofstream(tmp + "/CONTINUE") << "go";
+      });
+  const std::string log0 = read_file(kOut + "-" + run + "-0.log"), log1 = read_file(kOut + "-" + run + "-1.log");
+  INFO("rank 0:\n" << log0 << "\nrank 1:\n" << log1);
+  CHECK(exits.rank0 == 0);
+  CHECK(exits.rank1 == 0);
+  CHECK_THAT(log1, Catch::Contains("rank 1 of 2: rank 0 is still saving checkpoint 2 ("));
+  CHECK(checkpoint_find_latest(kOut + "/" + run + "/checkpoints") == kOut + "/" + run + "/checkpoints/2");
+  CHECK_FALSE(fs::exists(kOut + "/" + run + "/checkpoints/2/PAUSED"));
+  // Rank 0 dies in the save: rank 1 learns it from the store rank 0 served, exit 5.
+  const std::string died = "died-saving";
+  const auto lost = launch_two_ranks(
+      died, {"model_name=test-tiny", "max_target_length=16", "steps=2", "checkpoint_period=2", "debug_pause_checkpoint_save_step=2"},
+      false, {}, {}, [&](pid_t rank0, pid_t) {
+        CHECK(wait_until([&] { return fs::exists(kOut + "/" + died + "/checkpoints/.tmp-2/PAUSED"); }, 120));
+        kill(rank0, SIGKILL);
+      });
+  const std::string died_log1 = read_file(kOut + "-" + died + "-1.log");
+  INFO("rank 1:\n" << died_log1);
+  CHECK(lost.rank1 == 5);
+  CHECK_THAT(died_log1, Catch::Contains("rank 1 of 2: lost rank 0 while it was saving checkpoint 2 (the rendezvous store it serves is gone"));
 }
 
 TEST_CASE("ranks started with different world sizes are named, not left to Gloo's address exchange", "[dist][cli]") {

@@ -208,11 +208,14 @@ void commit_directory(const fs::path& root, const fs::path& tmp, const std::stri
 
 // `pause_at_step` (testing, debug_pause_checkpoint_save_step): the save of that step stops after
 // the (first) model file, with a PAUSED marker in the temporary directory, and waits to be
-// killed, so a test can kill a trainer inside a save deterministically.
+// killed, or for a file CONTINUE beside the marker (both are then removed and the save goes on),
+// so a test can kill a trainer inside a save, or hold a save as long as it likes.
 void pause_if_asked(const fs::path& tmp, int64_t step, int64_t pause_at_step) {
   if (step != pause_at_step) return;
   file_write_durable((tmp / "PAUSED").string(), "paused by debug_pause_checkpoint_save_step\n");
-  for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+  while (!fs::exists(tmp / "CONTINUE")) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  fs::remove(tmp / "CONTINUE");
+  fs::remove(tmp / "PAUSED");
 }
 
 // One writer (shard_count 1): every file, the manifest last, then the commit.

@@ -326,6 +326,28 @@ class C10dCommunicator : public Communicator {
       throw dist_error("rank " + std::to_string(rank_) + ": store get of " + key + " failed: " + first_line(e.what()));
     }
   }
+  void wait_for_rank0(const std::string& key, const std::string& what) override {
+    // Polled with check(), which answers at once: a store wait() that times out throws an error
+    // that cannot be told from a lost store.
+    const auto begin = std::chrono::steady_clock::now();
+    auto warn_at = begin + timeout_;
+    auto pause = std::chrono::milliseconds(1);
+    try {
+      if (rank_ == 0) return store_->set(key, std::vector<uint8_t>{1});
+      while (!store_->check({key})) {
+        std::this_thread::sleep_for(pause);
+        pause = std::min(pause * 2, std::chrono::milliseconds(200));
+        if (const auto now = std::chrono::steady_clock::now(); now >= warn_at) {
+          spdlog::warn("{}: rank 0 is still {} ({:.0f} s; waiting as long as it lives)", who(), what,
+                       std::chrono::duration<double>(now - begin).count());
+          warn_at = now + timeout_;
+        }
+      }
+    } catch (const std::exception& e) {
+      throw dist_error(who() + ": lost rank 0 while it was " + what + " (the rendezvous store it serves is gone: it died): " +
+                       first_line(e.what()));
+    }
+  }
 
  private:
   // "rank 3 of 4" for the world group; "rank 3 (1 of 2 in expert-parallel group {2, 3})" for a subgroup.

@@ -60,6 +60,11 @@ class Communicator {
   virtual std::unique_ptr<Communicator> split(const std::vector<int64_t>& ranks, const std::string& tag) = 0;
   // Rank 0's string on every rank (through the rendezvous store).
   virtual std::string broadcast_string(const std::string& key, const std::string& value) = 0;
+  // After work only rank 0 does, which may outlast any collective timeout (writing an unsharded
+  // checkpoint, waiting for the previous one), every rank calls it with the same key: rank 0 sets
+  // the key in the rendezvous store, the others wait for it as long as rank 0 lives (it serves
+  // the store), with a warning each collective timeout. Exit 5 when the store goes away.
+  virtual void wait_for_rank0(const std::string& /*key*/, const std::string& /*what*/) {}
   // True for the one-process stand-in without a process group (collectives are skipped).
   virtual bool is_local() const { return false; }
   // The communicator for values the host already holds (a step's token count, the stop vote):

@@ -667,7 +667,16 @@ void Trainer::train() {
     spdlog::info("checkpoint {}: training blocked for {:.3f} s ({})", completed_steps,
                  std::chrono::duration<double>(Clock::now() - begin).count(), async ? "async" : "sync");
   };
-  if (c.enable_checkpointing && c.save_checkpoint_on_start && start_step == 0) save(0, c.async_checkpointing);
+  // An unsharded save blocks rank 0 alone (the write, or the previous save's), for longer than
+  // collective_timeout_seconds with a large model: the other ranks wait for it here, not in their
+  // next collective (where they would exit 5 as if rank 0 had died).
+  auto save_and_wait = [&](int64_t completed_steps, bool async) {
+    save(completed_steps, async);
+    if (!sharded_checkpoints())
+      comm_->wait_for_rank0("checkpoint " + std::to_string(completed_steps) + " handed to the writer",
+                            "saving checkpoint " + std::to_string(completed_steps));
+  };
+  if (c.enable_checkpointing && c.save_checkpoint_on_start && start_step == 0) save_and_wait(0, c.async_checkpointing);
   prefetcher_ = std::make_unique<DataPrefetcher>(data_, start_step, c.steps, c.gradient_accumulation_steps,
                                                  static_cast<size_t>(2 * c.gradient_accumulation_steps));
   // Megatron's validation schedule: evaluation g (0-based) reads global batches
@@ -710,7 +719,7 @@ void Trainer::train() {
     const bool final_step = completed == c.steps || signal != 0;
     if (c.enable_checkpointing &&
         (completed % c.checkpoint_period == 0 || (final_step && (c.save_checkpoint_on_completion || signal))))
-      save(completed, c.async_checkpointing && !final_step);
+      save_and_wait(completed, c.async_checkpointing && !final_step);
     checkpoint_commit(/*block=*/false, /*fatal=*/false);  // a sharded save whose writes have all ended
     if (signal != 0) {
       flush(Clock::now());
