@@ -312,12 +312,16 @@ void stdout_check_written(const char* mode) {
                                                   (errno != 0 ? std::strerror(errno) : "write error"));
 }
 
-void print_samples(const trainer::Config& config, int64_t count) {
+// Every rank checks it (and exits alike); rank 0 alone prints.
+void check_samples_count(const trainer::Config& config, int64_t count) {
   const int64_t samples = config.steps * config.global_batch_size;  // what the run's data index holds
   if (count > samples)
     throw trainer::config_error("--dump-samples " + std::to_string(count) + ": the run reads " + std::to_string(samples) +
                                 " samples (steps " + std::to_string(config.steps) + " x global_batch_size " +
                                 std::to_string(config.global_batch_size) + "); raise steps to see more");
+}
+
+void print_samples(const trainer::Config& config, int64_t count) {
   const trainer::DataLoader loader(config, /*rank=*/0);
   for (int64_t i = 0; i < count; ++i) {
     const auto b = loader.data_loader_sample(i);
@@ -411,6 +415,8 @@ int main(int argc, char** argv) {
       return trainer::kExitOk;
     }
     if (cl.dump_samples > 0) {
+      check_samples_count(config, cl.dump_samples);
+      if (!prints) return trainer::kExitOk;  // global samples: one copy, and one rank builds the index
       print_samples(config, cl.dump_samples);
       stdout_check_written("--dump-samples");
       return trainer::kExitOk;

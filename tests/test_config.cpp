@@ -214,7 +214,11 @@ TEST_CASE("config errors name the key and exit with code 2", "[config]") {
     // Below float32's smallest a nonzero value would be 0 there (adam_eps > 0 held in double).
     CHECK_THAT(load_error({"adam_eps=1e-50"}).what(), Catch::Contains("'adam_eps'") && Catch::Contains("float32 can hold"));
     CHECK_THAT(load_error({"adam_eps=1e-320"}).what(), Catch::Contains("float32 can hold"));  // was "a finite number"
-    CHECK_THAT(load_error({"collective_timeout_seconds=1e10"}).what(), Catch::Contains("collective_timeout_seconds must be in (0, 1e9]"));
+    CHECK_THAT(load_error({"collective_timeout_seconds=1e10"}).what(), Catch::Contains("collective_timeout_seconds must be in [0.001, 1e9]"));
+    // Below a millisecond it was a 0 ms timeout: the rendezvous failed at once, exit 5.
+    CHECK_THAT(load_error({"collective_timeout_seconds=0.0001"}).what(),
+               Catch::Contains("collective_timeout_seconds must be in [0.001, 1e9] (whole milliseconds; 1e9 s is 31 years; got 0.0001)"));
+    CHECK_NOTHROW(config_load(source_path("configs/base.yml"), {"pad_id=0", "collective_timeout_seconds=0.001"}, {}));
     // Its size in elements overflowed: an internal error at level optim, a 1-element bucket (a
     // step of minutes) at optim_grads.
     CHECK_THAT(load_error({"gradient_bucket_size_mb=9223372036854775807"}).what(),

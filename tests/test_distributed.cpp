@@ -680,7 +680,7 @@ TEST_CASE("scripts/pretrain_ling2.sh: valid bash, and a 2-step run with 2 proces
              Catch::Contains("\neod_id: 256\n"));  // the demo corpus by another spelling
 }
 
-TEST_CASE("under mpirun --print-config and --dry-run print once, from rank 0, and every rank exits alike", "[dist][cli]") {
+TEST_CASE("under mpirun --print-config, --dry-run and --dump-samples print once, from rank 0, and every rank exits alike", "[dist][cli]") {
   const auto count = [](const std::string& text, const std::string& what) {
     size_t n = 0;
     for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
@@ -695,6 +695,13 @@ TEST_CASE("under mpirun --print-config and --dry-run print once, from rank 0, an
   CHECK(planned.exit_code == 0);
   CHECK(count(planned.output, "memory plan per rank") == 1);
   CHECK_THAT(planned.output, Catch::Contains("(CPU, float32, 2 ranks)"));
+  const auto samples = mpirun(2, "model_name=test-tiny max_target_length=16 --dump-samples 3");
+  INFO(samples.output);
+  CHECK(samples.exit_code == 0);
+  CHECK(count(samples.output, "{\"index\": ") == 3);  // one copy (every rank used to print them)
+  const auto too_many = mpirun(2, "model_name=test-tiny max_target_length=16 steps=1 per_device_batch_size=1 --dump-samples 3");
+  CHECK(too_many.exit_code == kExitUsage);
+  CHECK_THAT(too_many.output, Catch::Contains("--dump-samples 3: the run reads 2 samples"));
   const auto bad = mpirun(2, "model_name=test-tiny steps=0 --print-config");
   CHECK(bad.exit_code == kExitUsage);
   CHECK_THAT(bad.output, Catch::Contains("steps must be > 0"));  // (mpirun may end the other rank before it prints)

@@ -275,8 +275,9 @@ std::vector<std::string> validation_errors(const Config& c) {
   require(c.eval_steps > 0, bad_value("eval_steps", "must be > 0"));
   require(c.peak_tflops_per_device >= 0, bad_value("peak_tflops_per_device", "must be >= 0", "0 = known GPU peaks, else unknown"));
   // c10d counts it in int64 milliseconds: a larger one would overflow there.
-  require(c.collective_timeout_seconds > 0 && c.collective_timeout_seconds <= 1e9,
-          bad_value("collective_timeout_seconds", "must be in (0, 1e9]", "1e9 s is 31 years"));
+  // Collectives take whole milliseconds: a shorter timeout would be 0 (no wait at all).
+  require(c.collective_timeout_seconds >= 0.001 && c.collective_timeout_seconds <= 1e9,
+          bad_value("collective_timeout_seconds", "must be in [0.001, 1e9]", "whole milliseconds; 1e9 s is 31 years"));
   require(c.dist_backend != "nccl" || c.hardware == "gpu", "dist_backend=nccl needs hardware=gpu (NCCL reduces CUDA tensors)");
   require(!c.debug_cuda_sync_check || c.hardware == "gpu",
           "debug_cuda_sync_check needs hardware=gpu (it uses CUDA's synchronization debug mode)");

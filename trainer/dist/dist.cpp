@@ -359,7 +359,7 @@ class C10dCommunicator : public Communicator {
   // The start of a failed collective's message; the backend's reason follows it.
   std::string failed(const std::string& collective, const std::string& what) const {
     return who() + ": " + collective + " of " + what + " failed (a peer rank died or hung; timeout " +
-           std::to_string(timeout_.count() / 1000) + " s): ";
+           fmt::format("{:g}", timeout_.count() / 1000.0) + " s): ";
   }
   void configure(typename Group::Options& options);
   void shutdown();
@@ -550,7 +550,7 @@ void master_addr_wait(const DistEnv& env, std::chrono::milliseconds timeout) {
     if (status == 0 || (status != EAI_NONAME && status != EAI_AGAIN)) return;  // other errors: the store's to report
     const std::string what = "rank " + std::to_string(env.rank) + ": MASTER_ADDR=" + env.master_addr;
     if (std::chrono::steady_clock::now() >= deadline) {
-      const std::string waited = " after " + std::to_string(timeout.count() / 1000) + " s (collective_timeout_seconds): ";
+      const std::string waited = " after " + fmt::format("{:g}", timeout.count() / 1000.0) + " s (collective_timeout_seconds): ";
       if (status == EAI_NONAME)
         throw config_error(what + " is not a host name or address this machine resolves" + waited + gai_strerror(status));
       throw dist_error(what + " could not be resolved" + waited + gai_strerror(status));
