@@ -494,6 +494,16 @@ TEST_CASE("damaged checkpoints: none usable stops the run with exit 3 and overwr
     CHECK(e.exit_code() == kExitUsage);
     CHECK_THAT(e.what(), Catch::Contains("load_full_state_path " + kOut + "/nowhere: no such directory"));
   }
+  SECTION("a manifest whose shard count does not fit its files is damage, not millions of names to look for") {
+    const std::string manifest = checkpoints + "/2/manifest.json";
+    auto j = nlohmann::json::parse(read_file(manifest));
+    j["shards"] = int64_t{1} << 40;
+    std::ofstream(manifest) << j.dump(2) << "\n";
+    CHECK(checkpoint_find_latest(checkpoints) == checkpoints + "/1");
+    j["shards"] = 0;
+    std::ofstream(manifest) << j.dump(2) << "\n";
+    CHECK(checkpoint_find_latest(checkpoints) == checkpoints + "/1");
+  }
   SECTION("a manifest of another format_version stops the run instead of falling back to an older checkpoint") {
     // Falling back to step 1 would let this run's save of step 2 delete the newer-format one.
     const std::string manifest = checkpoints + "/2/manifest.json";
@@ -1046,6 +1056,16 @@ TEST_CASE("load_full_state_path continues another run's checkpoint exactly, and 
   const auto bad = from(damaged);
   CHECK(bad.exit_code == 3);
   CHECK_THAT(bad.output, Catch::Contains("load_full_state_path " + damaged + " is not usable: state.json has"));
+  // So is a damaged file as load_parameters_path (it was exit 2); a missing one stays exit 2.
+  const std::string model = read_file(checkpoint + "/model.safetensors"), truncated = kOut + "/truncated.safetensors";
+  std::ofstream(truncated, std::ios::binary) << model.substr(0, model.size() / 2);
+  fs::remove_all(kOut + "/wrong-params");
+  const auto cut = run_trainer(common + " run_name=wrong-params load_parameters_path=" + truncated);
+  CHECK(cut.exit_code == 3);
+  CHECK_THAT(cut.output, Catch::Contains("invalid safetensors file " + truncated + ": tensor "));
+  fs::remove_all(kOut + "/wrong-params");
+  const auto no_file = run_trainer(common + " run_name=wrong-params load_parameters_path=" + kOut + "/no-such.safetensors");
+  CHECK(no_file.exit_code == 2);
   // A state already at `steps` names where it came from (it said "run_dir ... already reached").
   fs::remove_all(kOut + "/at-end");
   const auto at_end = run_trainer(common + " run_name=at-end load_full_state_path=" + kOut + "/source/checkpoints/4");

@@ -324,9 +324,13 @@ torch::Tensor tensor_from_bytes(const char* bytes, const SafetensorsTensor& t, c
   return torch::from_blob(const_cast<char*>(bytes), t.shape, type).to(torch::kFloat32, false, /*copy=*/true);
 }
 
-SafetensorsFile read_or_config_error(const std::string& path, bool with_data) {
+// A damaged file is input data (exit 3, as the same damage inside a checkpoint directory); a path
+// that cannot be read is the config's (exit 2).
+SafetensorsFile read_safetensors_or_error(const std::string& path, bool with_data) {
   try {
     return safetensors_read(path, with_data);
+  } catch (const SafetensorsFormatError& e) {
+    throw Error(kExitData, e.what());
   } catch (const std::exception& e) {
     throw config_error(e.what());
   }
@@ -335,7 +339,7 @@ SafetensorsFile read_or_config_error(const std::string& path, bool with_data) {
 }  // namespace
 
 NamedTensors checkpoint_read_tensors(const std::string& path) {
-  const SafetensorsFile file = read_or_config_error(path, /*with_data=*/true);
+  const SafetensorsFile file = read_safetensors_or_error(path, /*with_data=*/true);
   NamedTensors out;
   for (const auto& [name, t] : file.tensors) out.emplace_back(name, tensor_from_bytes(file.data.data() + t.offset, t, path, name));
   return out;
@@ -378,7 +382,7 @@ CheckpointReader CheckpointReader::weights(const std::string& path) {
 }
 
 void CheckpointReader::add_file(const std::string& path, bool model) {
-  auto header = std::make_shared<SafetensorsFile>(read_or_config_error(path, /*with_data=*/false));
+  auto header = std::make_shared<SafetensorsFile>(read_safetensors_or_error(path, /*with_data=*/false));
   for (const auto& [name, tensor] : header->tensors) {
     const auto [held, added] = tensors_.try_emplace(name, Location{path, header, tensor});
     if (!added)  // which copy would load would depend on the order the files are read in
@@ -426,6 +430,8 @@ torch::Tensor CheckpointReader::read(const std::string& name) const {
   std::vector<char> bytes;
   try {
     bytes = safetensors_read_bytes(open_file(at->path), at->path, *at->header, at->tensor);
+  } catch (const SafetensorsFormatError& e) {
+    throw Error(kExitData, e.what());  // truncated after its header was read
   } catch (const std::exception& e) {
     throw config_error(e.what());
   }
@@ -456,6 +462,9 @@ std::string checkpoint_verify(const std::string& checkpoint_dir, bool weights_on
     if (!manifest.is_object() || !manifest.contains("format_version")) return "manifest has no format_version";
     if (!manifest["format_version"].is_number_integer()) return "manifest format_version is not an integer";
     const int64_t shards = manifest.value("shards", int64_t{1});
+    // Each shard lists two files: a damaged count must not make millions of names to look for.
+    if (shards < 1 || !manifest.contains("files") || shards > static_cast<int64_t>(manifest["files"].size()))
+      return "manifest shards " + std::to_string(shards) + " does not fit the files it lists";
     std::vector<std::string> files = checkpoint_required_files(shards);
     if (weights_only) {
       files = checkpoint_tensor_files(shards).first;

@@ -132,8 +132,8 @@ SafetensorsFile safetensors_read(const std::string& path, bool with_data) {
   std::ifstream in = open_input(path, std::ios::binary | std::ios::ate);
   const auto file_size = static_cast<uint64_t>(in.tellg());
   in.seekg(0);
-  auto fail = [&](const std::string& why) -> std::runtime_error {
-    return std::runtime_error("invalid safetensors file " + path + ": " + why);
+  auto fail = [&](const std::string& why) {
+    return SafetensorsFormatError("invalid safetensors file " + path + ": " + why);
   };
   if (file_size < 8) throw fail("shorter than its 8-byte header length");
   unsigned char size_bytes[8];
@@ -239,7 +239,7 @@ std::vector<char> safetensors_read_bytes(std::istream& in, const std::string& pa
   in.clear();  // a failed read before does not stop this one
   in.seekg(static_cast<std::streamoff>(header.data_start + tensor.offset));
   in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  if (!in) throw std::runtime_error("invalid safetensors file " + path + ": short read");
+  if (!in) throw SafetensorsFormatError("invalid safetensors file " + path + ": short read");
   return bytes;
 }
 

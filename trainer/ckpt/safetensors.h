@@ -65,10 +65,18 @@ struct SafetensorsFile {
   uint64_t data_start = 0; // where that buffer starts in the file
 };
 
+// What safetensors_read throws for a file it opened whose contents are not valid safetensors
+// (truncated, damaged, another format): input data (exit 3), where a path that cannot be opened
+// is the caller's to judge.
+class SafetensorsFormatError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 // Reads and validates a file (header bounds, offsets inside the buffer, sizes matching shapes);
 // without data only the header (then safetensors_read_bytes reads one tensor at a time from
 // `in`, the file opened once by its caller; `path` names it in errors).
-// Throws std::runtime_error naming the path and the problem.
+// Throws std::runtime_error (SafetensorsFormatError for the contents) naming the path and the problem.
 SafetensorsFile safetensors_read(const std::string& path, bool with_data = true);
 std::vector<char> safetensors_read_bytes(std::istream& in, const std::string& path, const SafetensorsFile& header,
                                          const SafetensorsTensor& tensor);

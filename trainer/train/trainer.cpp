@@ -736,7 +736,7 @@ void Trainer::train() {
   share_own_failure("after the last step");
   prefetcher_.reset();
   // After the final checkpoint, as Megatron: a stop signal during this evaluation drops it and
-  // loses nothing. Not on a relaunch of a finished run (no step ran).
+  // loses no training state. Not on a relaunch of a finished run (no step ran; Megatron would).
   if (c.eval_interval > 0 && steps_done == c.steps && start_step < c.steps && !stopped) {
     run_eval(c.steps, true);
     share_own_failure("after the evaluation after training");
