@@ -10,6 +10,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <future>
@@ -70,6 +71,52 @@ trainer::IndexedDocument encode_document(const nlohmann::json& value, const std:
 // end). Every line is a document, a blank one too: Megatron's json.loads fails on it, and so do
 // we. Lines end as in Python's text mode (universal newlines), which Megatron reads the file in:
 // at "\n", "\r\n" or a lone "\r" (old Mac files were one unparsable line here).
+// Python's json.loads (Megatron's reader) also takes the bare words NaN, Infinity and -Infinity
+// (json.dumps writes them for float scores) and numbers beyond double's range (read as inf),
+// which nlohmann refuses. For a line the strict parse refused: outside strings those words become
+// null and every number 0 (no field this tool tokenizes can be a number: a number or null there
+// is refused as not a string, as Megatron's tokenizer refuses it).
+std::string json_relaxed_as_python(const std::string& line) {
+  std::string out;
+  out.reserve(line.size());
+  bool in_string = false;
+  for (size_t i = 0; i < line.size(); ++i) {
+    const char c = line[i];
+    if (in_string) {
+      out += c;
+      if (c == '\\' && i + 1 < line.size()) out += line[++i];
+      else if (c == '"') in_string = false;
+      continue;
+    }
+    const auto word = [&](const char* w) { return line.compare(i, std::strlen(w), w) == 0; };
+    if (c == '"') {
+      in_string = true;
+      out += c;
+    } else if (word("-Infinity") || word("Infinity") || word("NaN")) {
+      i += word("NaN") ? 2 : word("Infinity") ? 7 : 8;
+      out += "null";
+    } else if (c == '-' || (c >= '0' && c <= '9')) {
+      while (i + 1 < line.size() && std::strchr("0123456789+-.eE", line[i + 1]) != nullptr) ++i;
+      out += '0';
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+nlohmann::json json_parse_as_python(const std::string& line) {
+  try {
+    return nlohmann::json::parse(line);
+  } catch (const nlohmann::json::exception&) {
+    try {
+      return nlohmann::json::parse(json_relaxed_as_python(line));
+    } catch (const nlohmann::json::exception&) {
+    }
+    throw;  // the strict parser's message describes the line as written
+  }
+}
+
 constexpr size_t kBatchBytes = 8 << 20;  // tokens held per batch: 8 bytes each (int64) per key
 constexpr size_t kBatchLines = 1 << 16;
 
@@ -219,7 +266,7 @@ int main(int argc, char** argv) {
             if (lines[i].rfind("\xEF\xBB\xBF", 0) == 0)
               throw std::runtime_error("starts with a UTF-8 byte-order mark, which Megatron's json.loads refuses; "
                                        "save the file as UTF-8 without a BOM");
-            const auto j = nlohmann::json::parse(lines[i]);
+            const auto j = json_parse_as_python(lines[i]);
             if (!j.is_object()) throw std::runtime_error("not a JSON object");
             for (size_t k = 0; k < json_keys.size(); ++k) {
               if (!j.contains(json_keys[k])) throw std::runtime_error("no field \"" + json_keys[k] + "\"");

@@ -197,6 +197,24 @@ TEST_CASE("corrupt .idx/.bin files fail with exit code 3 naming the problem", "[
   std::memcpy(huge.data() + 18, &huge_count, 8);
   CHECK_THAT(open_with(huge, bin).what(), Catch::Contains("header says S = 4611686018427387904") &&
                                               Catch::Contains("the count at offset 18 is corrupt"));
+  // Megatron's multimodal index: one int8 mode per sequence after the document index.
+  CHECK_THAT(open_with(idx + std::string(3, '\1'), bin).what(),
+             Catch::Contains("the S extra bytes look like a multimodal index's sequence modes"));
+  // 2^31 sequences, sizes consistent (a sparse file of 25.8 GB that takes no disk): more than
+  // Megatron's int32 sequence numbers address (it wrapped to negative ids, read out of bounds).
+  {
+    std::string header = idx.substr(0, 34);
+    const uint64_t S = uint64_t{1} << 31, D = 2;
+    std::memcpy(header.data() + 18, &S, 8);
+    std::memcpy(header.data() + 26, &D, 8);
+    write_bytes(kDir + "/many.idx", header);
+    fs::resize_file(kDir + "/many.idx", 34 + 12 * S + 8 * D);
+    write_bytes(kDir + "/many.bin", bin);
+    const Error e = error_of([&] { IndexedDataset d(kDir + "/many"); });
+    fs::remove(kDir + "/many.idx");
+    CHECK(e.exit_code() == kExitData);
+    CHECK_THAT(e.what(), Catch::Contains("S = 2147483648 sequences at offset 18, more than the 2^31 - 1"));
+  }
   // A pointer inside the file but between two tokens: Megatron's writer never makes one.
   std::string odd = idx;
   const int64_t one_byte_in = 1;
@@ -900,15 +918,22 @@ TEST_CASE("pad_id=-1 with MTP layers trains: the MTP inputs past a row's end are
 
 TEST_CASE("token ids outside the vocabulary stop the run with exit code 3", "[data][cli]") {
   fs::create_directories(kDir);
-  // Samples of 4 (+1) tokens: every token but the last reaches some sample; 500 is at offset 10.
-  indexed_dataset_write(kDir + "/bigids", {{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 500, 12, 13, 14, 15, 16, 17, 18, 19, 20}}, 8);
+  // Samples of 4 (+1) tokens: every token but the last reaches some sample. An empty document 0,
+  // then document 1 of two sequences: 500 is token 2 of sequence 1 (it was named "document 1 at
+  // token offset 2", the sequence's number and offset as a document's).
+  indexed_dataset_write(kDir + "/bigids",
+                        std::vector<IndexedDocument>{{{}, {}},
+                                                     {{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 500, 14, 15, 16, 17, 18, 19, 20},
+                                                      {10, 10}}},
+                        8);
   fs::remove_all(kDir + "/bigids");
   const auto r = run_trainer("dataset_type=megatron dataset_path=" + kDir + "/bigids split=1,0,0 model_name=test-tiny "
                              "max_target_length=4 per_device_batch_size=1 steps=4 pad_id=-1 eod_id=-1 "
                              "base_output_directory=" + kDir + " run_name=bigids data_cache_path=" + kDir + "/cache-big");
   CHECK(r.exit_code == 3);
   CHECK_THAT(r.output, Catch::Contains("token id 500") && Catch::Contains("bigids.bin") &&
-                           Catch::Contains("at token offset 10") && Catch::Contains("vocab_size = 64"));
+                           Catch::Contains("in sequence 1 (document 1) at token offset 2 of that sequence") &&
+                           Catch::Contains("vocab_size = 64"));
   const auto missing = run_trainer("dataset_type=megatron dataset_path=" + kDir + "/nothing-here model_name=test-tiny "
                                    "pad_id=-1 eod_id=-1 base_output_directory=" + kDir + " run_name=missing");
   CHECK(missing.exit_code == 3);
@@ -997,6 +1022,28 @@ TEST_CASE("preprocess_data as Megatron: empty text adds no sequence and no EOD, 
   // Without --append-eod the empty document is still a document.
   REQUIRE(preprocess("empty-noeod", "{\"text\": \"\"}\n{\"text\": \"ab\"}\n", "").first == 0);
   CHECK(read_file(kDir + "/empty-noeod_text_document.idx") == megatron_idx_bytes(8, {2}, {0, 0, 1}));
+}
+
+TEST_CASE("preprocess_data as Megatron: NaN, Infinity and numbers past double's range outside the text read as json.loads reads them", "[data][cli]") {
+  // json.dumps writes NaN for a float score; nlohmann refused the line (exit 3), Megatron reads it.
+  const std::string lines = "{\"text\": \"ab\", \"score\": NaN}\n"
+                            "{\"score\": -Infinity, \"text\": \"c\", \"x\": [Infinity, 1e400, -2.5e-999]}\n"
+                            "{\"text\": \"NaN 1e400 \\\" Infinity\", \"n\": 1E+400}\n";
+  const auto [code, log] = preprocess("python-json", lines, "--append-eod");
+  INFO(log);
+  REQUIRE(code == 0);
+  std::vector<int> expected = {97, 98, 256, 99, 256};
+  for (const char c : std::string("NaN 1e400 \" Infinity")) expected.push_back(static_cast<unsigned char>(c));
+  expected.push_back(256);
+  CHECK(read_file(kDir + "/python-json_text_document.bin") == uint16_bytes(expected));
+  // Such a value where the text is read is not text (Megatron's tokenizer raises), and a line
+  // that is no JSON at all keeps the strict parser's message.
+  const auto nan_text = preprocess("nan-text", "{\"text\": NaN}\n", "");
+  CHECK(nan_text.first == 3);
+  CHECK_THAT(nan_text.second, Catch::Contains("line 1: field \"text\" is null"));
+  const auto broken = preprocess("broken", "{\"text\": \"a\", NaN}\n", "");
+  CHECK(broken.first == 3);
+  CHECK_THAT(broken.second, Catch::Contains("line 1: ") && Catch::Contains("parse error"));
 }
 
 TEST_CASE("preprocess_data as Megatron: lines end at LF, CRLF or a lone CR (Python's universal newlines)", "[data][cli]") {

@@ -33,6 +33,11 @@ struct TemporaryRoot {
 const TemporaryRoot kRoot;
 const std::string kDir = kRoot.path;
 
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
 std::vector<std::string> texts() {
   std::vector<std::string> out;
   const char* words[] = {"the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "trainer", "loss", "gradient"};
@@ -96,6 +101,19 @@ TEST_CASE("preprocess_data with a SentencePiece model matches the library's enco
                                    kDir + "/x --tokenizer-type sentencepiece --tokenizer-model " + kDir +
                                    "/nope.model 2>/dev/null").c_str());
   CHECK(WEXITSTATUS(missing) == 2);
+  // Megatron's other names for the same SentencePiece encoding write the same bytes.
+  for (const std::string type : {"GPTSentencePieceTokenizer", "Llama2Tokenizer"}) {
+    const int alias = std::system((std::string(PREPROCESS_BINARY) + " --input " + kDir + "/docs.jsonl --output-prefix " +
+                                   kDir + "/" + type + " --tokenizer-type " + type + " --tokenizer-model " + kDir +
+                                   "/spm.model --append-eod 2>&1").c_str());
+    REQUIRE(WEXITSTATUS(alias) == 0);
+    CHECK(read_file(kDir + "/" + type + "_text_document.bin") == read_file(kDir + "/sp_text_document.bin"));
+    CHECK(read_file(kDir + "/" + type + "_text_document.idx") == read_file(kDir + "/sp_text_document.idx"));
+  }
+  // An output directory that does not exist is the command line's error (it was exit 1).
+  const int no_dir = std::system((std::string(PREPROCESS_BINARY) + " --input " + kDir + "/docs.jsonl --output-prefix " +
+                                  kDir + "/no-such-dir/x 2>/dev/null").c_str());
+  CHECK(WEXITSTATUS(no_dir) == 2);
   // A directory for the model, and a model without --tokenizer-type (the byte tokenizer would
   // have ignored it and written byte ids): exit 2 naming the flag.
   for (const std::string flags : {"--tokenizer-type sentencepiece --tokenizer-model " + kDir,

@@ -95,7 +95,15 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
                        (S <= n / 4 && D <= n / 8 ? std::to_string(kHeaderSize + 12 * S + 8 * D) + " bytes)"
                                                  : std::string("more bytes than the file has: the ") +
                                                        (S > n / 4 ? (D > n / 8 ? "counts at offsets 18 and 26 are" : "count at offset 18 is")
-                                                                  : "count at offset 26 is") + " corrupt)"));
+                                                                  : "count at offset 26 is") + " corrupt)") +
+                       // Megatron's multimodal index appends one int8 mode per sequence.
+                       (S <= n / 4 && D <= n / 8 && n == kHeaderSize + 13 * S + 8 * D
+                            ? "; the S extra bytes look like a multimodal index's sequence modes, which this trainer does not read"
+                            : ""));
+    // Megatron indexes sequences as int32 (its numpy document arrays); so do the samplers here.
+    if (S > static_cast<uint64_t>(std::numeric_limits<int32_t>::max()))
+      throw data_error(idx_path + ": S = " + std::to_string(S) + " sequences at offset 18, more than the 2^31 - 1 a "
+                       "Megatron index can address: split the corpus into several prefixes and blend them");
     if (D < 1) throw data_error(idx_path + ": document index is empty at offset 26 (expected D >= 1)");
     num_sequences_ = static_cast<int64_t>(S);
     num_documents_ = static_cast<int64_t>(D) - 1;
@@ -203,7 +211,8 @@ IndexedDatasetWriter::IndexedDatasetWriter(const std::string& prefix, uint8_t dt
   bin_path_ = prefix + ".bin" + part;
   idx_path_ = prefix + ".idx" + part;
   bin_.open(bin_path_, std::ios::binary);
-  if (!bin_) throw Error(kExitFailure, "cannot create " + bin_path_ + ": " + std::strerror(errno));
+  // A missing or unwritable output directory is the command line's (exit 2), not a failure.
+  if (!bin_) throw Error(kExitUsage, "cannot create " + bin_path_ + ": " + std::strerror(errno));
 }
 
 IndexedDatasetWriter::~IndexedDatasetWriter() {

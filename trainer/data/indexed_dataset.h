@@ -69,7 +69,7 @@ struct IndexedDocument {
 };
 
 // Streams documents into <prefix>.bin and <prefix>.idx, as Megatron's IndexedDatasetBuilder:
-// add_document in order (its tokens go to disk at once; only the .idx arrays, 20 bytes per
+// add_document in order (its tokens go to disk at once; only the .idx arrays, 12 bytes per
 // sequence and 8 per document, stay in memory), then finish(), which writes the .idx and renames
 // both files into place. dtype code 8 (uint16) or 4 (int32). add_document throws trainer::Error
 // (exit 3) naming the document when a token does not fit the dtype or a sequence is longer than

@@ -279,11 +279,20 @@ class MegatronSource : public SampleSource {
       const size_t before = text.size();
       comp.data->read(piece.document, piece.offset, piece.length, text);
       for (size_t t = before; t < text.size(); ++t)
-        if (text[t] < 0 || text[t] >= vocab_size_)
-          throw Error(kExitData, comp.data->prefix() + ".bin: token id " + std::to_string(text[t]) + " in document " +
-                                     std::to_string(piece.document) + " at token offset " +
-                                     std::to_string(piece.offset + static_cast<int64_t>(t - before)) +
-                                     " is outside [0, vocab_size = " + std::to_string(vocab_size_) + ")");
+        if (text[t] < 0 || text[t] >= vocab_size_) {
+          // piece.document is a sequence (Megatron samples sequences); name its document too, the
+          // input line preprocess_data wrote it from: the last whose first sequence is <= it.
+          int64_t low = 0, high = comp.data->num_documents() - 1;
+          while (low < high) {
+            const int64_t mid = (low + high + 1) / 2;
+            if (comp.data->document_index(mid) <= piece.document) low = mid;
+            else high = mid - 1;
+          }
+          throw Error(kExitData, comp.data->prefix() + ".bin: token id " + std::to_string(text[t]) + " in sequence " +
+                                     std::to_string(piece.document) + " (document " + std::to_string(low) +
+                                     ") at token offset " + std::to_string(piece.offset + static_cast<int64_t>(t - before)) +
+                                     " of that sequence is outside [0, vocab_size = " + std::to_string(vocab_size_) + ")");
+        }
     }
     const int64_t L = seq_len_, base = row * L;
     int64_t segment = 1, position = 0;

@@ -63,7 +63,9 @@ std::unique_ptr<Tokenizer> tokenizer_create(const std::string& type, const std::
                          "', which has no model; add --tokenizer-type sentencepiece");
     return std::make_unique<ByteTokenizer>();
   }
-  if (type == "sentencepiece" || type == "SentencePieceTokenizer") {
+  // Megatron's three SentencePiece types encode alike (encode_as_ids, no BOS, eod = eos_id()).
+  if (type == "sentencepiece" || type == "SentencePieceTokenizer" || type == "GPTSentencePieceTokenizer" ||
+      type == "Llama2Tokenizer") {
     if (model.empty()) throw config_error("--tokenizer-type sentencepiece needs --tokenizer-model");
 #if TRAINER_WITH_SENTENCEPIECE
     return std::make_unique<SentencePieceTokenizer>(model);
@@ -71,7 +73,8 @@ std::unique_ptr<Tokenizer> tokenizer_create(const std::string& type, const std::
     throw config_error("--tokenizer-type sentencepiece: this build has no SentencePiece (TRAINER_WITH_SENTENCEPIECE=OFF)");
 #endif
   }
-  throw config_error("--tokenizer-type '" + type + "' is not supported (byte, sentencepiece)");
+  throw config_error("--tokenizer-type '" + type + "' is not supported (byte, or sentencepiece = SentencePieceTokenizer, "
+                     "GPTSentencePieceTokenizer, Llama2Tokenizer)");
 }
 
 }  // namespace trainer
