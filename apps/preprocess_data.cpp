@@ -140,43 +140,6 @@ std::vector<std::string> read_batch(std::istream& in, const std::string& input) 
   return lines;
 }
 
-// The writers' temporary files, removed when SIGINT or SIGTERM ends the run: a long run stopped
-// with Ctrl-C left gigabytes of .partial-<pid> files. Filled before the handlers are installed
-// and not changed while they are, so the handler only reads it (unlink is async-signal-safe).
-std::vector<std::string> g_temporary_paths;
-
-void remove_temporary_files_and_die(int signal_number) {
-  for (const auto& path : g_temporary_paths) ::unlink(path.c_str());
-  std::signal(signal_number, SIG_DFL);
-  std::raise(signal_number);  // the usual status of a run ended by the signal (130, 143 in a shell)
-}
-
-// Installs the handler for SIGINT and SIGTERM while the writers hold temporary files, and puts
-// the earlier dispositions back when it goes (before the writers and the path list do). A signal
-// the caller ignores stays ignored: a shell starts background jobs with SIGINT ignored.
-class TemporaryFilesOnSignal {
- public:
-  explicit TemporaryFilesOnSignal(const std::vector<std::unique_ptr<trainer::IndexedDatasetWriter>>& writers) {
-    for (const auto& writer : writers)
-      for (const auto& path : writer->temporary_paths()) g_temporary_paths.push_back(path);
-    struct sigaction action {};
-    action.sa_handler = remove_temporary_files_and_die;
-    sigemptyset(&action.sa_mask);
-    for (size_t i = 0; i < 2; ++i) {
-      ::sigaction(kSignals[i], nullptr, &previous_[i]);
-      if (previous_[i].sa_handler != SIG_IGN) ::sigaction(kSignals[i], &action, nullptr);
-    }
-  }
-  ~TemporaryFilesOnSignal() {
-    for (size_t i = 0; i < 2; ++i) ::sigaction(kSignals[i], &previous_[i], nullptr);
-  }
-  TemporaryFilesOnSignal(const TemporaryFilesOnSignal&) = delete;
-  TemporaryFilesOnSignal& operator=(const TemporaryFilesOnSignal&) = delete;
-
- private:
-  static constexpr int kSignals[2] = {SIGINT, SIGTERM};
-  struct sigaction previous_[2] {};
-};
 
 }  // namespace
 
@@ -236,7 +199,10 @@ int main(int argc, char** argv) {
     std::vector<std::unique_ptr<trainer::IndexedDatasetWriter>> writers;
     for (const auto& key : json_keys)
       writers.push_back(std::make_unique<trainer::IndexedDatasetWriter>(output_prefix + "_" + key + "_document", dtype));
-    const TemporaryFilesOnSignal cleanup_on_signal(writers);
+    std::vector<std::string> temporary_paths;
+    for (const auto& writer : writers)
+      for (const auto& path : writer->temporary_paths()) temporary_paths.push_back(path);
+    const trainer::TemporaryFilesOnSignal cleanup_on_signal(temporary_paths);
     const auto start = std::chrono::steady_clock::now();
     const auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
     size_t first_line = 0;  // of the batch, 0-based

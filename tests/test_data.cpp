@@ -1046,6 +1046,59 @@ TEST_CASE("preprocess_data as Megatron: NaN, Infinity and numbers past double's 
   CHECK_THAT(broken.second, Catch::Contains("line 1: ") && Catch::Contains("parse error"));
 }
 
+TEST_CASE("merge_datasets as Megatron: a directory's pairs in sorted order equal preprocess_data of their lines concatenated", "[data][cli]") {
+  // Megatron's tools/merge_datasets.py: prefixes sorted ("a10" < "a2" < "b"), documents and
+  // sequences appended, .bin copied, pointers recomputed. An empty document and a document of two
+  // sequences keep their shape.
+  const std::vector<std::pair<std::string, std::string>> parts = {
+      {"b", "{\"text\": \"bb\"}\n{\"text\": \"\"}\n"},
+      {"a10", "{\"text\": [\"x\", \"yz\"]}\n"},
+      {"a2", "{\"text\": \"q\"}\n{\"text\": \"rs\"}\n"}};
+  const std::string in = kDir + "/merge-in";
+  fs::remove_all(in);
+  fs::create_directories(in);
+  for (const auto& [name, lines] : parts) {
+    REQUIRE(preprocess("part-" + name, lines, "--append-eod").first == 0);
+    for (const char* suffix : {".bin", ".idx"})
+      fs::copy_file(kDir + "/part-" + name + "_text_document" + suffix, in + "/" + name + suffix);
+  }
+  REQUIRE(preprocess("part-all", parts[1].second + parts[2].second + parts[0].second, "--append-eod").first == 0);
+  const auto merge = [&](const std::string& input, const std::string& output) {
+    return run_command(std::string(MERGE_BINARY) + " --input " + input + " --output-prefix " + output);
+  };
+  const auto merged = merge(in, kDir + "/merged");
+  INFO(merged.output);
+  REQUIRE(merged.exit_code == 0);
+  CHECK_THAT(merged.output, Catch::Contains("3 inputs, 5 documents, 5 sequences"));
+  CHECK(read_file(kDir + "/merged.bin") == read_file(kDir + "/part-all_text_document.bin"));
+  CHECK(read_file(kDir + "/merged.idx") == read_file(kDir + "/part-all_text_document.idx"));
+  // Bad inputs: named, nothing written.
+  const std::string mixed = kDir + "/merge-mixed";
+  fs::remove_all(mixed);
+  fs::create_directories(mixed);
+  indexed_dataset_write(mixed + "/a", {{1, 2}}, 8);
+  indexed_dataset_write(mixed + "/b", std::vector<std::vector<int64_t>>{{3}}, 4);
+  const auto dtypes = merge(mixed, kDir + "/merged-mixed");
+  CHECK(dtypes.exit_code == 3);
+  CHECK_THAT(dtypes.output, Catch::Contains(mixed + "/b.idx has dtype code 4, but " + kDir + "/merged-mixed is written with 8"));
+  fs::remove(mixed + "/b.bin");
+  const auto unpaired = merge(mixed, kDir + "/merged-mixed");
+  CHECK(unpaired.exit_code == 3);
+  CHECK_THAT(unpaired.output, Catch::Contains("b.idx has no b.bin beside it"));
+  for (const std::string name : {"merged-mixed.bin", "merged-mixed.idx"}) CHECK_FALSE(fs::exists(kDir + "/" + name));
+  for (const auto& entry : fs::directory_iterator(kDir)) CHECK(entry.path().string().find(".partial-") == std::string::npos);
+  fs::create_directories(kDir + "/merge-empty");
+  const auto empty = merge(kDir + "/merge-empty", kDir + "/merged-empty");
+  CHECK(empty.exit_code == 3);
+  CHECK_THAT(empty.output, Catch::Contains("holds no .bin/.idx pairs"));
+  const auto over = merge(in, in + "/a2");
+  CHECK(over.exit_code == 2);
+  CHECK_THAT(over.output, Catch::Contains("would overwrite the input " + in + "/a2.bin"));
+  const auto nowhere = merge(in, kDir + "/no-such-dir/merged");
+  CHECK(nowhere.exit_code == 2);
+  CHECK(merge(kDir + "/no-such-input", kDir + "/merged-none").exit_code == 2);
+}
+
 TEST_CASE("preprocess_data as Megatron: lines end at LF, CRLF or a lone CR (Python's universal newlines)", "[data][cli]") {
   // Megatron reads the input in text mode, where each of the three ends a line; a lone "\r" (old
   // Mac files) made the whole file one line, which failed to parse.

@@ -2,7 +2,7 @@
 # Builds trainer on a CUDA machine against the PyTorch wheel's LibTorch (no package registry
 # needed): LibTorch from `torch.utils.cmake_prefix_path`, NCCL's header and library from the
 # wheel's nvidia-nccl package (else NCCL is left out, with a message), everything else from .gpu-deps/ (scripts/gpu/prepare_deps.sh).
-# Output: build-gpu/{trainer,trainer_tests,preprocess_data}. SentencePiece is left out (byte
+# Output: build-gpu/{trainer,trainer_tests,preprocess_data,merge_datasets}. SentencePiece is left out (byte
 # tokenizer only), as are Gloo and MPI unless their headers are found.
 #   scripts/gpu/build.sh [extra cmake args]      PYTHON (default python3) picks the interpreter
 set -euo pipefail
@@ -29,4 +29,4 @@ cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_CUDA_COMPILER="$nvcc" -DCUDAToolkit_ROOT="$(dirname "$(dirname "$nvcc")")" \
   -DCMAKE_CXX_FLAGS="$extra_flags" -DTRAINER_WITH_SENTENCEPIECE=OFF -DTRAINER_ALLOW_NO_GLOO=ON \
   "${nccl_args[@]}" "$@"
-cmake --build build-gpu -j "$(nproc)" --target trainer trainer_tests preprocess_data -- -k
+cmake --build build-gpu -j "$(nproc)" --target trainer trainer_tests preprocess_data merge_datasets -- -k

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <csignal>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -170,6 +171,37 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
   }
 }
 
+const unsigned char* IndexedDataset::bin_bytes() const { return bin_->data(); }
+uint64_t IndexedDataset::bin_size() const { return bin_->size(); }
+
+namespace {
+// Filled before the handlers are installed and not changed while they are, so the handler only
+// reads it (unlink is async-signal-safe).
+std::vector<std::string> g_temporary_paths;
+constexpr int kStopSignals[2] = {SIGINT, SIGTERM};
+
+void remove_temporary_files_and_die(int signal_number) {
+  for (const auto& path : g_temporary_paths) ::unlink(path.c_str());
+  std::signal(signal_number, SIG_DFL);
+  std::raise(signal_number);
+}
+}  // namespace
+
+TemporaryFilesOnSignal::TemporaryFilesOnSignal(const std::vector<std::string>& paths) {
+  g_temporary_paths = paths;
+  struct sigaction action {};
+  action.sa_handler = remove_temporary_files_and_die;
+  sigemptyset(&action.sa_mask);
+  for (size_t i = 0; i < 2; ++i) {
+    ::sigaction(kStopSignals[i], nullptr, &previous_[i]);
+    if (previous_[i].sa_handler != SIG_IGN) ::sigaction(kStopSignals[i], &action, nullptr);
+  }
+}
+
+TemporaryFilesOnSignal::~TemporaryFilesOnSignal() {
+  for (size_t i = 0; i < 2; ++i) ::sigaction(kStopSignals[i], &previous_[i], nullptr);
+}
+
 IndexedDataset::~IndexedDataset() {
   delete idx_;
   delete bin_;
@@ -206,7 +238,8 @@ void IndexedDataset::read(int64_t sequence, int64_t offset, int64_t length, std:
 // rewriting a corpus while a run opens it is still the user's race).
 IndexedDatasetWriter::IndexedDatasetWriter(const std::string& prefix, uint8_t dtype_code)
     : prefix_(prefix), dtype_code_(dtype_code), item_size_(indexed_dtype_size(dtype_code)) {
-  if (dtype_code != 8 && dtype_code != 4) throw Error(kExitUsage, "IndexedDatasetWriter: dtype code must be 8 or 4");
+  if (item_size_ == 0 || dtype_code == 6 || dtype_code == 7)
+    throw Error(kExitUsage, "IndexedDatasetWriter: dtype code " + std::to_string(dtype_code) + " is not an integer dtype");
   const std::string part = ".partial-" + std::to_string(::getpid());
   bin_path_ = prefix + ".bin" + part;
   idx_path_ = prefix + ".idx" + part;
@@ -226,6 +259,7 @@ IndexedDatasetWriter::~IndexedDatasetWriter() {
 // sequences so far (document_indices starts at [0]).
 void IndexedDatasetWriter::add_document(const IndexedDocument& document) {
   if (finished_) throw Error(kExitFailure, prefix_ + ": add_document after finish");
+  if (dtype_code_ != 8 && dtype_code_ != 4) throw Error(kExitFailure, prefix_ + ": add_document writes uint16 or int32 tokens");
   const std::string name = prefix_ + ": document " + std::to_string(num_documents());
   const int64_t lowest = dtype_code_ == 8 ? 0 : std::numeric_limits<int32_t>::min();
   const int64_t highest = dtype_code_ == 8 ? std::numeric_limits<uint16_t>::max() : std::numeric_limits<int32_t>::max();
@@ -261,6 +295,26 @@ void IndexedDatasetWriter::add_document(const IndexedDocument& document) {
   document_index_.push_back(static_cast<int64_t>(lengths_.size()));
   tokens_ += total;
   bin_.write(bytes_.data(), static_cast<std::streamsize>(bytes_.size()));
+  if (!bin_) throw Error(kExitFailure, "cannot write " + bin_path_ + ": " + std::strerror(errno));
+}
+
+void IndexedDatasetWriter::add_index(const IndexedDataset& dataset) {
+  if (finished_) throw Error(kExitFailure, prefix_ + ": add_index after finish");
+  if (dataset.dtype_code() != dtype_code_)
+    throw Error(kExitData, dataset.prefix() + ".idx has dtype code " + std::to_string(dataset.dtype_code()) + ", but " +
+                               prefix_ + " is written with " + std::to_string(dtype_code_) +
+                               " (the first input's): merged files need one dtype");
+  const int64_t before = static_cast<int64_t>(lengths_.size());
+  for (int64_t i = 0; i < dataset.num_sequences(); ++i) {
+    const int32_t length = dataset.sequence_length(i);
+    lengths_.push_back(length);
+    pointers_.push_back(pointer_);
+    pointer_ += length * item_size_;
+    tokens_ += length;
+  }
+  // Its document index without the leading 0, shifted past the sequences before it.
+  for (int64_t d = 1; d <= dataset.num_documents(); ++d) document_index_.push_back(before + dataset.document_index(d));
+  bin_.write(reinterpret_cast<const char*>(dataset.bin_bytes()), static_cast<std::streamsize>(dataset.bin_size()));
   if (!bin_) throw Error(kExitFailure, "cannot write " + bin_path_ + ": " + std::strerror(errno));
 }
 

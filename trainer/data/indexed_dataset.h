@@ -6,6 +6,8 @@
 // dtype codes: 1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16; the
 // float codes are refused on reading (tokens are integers).
 #pragma once
+#include <signal.h>
+
 #include <cstdint>
 #include <fstream>
 #include <string>
@@ -43,6 +45,9 @@ class IndexedDataset {
   int64_t sequence_pointer(int64_t i) const;  // byte offset of sequence i in .bin
   int64_t document_index(int64_t i) const;    // i in [0, D)
   const std::vector<int32_t>& sequence_lengths() const { return lengths_; }
+  // The whole .bin (the sequences back to back, as validated on open).
+  const unsigned char* bin_bytes() const;
+  uint64_t bin_size() const;
   // Appends tokens [offset, offset + length) of sequence i to `out`.
   void read(int64_t sequence, int64_t offset, int64_t length, std::vector<int64_t>& out) const;
 
@@ -84,7 +89,11 @@ class IndexedDatasetWriter {
   ~IndexedDatasetWriter();
   IndexedDatasetWriter(const IndexedDatasetWriter&) = delete;
   IndexedDatasetWriter& operator=(const IndexedDatasetWriter&) = delete;
-  void add_document(const IndexedDocument& document);
+  void add_document(const IndexedDocument& document);  // dtype code 8 or 4
+  // A whole dataset of the writer's dtype, as Megatron's IndexedDatasetBuilder.add_index
+  // (tools/merge_datasets.py): its sequences and documents after those written so far, its .bin
+  // copied. Exit 3 naming both for another dtype.
+  void add_index(const IndexedDataset& dataset);
   void finish();
   int64_t num_documents() const { return static_cast<int64_t>(document_index_.size()) - 1; }
   int64_t num_sequences() const { return static_cast<int64_t>(lengths_.size()); }
@@ -103,6 +112,22 @@ class IndexedDatasetWriter {
   int64_t pointer_ = 0, tokens_ = 0;
   std::vector<char> bytes_;  // one document's tokens in the dtype, reused
   bool finished_ = false;
+};
+
+// Removes `paths` (writers' temporary files) when SIGINT or SIGTERM ends the process, then dies
+// of the signal as usual (130, 143 in a shell): a long run stopped with Ctrl-C left gigabytes of
+// .partial-<pid> files. Installed for its lifetime; the earlier dispositions come back when it
+// goes, and a signal the caller ignores stays ignored (a shell starts background jobs with SIGINT
+// ignored). One at a time per process.
+class TemporaryFilesOnSignal {
+ public:
+  explicit TemporaryFilesOnSignal(const std::vector<std::string>& paths);
+  ~TemporaryFilesOnSignal();
+  TemporaryFilesOnSignal(const TemporaryFilesOnSignal&) = delete;
+  TemporaryFilesOnSignal& operator=(const TemporaryFilesOnSignal&) = delete;
+
+ private:
+  struct sigaction previous_[2] {};  // SIGINT, SIGTERM
 };
 
 // The whole corpus at once (tests, fixtures): an IndexedDatasetWriter fed every document.
