@@ -278,8 +278,8 @@ TEST_CASE("a named backend builds a real process group even for one process, and
 // rank r logs to <kOut>-<run>-r.log. With `kill_rank1_when_training`, rank 1 is SIGKILLed once
 // rank 0 has logged 3 steps (else the args make a rank end itself). `prepare` runs after the run
 // directory is removed, before the ranks start. `rank1_environment` is set for rank 1 after the
-// launch's variables. `while_running` runs once both ranks started, with their pids. Returns both
-// exit codes. The port is drawn at random and the launch retried
+// launch's variables. `while_running` runs once both ranks started, with their pids. Rank r starts
+// in `rank_directories[r]` when given (node-local working directories). Returns both exit codes. The port is drawn at random and the launch retried
 // when rank 0's store finds it taken.
 struct TwoRankExits {
   int rank0 = -1, rank1 = -1;
@@ -287,7 +287,8 @@ struct TwoRankExits {
 TwoRankExits launch_two_ranks(const std::string& run, const std::vector<std::string>& args, bool kill_rank1_when_training,
                               const std::function<void()>& prepare = {},
                               const std::map<std::string, std::string>& rank1_environment = {},
-                              const std::function<void(pid_t rank0, pid_t rank1)>& while_running = {}) {
+                              const std::function<void(pid_t rank0, pid_t rank1)>& while_running = {},
+                              const std::vector<std::string>& rank_directories = {}) {
   std::random_device entropy;
   int port = 0;
   const auto log_of = [&](int rank) { return kOut + "-" + run + "-" + std::to_string(rank) + ".log"; };
@@ -303,6 +304,7 @@ TwoRankExits launch_two_ranks(const std::string& run, const std::vector<std::str
       setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
       if (rank == 1)
         for (const auto& [name, value] : rank1_environment) setenv(name.c_str(), value.c_str(), 1);
+      if (!rank_directories.empty() && chdir(rank_directories[static_cast<size_t>(rank)].c_str()) != 0) _exit(126);
       const int fd = open(log_of(rank).c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       dup2(fd, 1);
       dup2(fd, 2);
@@ -576,8 +578,8 @@ TEST_CASE("ranks that see different newest checkpoints all exit 3 naming both, b
   // A relative base_output_directory under node-local working directories: each rank reads its own
   // copy of the run directory. Rank 1 used to start fresh beside a resumed rank 0 (or resume
   // another checkpoint of the same step), average gradients with it and commit valid-looking
-  // checkpoints. Here rank 0 works in A, rank 1 in B (mpirun -wdir).
-  const std::string a = kOut + "/wdir-a", b = kOut + "/wdir-b";
+  // checkpoints. Rank r works in wdir-r (OpenMPI 5's mpirun crashes on "-wdir A prog : -wdir B prog").
+  const std::string a = kOut + "/wdir-0", b = kOut + "/wdir-1";
   fs::remove_all(a);
   fs::remove_all(b);
   fs::create_directories(a);
@@ -585,17 +587,19 @@ TEST_CASE("ranks that see different newest checkpoints all exit 3 naming both, b
   const std::string common = std::string(TRAINER_BINARY) + " " + source_path("configs/base.yml") + " " + kSyntheticData +
                              " model_name=test-tiny max_target_length=16 per_device_batch_size=1 learning_rate_schedule_steps=4 "
                              "checkpoint_period=2 base_output_directory=runs run_name=r ";
-  const std::string launch = "mpirun --allow-run-as-root --oversubscribe --bind-to none ";
+  const std::string launch = "mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 ";
   const auto split = [&](const std::string& args) {
-    return run_command(launch + "-np 1 -wdir " + a + " " + common + args + " : -np 1 -wdir " + b + " " + common + args);
+    return run_command(launch + "sh -c 'cd " + kOut + "/wdir-$OMPI_COMM_WORLD_RANK && exec " + common + args + "'");
   };
-  REQUIRE(run_command(launch + "-np 2 -wdir " + a + " " + common + "steps=2").exit_code == 0);
+  const auto in_a = [&](const std::string& args) { return run_command("cd " + a + " && " + launch + common + args); };
+  REQUIRE(in_a("steps=2").exit_code == 0);
   const auto fresh = split("steps=4");
   INFO(fresh.output);
   CHECK(fresh.exit_code == 3);
+  // The first rank to exit has printed; mpirun may end the other before it does.
   CHECK_THAT(fresh.output, Catch::Contains("rank 1 found the newest valid checkpoint in runs/r/checkpoints to be none (a fresh "
-                                           "start), rank 0 runs/r/checkpoints/2 (manifest.json checksum "));
-  CHECK_THAT(fresh.output, Catch::Contains("rank 0: 1 rank(s) found another newest checkpoint"));
+                                           "start), rank 0 runs/r/checkpoints/2 (manifest.json checksum ") ||
+                               Catch::Contains("rank 0: 1 rank(s) found another newest checkpoint"));
   CHECK(read_lines(a + "/runs/r/metrics.jsonl").size() == 2);  // no step ran
   CHECK_FALSE(fs::exists(b + "/runs/r/metrics.jsonl"));
   // The same step in both, written by different runs (another seed, one process, the same global batch).
@@ -604,13 +608,38 @@ TEST_CASE("ranks that see different newest checkpoints all exit 3 naming both, b
   INFO(other.output);
   CHECK(other.exit_code == 3);
   CHECK_THAT(other.output, Catch::Contains("rank 1 found the newest valid checkpoint in runs/r/checkpoints to be "
-                                           "runs/r/checkpoints/2 (manifest.json checksum "));
+                                           "runs/r/checkpoints/2 (manifest.json checksum ") ||
+                               Catch::Contains("rank 0: 1 rank(s) found another newest checkpoint"));
   // The same copies agree: both ranks in A resume.
-  const auto agreed = run_command(launch + "-np 2 -wdir " + a + " " + common + "steps=4");
+  const auto agreed = in_a("steps=4");
   CHECK(agreed.exit_code == 0);
   CHECK_THAT(agreed.output, Catch::Contains("resumed from checkpoint runs/r/checkpoints/2"));
   fs::remove_all(a);
   fs::remove_all(b);
+}
+
+TEST_CASE("a dataset_path only some ranks can open makes every rank exit 3, the others naming how many failed", "[dist][cli]") {
+  // A relative dataset_path under node-local working directories, the corpus in rank 0's only.
+  // Rank 0 used to see only its peer die in its next collective and exit 5 (torchrun-style: no
+  // mpirun ends it first).
+  const std::string run = "only-one-opens";
+  std::vector<std::string> directories;
+  for (const int rank : {0, 1}) {
+    directories.push_back(kOut + "/" + run + "-cwd-" + std::to_string(rank));
+    fs::remove_all(directories.back());
+    fs::create_directories(directories.back());
+  }
+  indexed_dataset_write(directories[0] + "/corpus", std::vector<std::vector<int64_t>>(40, {10, 11, 12, 13, 9}), 8);
+  const auto exits = launch_two_ranks(run, {"dataset_type=megatron", "dataset_path=corpus", "split=1,0,0", "model_name=test-tiny",
+                                            "vocab_size=258", "override_model_config=true", "max_target_length=8",
+                                            "per_device_batch_size=1", "steps=2"},
+                                      false, {}, {}, {}, directories);
+  const std::string log0 = read_file(kOut + "-" + run + "-0.log"), log1 = read_file(kOut + "-" + run + "-1.log");
+  INFO("rank 0:\n" << log0 << "\nrank 1:\n" << log1);
+  CHECK(exits.rank0 == kExitData);
+  CHECK(exits.rank1 == kExitData);
+  CHECK_THAT(log0, Catch::Contains("rank 0: 1 other rank(s) could not open or split the train split's files of dataset_path"));
+  CHECK_THAT(log1, Catch::Contains("cannot open corpus.idx"));
 }
 
 TEST_CASE("scripts/pretrain_ling2.sh: valid bash, and a 2-step run with 2 processes", "[dist][cli]") {

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include <spdlog/spdlog.h>
@@ -220,26 +221,21 @@ class MegatronSource : public SampleSource {
     const int s = static_cast<int>(split);
     std::vector<std::vector<int32_t>> documents(blend.size());  // per dataset: sequence ids; Megatron calls them documents
     std::vector<GptIndicesSize> index_sizes;
-    for (size_t d = 0; d < blend.size(); ++d) {
-      Component comp;
-      comp.data = std::make_unique<IndexedDataset>(blend[d].second);
-      comp.num_samples = sizes[d];
-      // Megatron's GPT splits and samples sequences, not documents (numel_low_level_dataset is
-      // sequence_lengths.shape[0]): they differ once a document is empty or holds several sequences.
-      const auto bounds = gpt_split_boundaries(c.split, comp.data->num_sequences());
-      for (int64_t seq = bounds[s]; seq < bounds[s + 1]; ++seq) documents[d].push_back(static_cast<int32_t>(seq));
-      if (documents[d].empty())
-        throw Error(kExitData, blend[d].second + ": split \"" + c.split + "\" leaves no sequences for the " +
-                                   kSplitNames[s] + " split (" + std::to_string(comp.data->num_sequences()) + " sequences)");
-      try {  // the message names the file and the split (empty documents can leave it without tokens)
-        comp.tokens_per_epoch = gpt_tokens_per_epoch(comp.data->sequence_lengths(), documents[d]);
-      } catch (const Error& e) {
-        throw Error(e.exit_code(), blend[d].second + ": the " + kSplitNames[s] + " split (split \"" + c.split + "\", " +
-                                       std::to_string(documents[d].size()) + " sequences): " + e.what());
-      }
-      index_sizes.push_back(gpt_indices_size(comp.data->sequence_lengths(), documents[d], c.max_target_length, sizes[d]));
-      components_.push_back(std::move(comp));
+    // Files only some ranks can open or split (a node without the mount, a relative dataset_path
+    // under another working directory): every rank learns it at the first vote, and all exit with
+    // such an error's code, instead of the others exiting 5 in that vote when the rank is gone.
+    std::optional<Error> failure;
+    try {
+      open_components(c, blend, sizes, s, documents, index_sizes);
+    } catch (const Error& e) {
+      failure = e;
     }
+    const int64_t ranks_failing = sync_.vote ? sync_.vote(failure.has_value(), "opening the data files") : 0;
+    if (failure) throw *failure;
+    if (ranks_failing > 0)
+      throw Error(kExitData, "rank " + std::to_string(rank_) + ": " + std::to_string(ranks_failing) +
+                                 " other rank(s) could not open or split the " + kSplitNames[s] + " split's files of "
+                                 "dataset_path (their messages say why): every rank must read the same files");
     if (!c.allow_memory_overcommit) index_memory_check(blend, index_sizes, split);
     for (size_t d = 0; d < blend.size(); ++d)
       components_[d].indices = cached_indices(c, *components_[d].data, documents[d], s, d, components_[d].num_samples);
@@ -317,6 +313,32 @@ class MegatronSource : public SampleSource {
 
  private:
   static inline const std::vector<std::string> kSplitNames = {"train", "valid", "test"};
+
+  // Opens each prefix of the blend and takes its split: this rank's work alone (no collective).
+  void open_components(const Config& c, const std::vector<std::pair<double, std::string>>& blend,
+                       const std::vector<int64_t>& sizes, int s, std::vector<std::vector<int32_t>>& documents,
+                       std::vector<GptIndicesSize>& index_sizes) {
+    for (size_t d = 0; d < blend.size(); ++d) {
+      Component comp;
+      comp.data = std::make_unique<IndexedDataset>(blend[d].second);
+      comp.num_samples = sizes[d];
+      // Megatron's GPT splits and samples sequences, not documents (numel_low_level_dataset is
+      // sequence_lengths.shape[0]): they differ once a document is empty or holds several sequences.
+      const auto bounds = gpt_split_boundaries(c.split, comp.data->num_sequences());
+      for (int64_t seq = bounds[s]; seq < bounds[s + 1]; ++seq) documents[d].push_back(static_cast<int32_t>(seq));
+      if (documents[d].empty())
+        throw Error(kExitData, blend[d].second + ": split \"" + c.split + "\" leaves no sequences for the " +
+                                   kSplitNames[s] + " split (" + std::to_string(comp.data->num_sequences()) + " sequences)");
+      try {  // the message names the file and the split (empty documents can leave it without tokens)
+        comp.tokens_per_epoch = gpt_tokens_per_epoch(comp.data->sequence_lengths(), documents[d]);
+      } catch (const Error& e) {
+        throw Error(e.exit_code(), blend[d].second + ": the " + kSplitNames[s] + " split (split \"" + c.split + "\", " +
+                                       std::to_string(documents[d].size()) + " sequences): " + e.what());
+      }
+      index_sizes.push_back(gpt_indices_size(comp.data->sequence_lengths(), documents[d], c.max_target_length, sizes[d]));
+      components_.push_back(std::move(comp));
+    }
+  }
 
   // The index arrays (and a blend's two arrays) live in host memory on every rank: a run whose
   // arrays cannot fit (steps=1000000000 asks for hundreds of GiB) stops here with exit 2 instead
