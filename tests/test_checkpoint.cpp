@@ -838,10 +838,11 @@ TEST_CASE("load_parameters_path starts from exported weights with a fresh optimi
   Trainer src(tiny_config({"run_name=weights-src", "base_output_directory=" + kOut}));
   CHECK(src.load_initial_state(Trainer::StartingFor::kExport) == 3);
   CHECK(torch::equal(t.flat_params(), src.flat_params()));
-  // A file that is not safetensors is a clear error (exit code 2).
+  // A file that is not safetensors is input data it cannot read: exit 3 naming it, as a damaged
+  // checkpoint directory (it was 2).
   std::ofstream(kOut + "/bogus.safetensors") << "nonsense";
   const auto r = run_trainer(base + "steps=1 run_name=weights-bogus load_parameters_path=" + kOut + "/bogus.safetensors");
-  CHECK(r.exit_code == 2);
+  CHECK(r.exit_code == 3);
   CHECK_THAT(r.output, Catch::Contains("bogus.safetensors"));
   // A NaN weight: exit 3 naming the file and the tensor, read whole or one tensor at a time (it
   // used to surface only as a NaN loss at step 0, naming nothing).

@@ -796,7 +796,8 @@ TEST_CASE("ranks meet per index file: rank 0 announces it, the others read it or
     CHECK_THAT(e.what(), Catch::Contains("rank 1 reads other data than rank 0 for the train split, dataset 0") &&
                              Catch::Contains(fs::path(files[0]).filename().string() + " here and sync-00000000.gptidx on rank 0"));
   }
-  CHECK(agreement_votes == std::vector<std::pair<std::string, bool>>{{"the data index memory check", false},
+  CHECK(agreement_votes == std::vector<std::pair<std::string, bool>>{{"opening the data files", false},
+                                                                      {"the data index memory check", false},
                                                                       {"the data index agreement", true}});
   // Rank 0 hears the vote: rank 1 differs (it used to see only rank 1 die in its next collective).
   agreement_votes.clear();
@@ -809,7 +810,8 @@ TEST_CASE("ranks meet per index file: rank 0 announces it, the others read it or
     CHECK(e.exit_code() == kExitData);
     CHECK_THAT(e.what(), Catch::Contains("rank 0: 1 rank(s) read other data than rank 0 for the train split, dataset 0"));
   }
-  CHECK(agreement_votes == std::vector<std::pair<std::string, bool>>{{"the data index memory check", false},
+  CHECK(agreement_votes == std::vector<std::pair<std::string, bool>>{{"opening the data files", false},
+                                                                      {"the data index memory check", false},
                                                                       {"the data index agreement", false}});
   CHECK(uncached.data_loader_sample(4).inputs == built.data_loader_sample(4).inputs);
 
@@ -831,6 +833,7 @@ TEST_CASE("ranks meet per index file: rank 0 announces it, the others read it or
   fs::remove_all(kDir + "/cache-sync");
   std::vector<bool> votes;
   DataIndexSync other_rank_short{{}, [&](bool does_not_fit, const std::string& what) {
+                                   if (what == "opening the data files") return int64_t{0};
                                    CHECK(what == "the data index memory check");
                                    votes.push_back(does_not_fit);
                                    return int64_t{1};
@@ -843,6 +846,21 @@ TEST_CASE("ranks meet per index file: rank 0 announces it, the others read it or
     CHECK_THAT(e.what(), Catch::Contains("the train split's data index arrays do not fit in host memory on 1 other rank(s)"));
   }
   CHECK(votes == std::vector<bool>{false});
+  CHECK_FALSE(fs::exists(kDir + "/cache-sync"));
+
+  // Files another rank could not open: this rank, which opened them, exits 3 at the first vote.
+  DataIndexSync other_rank_cannot_open{{}, [&](bool mine, const std::string& what) {
+                                         CHECK(what == "opening the data files");
+                                         CHECK_FALSE(mine);
+                                         return int64_t{1};
+                                       }};
+  try {
+    DataLoader(c, 0, other_rank_cannot_open);
+    FAIL("expected the vote's error");
+  } catch (const Error& e) {
+    CHECK(e.exit_code() == kExitData);
+    CHECK_THAT(e.what(), Catch::Contains("rank 0: 1 other rank(s) could not open or split the train split's files of dataset_path"));
+  }
   CHECK_FALSE(fs::exists(kDir + "/cache-sync"));
 }
 
