@@ -19,7 +19,11 @@ int main(int argc, char** argv) {
   app.add_option("config", config_path)->required();
   app.add_option("overrides", overrides);
   app.add_option("--steps", steps, "optimizer steps of micro-batches to produce");
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? trainer::kExitOk : trainer::kExitUsage;  // usage errors exit 2 (DESIGN section 11)
+  }
   try {
     const trainer::Config c = trainer::config_load(config_path, overrides);
     const auto build_start = std::chrono::steady_clock::now();

@@ -203,9 +203,9 @@ void command_line_declare(CLI::App& app, CommandLine& cl) {
   app.add_option("config", cl.config_path, "base config file, e.g. configs/base.yml")->required();
   app.add_option("overrides", cl.overrides, "key=value overrides (YAML scalars)");
   app.add_flag("--print-config", cl.print_config, "print the resolved config and exit");
-  app.add_flag("--dry-run", cl.dry_run, "validate, print parameter count and FLOPs per step, exit");
+  app.add_flag("--dry-run", cl.dry_run, "validate, print parameter count, FLOPs per step and the memory plan, exit");
   app.add_option("--dump-samples", cl.dump_samples,
-                 "write the first N training samples in global order as JSON lines {\"index\", \"tokens\"} and exit")
+                 "write the first N training samples in global order as JSON lines {\"index\", \"tokens\", \"loss_mask\"} and exit")
       ->check(CLI::Validator(
           [](std::string& text) -> std::string {  // CLI11 read a number past 2^63 - 1 as 2^63 - 1
             int64_t count = 0;
@@ -220,7 +220,7 @@ void command_line_declare(CLI::App& app, CommandLine& cl) {
                  "write those weights as a Hugging Face model directory DIR (config.json, safetensors) and exit");
   app.add_option("--export-hf-dtype", cl.export_hf_dtype, "dtype of the exported tensors")
       ->check(CLI::IsMember({"float32", "bfloat16"}));
-  app.add_option("--export-hf-max-shard-mb", cl.export_hf_max_shard_mb, "largest safetensors file of --export-hf (MB)")
+  app.add_option("--export-hf-max-shard-mb", cl.export_hf_max_shard_mb, "largest safetensors file of --export-hf (MiB)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));  // shifted to bytes below: no overflow
   app.add_option("--dump-logits", cl.dump_logits_path,
                  "write the model's fp32 logits for --dump-logits-tokens to PATH (safetensors) and exit");

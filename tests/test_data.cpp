@@ -1117,6 +1117,13 @@ TEST_CASE("merge_datasets as Megatron: a directory's pairs in sorted order equal
   CHECK(merge(kDir + "/no-such-input", kDir + "/merged-none").exit_code == 2);
 }
 
+TEST_CASE("bench_data: usage errors exit 2, as every tool", "[data][cli]") {
+  // CLI11_PARSE exited with CLI11's own codes (106 for a missing argument, 104 for a bad number).
+  CHECK(run_command(std::string(BENCH_DATA_BINARY)).exit_code == 2);
+  CHECK(run_command(std::string(BENCH_DATA_BINARY) + " " + source_path("configs/base.yml") + " --steps x").exit_code == 2);
+  CHECK(run_command(std::string(BENCH_DATA_BINARY) + " --help").exit_code == 0);
+}
+
 TEST_CASE("preprocess_data as Megatron: lines end at LF, CRLF or a lone CR (Python's universal newlines)", "[data][cli]") {
   // Megatron reads the input in text mode, where each of the three ends a line; a lone "\r" (old
   // Mac files) made the whole file one line, which failed to parse.
