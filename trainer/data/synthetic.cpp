@@ -1,4 +1,5 @@
-// Synthetic data and the global sample order (see data.h).
+// Synthetic data, the global sample order, the DataLoader over a sample source and its prefetch
+// thread (see data.h).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
