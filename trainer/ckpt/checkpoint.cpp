@@ -292,6 +292,10 @@ void write_checkpoint_shard(const std::string& checkpoints_dir, const Checkpoint
 
 std::string checkpoint_hash_text(const std::string& text) { return hex32(crc32c_update(0, text.data(), text.size())); }
 
+std::string checkpoint_manifest_hash(const std::string& checkpoint_dir) {
+  return checkpoint_hash_text(read_text(fs::path(checkpoint_dir) / "manifest.json"));
+}
+
 std::string checkpoint_shard_file_name(const std::string& stem, int64_t index, int64_t count, const std::string& suffix) {
   char name[64];
   std::snprintf(name, sizeof name, "-%05lld-of-%05lld", static_cast<long long>(index + 1), static_cast<long long>(count));

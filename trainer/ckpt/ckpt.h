@@ -92,6 +92,10 @@ std::string checkpoint_shard_file_name(const std::string& stem, int64_t index, i
 // CRC32C of the text as 8 hex digits.
 std::string checkpoint_hash_text(const std::string& text);
 
+// CRC32C of a checkpoint directory's manifest.json (which lists every file's): tells two copies
+// of a checkpoint under one path apart.
+std::string checkpoint_manifest_hash(const std::string& checkpoint_dir);
+
 // The newest checkpoint under `checkpoints_dir` whose manifest verifies; a corrupted or
 // incomplete newer one is reported with a warning and skipped. nullopt if there is none.
 std::optional<std::string> checkpoint_find_latest(const std::string& checkpoints_dir);

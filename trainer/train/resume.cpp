@@ -422,12 +422,7 @@ std::optional<std::string> Trainer::agree_on_latest_checkpoint() {
   // The path and the manifest's checksum (which covers every file's): two copies of a run
   // directory can hold different checkpoints under one step.
   std::string mine;
-  if (own) {
-    std::ifstream manifest(std::filesystem::path(*own) / "manifest.json", std::ios::binary);
-    std::ostringstream text;
-    text << manifest.rdbuf();
-    mine = *own + " (manifest.json checksum " + checkpoint_hash_text(text.str()) + ")";
-  }
+  if (own) mine = *own + " (manifest.json checksum " + checkpoint_manifest_hash(*own) + ")";
   const std::string rank0 = comm_->broadcast_string("checkpoint to resume", mine);
   const int64_t differing = ranks_reporting(mine != rank0, *comm_, "the checkpoint agreement");
   const auto described = [](const std::string& dir) { return dir.empty() ? std::string("none (a fresh start)") : dir; };

@@ -648,35 +648,36 @@ void Trainer::train() {
     flush(Clock::now());
     // No checkpoint ahead of metrics a rank failed to write (a sharded save would go on without it).
     share_own_failure("before checkpoint " + std::to_string(completed_steps));
-    if (!checkpointer_ && !snapshot_is_collective()) return;
-    checkpoint_commit(/*block=*/true, /*fatal=*/false);  // the previous sharded save comes first
+    const auto log_blocked = [&](Clock::time_point begin) {
+      spdlog::info("checkpoint {}: training blocked for {:.3f} s ({})", completed_steps,
+                   std::chrono::duration<double>(Clock::now() - begin).count(), async ? "async" : "sync");
+    };
+    if (sharded_checkpoints()) {  // every rank saves and commits: a failed shard is the commit's to report
+      checkpoint_commit(/*block=*/true, /*fatal=*/false);  // the previous save comes first
+      const auto begin = Clock::now();
+      checkpointer_->save(snapshot(completed_steps), async);
+      if (!async) checkpoint_commit(/*block=*/true, /*fatal=*/true);
+      return log_blocked(begin);
+    }
     // So does the previous unsharded one: its snapshot and this one were both held (twice the
     // memory plan's snapshot) when checkpoint_period outran the disk.
-    if (checkpointer_ && !sharded_checkpoints())
+    if (checkpointer_)
       if (const std::string error = checkpointer_->wait(); !error.empty()) spdlog::error("{}", error);
     const auto begin = Clock::now();
-    auto contents = snapshot(completed_steps);
-    if (!checkpointer_) return;
-    if (sharded_checkpoints()) {  // every rank saves and commits: a failed shard is the commit's to report
-      checkpointer_->save(std::move(contents), async);
-      if (!async) checkpoint_commit(/*block=*/true, /*fatal=*/true);
-    } else {
-      own_work([&] { checkpointer_->save(std::move(contents), async); });
-      if (own_failure) return;
+    if (checkpointer_ || snapshot_is_collective()) {
+      auto contents = snapshot(completed_steps);
+      if (checkpointer_) {
+        own_work([&] { checkpointer_->save(std::move(contents), async); });
+        if (!own_failure) log_blocked(begin);
+      }
     }
-    spdlog::info("checkpoint {}: training blocked for {:.3f} s ({})", completed_steps,
-                 std::chrono::duration<double>(Clock::now() - begin).count(), async ? "async" : "sync");
+    // This blocks rank 0 alone (the write, or the previous save's), for longer than
+    // collective_timeout_seconds with a large model: the other ranks wait for it here, not in their
+    // next collective (where they would exit 5 as if rank 0 had died).
+    comm_->wait_for_rank0("checkpoint " + std::to_string(completed_steps) + " handed to the writer",
+                          "saving checkpoint " + std::to_string(completed_steps));
   };
-  // An unsharded save blocks rank 0 alone (the write, or the previous save's), for longer than
-  // collective_timeout_seconds with a large model: the other ranks wait for it here, not in their
-  // next collective (where they would exit 5 as if rank 0 had died).
-  auto save_and_wait = [&](int64_t completed_steps, bool async) {
-    save(completed_steps, async);
-    if (!sharded_checkpoints())
-      comm_->wait_for_rank0("checkpoint " + std::to_string(completed_steps) + " handed to the writer",
-                            "saving checkpoint " + std::to_string(completed_steps));
-  };
-  if (c.enable_checkpointing && c.save_checkpoint_on_start && start_step == 0) save_and_wait(0, c.async_checkpointing);
+  if (c.enable_checkpointing && c.save_checkpoint_on_start && start_step == 0) save(0, c.async_checkpointing);
   prefetcher_ = std::make_unique<DataPrefetcher>(data_, start_step, c.steps, c.gradient_accumulation_steps,
                                                  static_cast<size_t>(2 * c.gradient_accumulation_steps));
   // Megatron's validation schedule: evaluation g (0-based) reads global batches
@@ -719,7 +720,7 @@ void Trainer::train() {
     const bool final_step = completed == c.steps || signal != 0;
     if (c.enable_checkpointing &&
         (completed % c.checkpoint_period == 0 || (final_step && (c.save_checkpoint_on_completion || signal))))
-      save_and_wait(completed, c.async_checkpointing && !final_step);
+      save(completed, c.async_checkpointing && !final_step);
     checkpoint_commit(/*block=*/false, /*fatal=*/false);  // a sharded save whose writes have all ended
     if (signal != 0) {
       flush(Clock::now());
