@@ -205,6 +205,20 @@ TEST_CASE("config errors name the key and exit with code 2", "[config]") {
     }
     CHECK_NOTHROW(config_load(source_path("configs/base.yml"), {"dataset_type=megatron", "reset_attention_mask=true"}, {}));
   }
+  SECTION("a renormalized single sigmoid score (every weight routed_scaling_factor; Megatron and Ling do not renormalize it)") {
+    const Error e = load_error({"model_name=ling-mini-tiny", "pad_id=0", "eod_id=-1", "num_experts_per_tok=1",
+                                "n_routing_groups=-1", "topk_routing_group=-1", "override_model_config=true"});
+    CHECK(e.exit_code() == kExitUsage);
+    CHECK_THAT(e.what(), Catch::Contains("norm_topk_prob=true with routed_score_func=sigmoid and num_experts_per_tok=1") &&
+                             Catch::Contains("set norm_topk_prob=false"));
+    CHECK_NOTHROW(config_load(source_path("configs/base.yml"), {"model_name=ling-mini-tiny", "pad_id=0", "eod_id=-1",
+                                                                "num_experts_per_tok=1", "n_routing_groups=-1", "topk_routing_group=-1",
+                                                                "override_model_config=true", "norm_topk_prob=false"}, {}));
+    // Softmax renormalized over one expert is 1 in Megatron too (softmax of the top-k logits).
+    CHECK_NOTHROW(config_load(source_path("configs/base.yml"), {"model_name=moe-tiny", "pad_id=0", "eod_id=-1",
+                                                                "num_experts_per_tok=1", "norm_topk_prob=true",
+                                                                "override_model_config=true"}, {}));
+  }
   SECTION("a real value past float32's range (routed_scaling_factor=1e40 ended step 0 as a numerical abort)") {
     const Error e = load_error({"model_name=moe-tiny", "routed_scaling_factor=1e40"});
     CHECK(e.exit_code() == kExitUsage);

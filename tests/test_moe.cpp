@@ -404,7 +404,7 @@ TEST_CASE("MTP counts the sample's last token as Megatron does, unless an EOD un
   }
 }
 
-TEST_CASE("expert bias moves toward underloaded experts, from averaged counts", "[moe]") {
+TEST_CASE("expert bias moves toward underloaded experts, from the step's counts whatever K", "[moe]") {
   const auto base = moe_opts({"routed_bias=true", "routed_bias_update_rate=0.01", "routed_score_func=sigmoid"});
   auto a_opts = base, b_opts = base;
   a_opts.insert(a_opts.end(), {"gradient_accumulation_steps=4", "per_device_batch_size=1"});
@@ -417,13 +417,39 @@ TEST_CASE("expert bias moves toward underloaded experts, from averaged counts", 
   for (size_t l = 0; l < layers4.size(); ++l) {
     const auto bias = layers4[l]->gate->e_score_correction_bias;
     CHECK(torch::equal(bias, layers1[l]->gate->e_score_correction_bias));  // K does not scale it
-    const auto load = a.expert_load[static_cast<int64_t>(l)];
+    const auto load = a.expert_counts[static_cast<int64_t>(l)];
     const double mean = load.mean().item<double>();
     for (int64_t e = 0; e < bias.size(0); ++e) {
       const double expected = load[e].item<double>() < mean ? 0.01 : load[e].item<double>() > mean ? -0.01 : 0.0;
       CHECK(bias[e].item<double>() == Approx(expected).margin(1e-9));
     }
     CHECK(bias.abs().sum().item<double>() > 0);
+  }
+}
+
+TEST_CASE("expert bias: an expert exactly at the mean load stays put (the sign of summed counts, as Megatron)", "[moe]") {
+  // Megatron's get_updated_expert_bias takes sign(sum / E - count) on the counts summed over
+  // micro-batches and ranks. Counts divided by K x R = 3 first round, and their fp32 mean may
+  // miss the experts at the mean: they would move. Expected signs from integers here.
+  Trainer t(tiny_config(moe_opts({"routed_bias=true", "routed_bias_update_rate=0.01", "routed_score_func=sigmoid",
+                                  "routed_bias_zero_mean_update=false", "gradient_accumulation_steps=3",
+                                  "warmup_steps_fraction=0"})));
+  auto out = t.forward_backward(0);
+  REQUIRE(out.expert_counts.sizes() == torch::IntArrayRef({2, 8}));
+  const std::vector<std::vector<int64_t>> counts = {{4, 1, 7, 4, 4, 4, 4, 4}, {5, 2, 11, 5, 5, 5, 5, 2}};
+  out.expert_counts = torch::tensor({4, 1, 7, 4, 4, 4, 4, 4, 5, 2, 11, 5, 5, 5, 5, 2}, torch::kFloat32).view({2, 8});
+  t.optimizer_update(out);
+  REQUIRE_FALSE(out.step_skipped);
+  auto layers = t.model()->moe_layers();
+  for (size_t l = 0; l < 2; ++l) {
+    int64_t sum = 0;
+    for (const int64_t n : counts[l]) sum += n;
+    for (int64_t e = 0; e < 8; ++e) {
+      const int64_t below = sum - 8 * counts[l][static_cast<size_t>(e)];  // sign(mean - count)
+      const double expected = below > 0 ? 0.01 : below < 0 ? -0.01 : 0.0;
+      INFO("layer " << l << " expert " << e);
+      CHECK(layers[l]->gate->e_score_correction_bias[e].item<double>() == Approx(expected).margin(1e-9));
+    }
   }
 }
 
@@ -441,7 +467,7 @@ TEST_CASE("zero-mean expert-bias update: rate * (s - mean(s)) per layer, as Ling
     for (auto& layer : t.model()->moe_layers()) biases.push_back(layer->gate->e_score_correction_bias.clone());
     // moe/router_bias_mean: the updated biases' mean over experts and layers.
     CHECK(metric(t, out, "moe/router_bias_mean") == Approx(torch::stack(biases).to(torch::kFloat64).mean().item<double>()).margin(1e-12));
-    return std::pair{out.expert_load.clone(), biases};
+    return std::pair{out.expert_counts.clone(), biases};
   };
   const auto [load, centred] = run(true);
   const auto [plain_load, plain] = run(false);
@@ -465,7 +491,7 @@ TEST_CASE("dropless: every valid token reaches k experts, and routed experts get
   const MicroBatch b = t.data().data_loader_next(0, 0);
   double valid = 0;
   for (auto s : b.segment_ids) valid += s != 0;
-  const auto load = out.expert_load;  // (layers, E)
+  const auto load = out.expert_counts;  // (layers, E)
   for (int64_t l = 0; l < load.size(0); ++l) CHECK(load[l].sum().item<double>() == 2 * valid);
   auto layers = t.model()->moe_layers();
   int routed = 0;
@@ -543,8 +569,8 @@ TEST_CASE("Ling 2.0 MTP: a MoE block in the balancing statistics and bias update
   Trainer t(tiny_config({"model_name=ling-mini-tiny", "override_model_config=true", "routed_bias_update_rate=0.01",
                          "routed_bias_zero_mean_update=false", "per_device_batch_size=2", "warmup_steps_fraction=0"}));
   auto out = t.forward_backward(0);
-  REQUIRE(out.expert_load.size(0) == 3);
-  const auto load = out.expert_load[2].clone();
+  REQUIRE(out.expert_counts.size(0) == 3);
+  const auto load = out.expert_counts[2].clone();
   const auto bias_before = t.model()->moe_layers().at(2)->gate->e_score_correction_bias.clone();
   t.optimizer_update(out);
   REQUIRE_FALSE(out.step_skipped);
@@ -787,9 +813,9 @@ TEST_CASE("remat_policy full and minimal: the gradients, losses and MoE statisti
       if (variant.name == "moe+mtp") names.push_back("learning/mtp_loss");
       for (const auto& name : names)
         CHECK(metric(t, out, name) == Approx(metric(reference, expected, name)).epsilon(1e-6));
-      if (expected.expert_load.defined()) {
-        REQUIRE(out.expert_load.defined());
-        CHECK(torch::equal(out.expert_load, expected.expert_load));
+      if (expected.expert_counts.defined()) {
+        REQUIRE(out.expert_counts.defined());
+        CHECK(torch::equal(out.expert_counts, expected.expert_counts));
       }
       // The policy really acted: the recorded graph holds Recompute nodes, and under full far
       // fewer nodes (a block's internals are not recorded).
@@ -995,7 +1021,7 @@ TEST_CASE("a model with grouped dispatch trains as with the loop: gradients of a
       INFO("relative gradient difference " << relative_difference(grouped.flat_grads(), loop.flat_grads()));
       CHECK(relative_difference(grouped.flat_grads(), loop.flat_grads()) < 3e-6);
       CHECK(metric(grouped, a, "learning/loss") == Approx(metric(loop, b, "learning/loss")).epsilon(1e-6));
-      CHECK(torch::equal(a.expert_load, b.expert_load));
+      CHECK(torch::equal(a.expert_counts, b.expert_counts));
     }
 }
 

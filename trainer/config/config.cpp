@@ -346,6 +346,13 @@ std::vector<std::string> validation_errors(const Config& c) {
   }
   require(c.shared_experts >= 0, bad_value("shared_experts", "must be >= 0"));
   require(c.routed_scaling_factor > 0, bad_value("routed_scaling_factor", "must be > 0"));
+  // One renormalized sigmoid score is s / s = 1: every weight would be routed_scaling_factor and the
+  // loss would send the router no gradient through it. Megatron and Hugging Face's Ling
+  // (BailingMoeV2Gate) renormalize sigmoid weights only when top-k > 1.
+  require(!(c.num_experts > 1 && c.routed_score_func == "sigmoid" && c.num_experts_per_tok == 1 && c.norm_topk_prob),
+          "norm_topk_prob=true with routed_score_func=sigmoid and num_experts_per_tok=1 makes every routing weight "
+          "routed_scaling_factor (one score divided by itself); Megatron and Ling renormalize sigmoid weights only for "
+          "top-k > 1: set norm_topk_prob=false");
   require(!c.mtp_moe_mlp || (c.num_experts > 1 && c.mtp_num_layers > 0),
           "mtp_moe_mlp=true needs num_experts > 1 and mtp_num_layers > 0");
   if (c.n_routing_groups != -1 || c.topk_routing_group != -1) {

@@ -6,14 +6,16 @@
 //              with group-limited routing (n_routing_groups G, topk_routing_group g; DeepSeek-V3,
 //              Ling 2.0) the E experts form G groups of E/G, a group scores the sum of its two
 //              largest s + bias, and the top-k is taken only among the experts of the g best groups
-//   weights  = s_t[chosen_t], renormalized to sum 1 if norm_topk_prob, times routed_scaling_factor
+//   weights  = s_t[chosen_t], renormalized to sum 1 if norm_topk_prob (refused for one sigmoid
+//              score: s / s), times routed_scaling_factor
 //   y_t      = sum_{e in chosen_t} weight_{t,e} * Expert_e(x_t) + SharedExperts(x_t)
 // Load balancing (Switch/GShard form, normalized so a balanced router gives 1):
 //   f_e = count_e / (k N)       fraction of routed slots that went to expert e (no gradient)
 //   P_e = (1/N) sum_t p_{t,e}   mean routing probability, p = s / sum_e s (= s for softmax)
 //   LB  = E * sum_e f_e P_e
-// The loss that enters J is load_balance_loss_weight * mean over MoE layers of LB, plus
-// router_z_loss_weight * mean over layers of mean_t logsumexp(router_logits_t)^2 (see step.cpp).
+// The loss that enters J is load_balance_loss_weight * LB, plus router_z_loss_weight *
+// mean_t logsumexp(router_logits_t)^2, each the mean or the sum over MoE layers
+// (moe_aux_loss_over_layers; step.cpp).
 //
 // Dispatch (moe_dispatch): the N k (token, slot) pairs are sorted by expert once (a counting sort
 // on the host for CPU tensors, a stable device sort otherwise), every expert runs on its

@@ -277,21 +277,22 @@ void Trainer::optimizer_update(StepOutput& out) {
 
 // Aux-loss-free balancing (DeepSeek-V3): after an applied update, each MoE layer's selection
 // bias moves by routed_bias_update_rate toward balance: up for experts below the mean load, down
-// for those above. The load is the step's counts averaged over micro-batches, so K does not
-// scale the update. With routed_bias_zero_mean_update (Ling 2.0's Megatron patch,
+// for those above. The load is the step's token counts summed over micro-batches and ranks, the
+// sign taken as Megatron's get_updated_expert_bias takes it (fp32, sum / E - count): an expert
+// exactly at the mean stays put (counts divided by K x R first could round off the mean). With routed_bias_zero_mean_update (Ling 2.0's Megatron patch,
 // `--bias-zero-mean-update`) the signs are centred first, s - mean_e(s), so the layer's biases
 // keep a zero-sum drift: with more experts above the mean than below, plain signs would push every
 // bias down over time.
 void Trainer::update_expert_bias(StepOutput& out, bool apply) {
   const Config& c = config_;
-  if (!c.routed_bias || !out.expert_load.defined()) return;
+  if (!c.routed_bias || !out.expert_counts.defined()) return;
   auto layers = model_->moe_layers();
   std::vector<torch::Tensor> bias_means;  // 0-dim fp64 per MoE layer
   for (size_t i = 0; i < layers.size(); ++i) {
     auto& bias = layers[i]->gate->e_score_correction_bias;       // (E)
     if (apply && c.routed_bias_update_rate > 0) {
-      const auto load = out.expert_load[static_cast<int64_t>(i)];  // (E)
-      auto direction = torch::sign(load.mean() - load);             // (E) s
+      const auto counts = out.expert_counts[static_cast<int64_t>(i)];  // (E) fp32
+      auto direction = torch::sign(counts.sum() / static_cast<double>(counts.numel()) - counts);  // (E) s
       if (c.routed_bias_zero_mean_update) direction = direction - direction.mean();
       bias.add_(direction, c.routed_bias_update_rate);
     }

@@ -216,7 +216,7 @@ StepOutput Trainer::forward_backward(int64_t step) {
   auto ce_sum_acc = torch::zeros({}, f64), lb_unweighted_acc = torch::zeros({}, f64);
   auto router_z_unweighted_acc = torch::zeros({}, f64), router_probs_std_acc = torch::zeros({}, f64);
   auto mtp_depths_acc = torch::zeros({c.mtp_num_layers}, f64);
-  torch::Tensor expert_counts;  // (MoE layers, E): summed over micro-batches here, averaged below
+  torch::Tensor expert_counts;  // (MoE layers, E): summed over micro-batches here, then over ranks
   double W = 0;
 
   for (int64_t micro = 0; micro < K; ++micro) {
@@ -339,8 +339,7 @@ StepOutput Trainer::forward_backward(int64_t step) {
   out.megatron_z_loss = router_z_unweighted_acc * plain_mean;
   out.moe_router_probs_std = router_probs_std_acc * plain_mean;
   if (c.mtp_num_layers > 0) out.megatron_mtp_depth_losses = mtp_depths_acc * plain_mean;
-  // Expert load of the step: counts averaged over micro-batches and ranks, not summed.
-  if (expert_counts.defined()) out.expert_load = expert_counts / (static_cast<double>(K) * R);
+  out.expert_counts = expert_counts;  // summed: exact integers, as Megatron's bias update reads them
   if (sharded_state_) {
     out.raw_grad_norm = sharded_state_->norm(sharded_state_->grad_shard);
     if (c.log_num_zeros_in_grad) out.num_zeros = sharded_state_->count_zeros(sharded_state_->grad_shard);

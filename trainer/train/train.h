@@ -35,7 +35,7 @@ struct StepOutput {
   torch::Tensor lm_loss, z_loss, moe_lb_loss, mtp_loss, loss;
   torch::Tensor moe_router_z_loss;  // the router z-loss part of moe_lb_loss
   torch::Tensor mtp_loss_raw;       // mtp_loss before mtp_loss_scaling_factor
-  torch::Tensor expert_load;        // (MoE layers, E) fp32: tokens per expert, mean over micro-batches
+  torch::Tensor expert_counts;      // (MoE layers, E) fp32: tokens per expert, summed over micro-batches and ranks
   torch::Tensor moe_router_probs_std;  // fp64: router score std, mean over MoE layers, micro-batches, ranks
   torch::Tensor moe_router_bias_mean;  // fp64: the expert bias after the update, mean over experts and
                                        // MoE layers; undefined without routed_bias

@@ -375,9 +375,9 @@ MetricValues Trainer::read_metrics(const StepOutput& out) const {
                                         f64(out.megatron_z_loss)};
   const int64_t depths = out.megatron_mtp_depth_losses.defined() ? out.megatron_mtp_depth_losses.numel() : 0;
   for (int64_t k = 0; k < depths; ++k) scalars.push_back(out.megatron_mtp_depth_losses[k].to(torch::kFloat64));
-  const bool moe = out.expert_load.defined();
+  const bool moe = out.expert_counts.defined();
   if (moe) {  // imbalance: max over experts / mean over experts, averaged over MoE layers
-    const auto load = out.expert_load.to(torch::kFloat64);
+    const auto load = out.expert_counts.to(torch::kFloat64);
     scalars.push_back((std::get<0>(load.max(1)) / load.mean(1).clamp_min(1e-12)).mean());
     scalars.push_back(out.moe_router_probs_std.to(torch::kFloat64));
     if (out.moe_router_bias_mean.defined()) scalars.push_back(out.moe_router_bias_mean.to(torch::kFloat64));
