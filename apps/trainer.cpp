@@ -21,6 +21,7 @@
 
 #include "trainer/config/config.h"
 #include "trainer/data/data.h"
+#include "trainer/data/gpt_dataset.h"
 #include "trainer/metrics/perf_counters.h"
 #include "trainer/model/model_size.h"
 #include "trainer/dist/dist.h"
@@ -41,7 +42,12 @@ DryRunIndex dry_run_index(const trainer::Config& c) {
   if (c.dataset_type == "synthetic") return {};  // .bin/.idx: dataset_type megatron, or grain with mmap_npy
   DryRunIndex index;
   index.train_samples = static_cast<double>(c.steps) * static_cast<double>(c.global_batch_size);
-  index.valid_samples = c.eval_interval > 0 ? static_cast<double>(trainer::config_eval_samples(c, c.steps)) : 0.0;
+  // The validation split's, and the test split's eval_steps global batches where `split` gives
+  // it a weight (boundaries over 2^40 sequences: nonzero weights leave the test range nonempty).
+  const auto bounds = trainer::gpt_split_boundaries(c.split, int64_t{1} << 40);
+  const int64_t test_samples = bounds[3] > bounds[2] ? c.eval_steps * c.global_batch_size : 0;
+  index.valid_samples =
+      c.eval_interval > 0 ? static_cast<double>(trainer::config_eval_samples(c, c.steps) + test_samples) : 0.0;
   index.bytes = 24.0 * (index.train_samples + index.valid_samples);
   return index;
 }
@@ -104,7 +110,7 @@ void print_dry_run(const trainer::Config& c, const trainer::DistEnv& env) {
   const double index_bytes = index.bytes;
   if (index_bytes > 0) {
     const std::string valid_text =
-        index.valid_samples > 0 ? " and " + std::to_string(static_cast<int64_t>(index.valid_samples)) + " validation" : "";
+        index.valid_samples > 0 ? " and " + std::to_string(static_cast<int64_t>(index.valid_samples)) + " validation and test" : "";
     std::printf("data index arrays (host memory, every rank): at least %s for %.0f training%s samples (24 B each; "
                 "with the document index, checked against host memory when training starts)\n",
                 trainer::memory_bytes_text(index_bytes).c_str(), index.train_samples, valid_text.c_str());

@@ -714,6 +714,9 @@ TEST_CASE("SIGTERM during a long evaluation drops it, saves the step before it, 
   const auto latest = checkpoint_find_latest(dir + "/checkpoints");
   REQUIRE(latest.has_value());
   CHECK(fs::path(*latest).filename().string() == "3");
+  // The dropped evaluation's batches count as read (Megatron finishes it before it stops): the
+  // resume's next evaluation reads the ones after them. 1e9 global batches of 8 sequences.
+  CHECK_THAT(read_file(*latest + "/state.json"), Catch::Contains("\"consumed_valid_samples\": 8000000000,"));
 }
 
 TEST_CASE("a crash prints the signal and the native stack, and still dies of that signal", "[checkpoint][cli]") {

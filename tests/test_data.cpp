@@ -332,14 +332,15 @@ TEST_CASE("a run whose data index arrays cannot fit in host memory exits 2 at on
 TEST_CASE("the dry run counts the validation split's index arrays, and grain's mmap_npy data as Megatron's", "[data][cli]") {
   // Both used to say "fits" for runs that then exit 2 on the index memory check: the validation
   // split's samples were left out, and grain's line was missing. 10 steps of 8 sequences with
-  // eval_interval=1: 80 training and (10 / 1 + 1) x 1e10 x 8 = 8.8e11 validation samples.
+  // eval_interval=1: 80 training and (10 / 1 + 1) x 1e10 x 8 = 8.8e11 validation samples, and
+  // the test split's 1e10 x 8 = 8e10.
   const std::string base = "model_name=test-tiny pad_id=-1 eod_id=-1 per_device_batch_size=8 steps=10 --dry-run ";
   const auto eval = run_trainer("dataset_type=megatron " + base + "eval_interval=1 eval_steps=10000000000");
   INFO(eval.output);
   CHECK(eval.exit_code == 0);
-  CHECK_THAT(eval.output, Catch::Contains("data index arrays (host memory, every rank): at least 19669.53 GiB for 80 "
-                                          "training and 880000000000 validation samples") &&
-                              Catch::Contains("does NOT fit"));  // 24 B x 880000000080 = 19669.53 GiB
+  CHECK_THAT(eval.output, Catch::Contains("data index arrays (host memory, every rank): at least 21457.67 GiB for 80 "
+                                          "training and 960000000000 validation and test samples") &&
+                              Catch::Contains("does NOT fit"));  // 24 B x 960000000080 = 21457.67 GiB
   const auto grain = run_trainer("dataset_type=grain grain_file_type=mmap_npy " + base);
   INFO(grain.output);
   CHECK_THAT(grain.output, Catch::Contains("at least 0.0 MiB for 80 training samples"));
@@ -1426,6 +1427,10 @@ TEST_CASE("evaluation on the validation split: token-mean lm_loss and perplexity
   REQUIRE(r.exit_code == 0);
   CHECK_THAT(r.output, Catch::Contains("eval after step 2: lm_loss") && Catch::Contains("eval after step 5") &&
                           Catch::Contains("eval (after training) after step 5"));
+  // split 80,20,0: no test split, so no test evaluation after training (as Megatron), and it says so.
+  CHECK_THAT(r.output, Catch::Contains("no evaluation on the test split after training: " + kDir +
+                                       "/evalcorpus: split \"80,20,0\" leaves the test split no sequences (of 100)"));
+  CHECK_THAT(read_file(kDir + "/evalrun/metrics.jsonl"), !Catch::Contains("test/"));
   // As Megatron: one every eval_interval steps and one after training, each on the next
   // eval_steps global batches of the validation split (its (6 / 3 + 1) groups).
   std::vector<std::string> evals;
@@ -1440,12 +1445,12 @@ TEST_CASE("evaluation on the validation split: token-mean lm_loss and perplexity
   CHECK(json_metric(evals[0], "eval/total_weights") == 2 * 2 * 8);  // eval_steps x batch x L, no masks
   CHECK(json_metric(evals[1], "eval/perplexity") == Approx(std::exp(json_metric(evals[1], "eval/lm_loss"))));
 
-  // In process: evaluate(1) is the token mean of the CE over the second evaluation's batches,
+  // In process: the evaluation from global batch 2 is the token mean of the CE over those batches,
   // recomputed here from the model's logits on the validation samples.
   Trainer t(tiny_config({"dataset_type=megatron", "dataset_path=" + kDir + "/evalcorpus", "split=80,20,0", "pad_id=-1",
                          "eod_id=-1", "max_target_length=8", "per_device_batch_size=2", "gradient_accumulation_steps=2",
                          "steps=6", "eval_interval=3", "eval_steps=2", "data_cache_path=" + kDir + "/cache-eval"}));
-  const auto values = t.evaluate(1).value();
+  const auto values = t.evaluate(DataSplit::kValid, 2).value();
   const DataLoader valid(t.config(), 0, megatron_source(t.config(), DataSplit::kValid, (6 / 3 + 1) * 2 * 4));
   torch::NoGradGuard no_grad;
   double ce = 0, count = 0;
@@ -1484,6 +1489,19 @@ TEST_CASE("evaluation on the validation split: token-mean lm_loss and perplexity
   CHECK(empty.exit_code == 3);
   CHECK_THAT(empty.output, Catch::Contains(kDir + "/evalempty: the valid split (split \"80,20,0\", 20 sequences): "
                                            "the data split has 0 tokens; at least 2 are needed"));
+  // The same empty tail as the test split: only the test evaluation after training is lost, with
+  // the reason; the run trains and evaluates on its validation split.
+  const auto empty_test = run_trainer("dataset_type=megatron dataset_path=" + kDir + "/evalempty split=60,20,20 "
+                                      "model_name=test-tiny pad_id=-1 eod_id=-1 max_target_length=8 per_device_batch_size=2 "
+                                      "steps=6 eval_interval=3 data_cache_path=" + kDir + "/cache-eval base_output_directory=" +
+                                      kDir + " run_name=evalemptytest");
+  INFO(empty_test.output);
+  CHECK(empty_test.exit_code == 0);
+  CHECK_THAT(empty_test.output, Catch::Contains("no evaluation on the test split after training: " + kDir +
+                                                "/evalempty: the test split (split \"60,20,20\", 20 sequences): the data "
+                                                "split has 0 tokens"));
+  const std::string metrics = read_file(kDir + "/evalemptytest/metrics.jsonl");
+  CHECK_THAT(metrics, Catch::Contains("eval/lm_loss") && !Catch::Contains("test/"));
 }
 
 namespace {

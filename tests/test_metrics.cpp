@@ -192,17 +192,20 @@ TEST_CASE("TensorBoard: evaluations are written, and a resume marks its step so 
   // Exactly metrics.jsonl, evaluation lines included, in its order.
   const auto lines = read_lines(kOut + "/tb-resume/metrics.jsonl");
   REQUIRE(shown.size() == lines.size());
-  int evaluations = 0;
+  int evaluations = 0, tests = 0;
   for (size_t i = 0; i < lines.size(); ++i) {
     INFO(lines[i]);
     CHECK(shown[i].step == static_cast<int64_t>(json_metric(lines[i], "step")));
     const bool eval = lines[i].find("\"eval/lm_loss\"") != std::string::npos;
+    const bool test = lines[i].find("\"test/lm_loss\"") != std::string::npos;
     evaluations += eval;
-    const char* name = eval ? "eval/lm_loss" : "learning/loss";
+    tests += test;
+    const char* name = eval ? "eval/lm_loss" : test ? "test/lm_loss" : "learning/loss";
     REQUIRE(shown[i].scalars.count(name) == 1);
     CHECK(shown[i].scalars.at(name) == static_cast<float>(json_metric(lines[i], name)));
   }
   CHECK(evaluations == 3);  // after steps 1 and 3, and the final one after step 4
+  CHECK(tests == 1);        // the test split's, after that
 }
 
 TEST_CASE("TensorBoard writers of the same second get names that sort in the order they were made", "[metrics]") {
@@ -337,7 +340,7 @@ TEST_CASE("Megatron line: each label and number formatted as Megatron-LM's train
   CHECK_THAT(applied_line, !Catch::Contains("lm loss") && Catch::Contains("global batch size:     8 | loss scale: 1.0 |"));
 }
 
-TEST_CASE("Megatron format: validation blocks every eval_interval and after training, that one after the final checkpoint", "[metrics][cli]") {
+TEST_CASE("Megatron format: validation blocks every eval_interval and after training, that one after the final checkpoint, then the test split's", "[metrics][cli]") {
   fs::remove_all(kOut + "/megatron-eval");
   const auto r = run_trainer("model_name=test-tiny max_target_length=16 steps=4 log_period=2 log_format=megatron "
                              "eval_interval=2 eval_steps=2 per_device_batch_size=2 base_output_directory=" + kOut +
@@ -352,21 +355,89 @@ TEST_CASE("Megatron format: validation blocks every eval_interval and after trai
   for (size_t g = 0; g < 3; ++g) {
     CHECK(json_metric(evals[g], "eval/group") == static_cast<double>(g));
     const double ce = json_metric(evals[g], "eval/lm_loss") - json_metric(evals[g], "eval/z_loss");
-    const std::string block = megatron_validation_block(g < 2 ? 2 * (g + 1) : 4, ce, g == 2);
+    const std::string block = megatron_validation_block(g < 2 ? 2 * (g + 1) : 4, ce, g == 2 ? EvalPhase::kValidAfterTraining : EvalPhase::kInLoop);
     const size_t at = r.output.find(block);
     REQUIRE(at != std::string::npos);
     CHECK(at >= previous);
     previous = at;
   }
-  // Megatron's verbose lines, once, for the evaluation after training, which follows the final
-  // checkpoint (a stop signal during it loses nothing).
-  const size_t verbose = r.output.find("Evaluating on 4 samples\nEvaluating iter 1/2\nEvaluating iter 2/2\n");
+  // Megatron's verbose lines for the evaluations after training (validation, then test), which
+  // follow the final checkpoint (a stop signal during them loses nothing).
+  const std::string verbose_lines = "Evaluating on 4 samples\nEvaluating iter 1/2\nEvaluating iter 2/2\n";
+  const size_t verbose = r.output.find(verbose_lines);
   REQUIRE(verbose != std::string::npos);
-  CHECK(r.output.find("Evaluating on", verbose + 1) == std::string::npos);
+  const size_t test_verbose = r.output.find(verbose_lines, verbose + 1);
+  REQUIRE(test_verbose != std::string::npos);
+  CHECK(r.output.find("Evaluating on", test_verbose + 1) == std::string::npos);
   const size_t saved = r.output.find("checkpoints/4 in ");
   REQUIRE(saved != std::string::npos);
   CHECK(saved < verbose);
   CHECK(verbose < r.output.find("on validation set"));
+  // Then the test split's evaluation (synthetic data has one; Megatron's when `split` gives it
+  // sequences): Megatron's "on test set" block, its loss the test/ line of the metrics file.
+  std::vector<std::string> tests;
+  for (const auto& line : read_lines(kOut + "/megatron-eval/metrics.jsonl"))
+    if (line.find("test/lm_loss") != std::string::npos) tests.push_back(line);
+  REQUIRE(tests.size() == 1);
+  CHECK(json_metric(tests[0], "step") == 3);
+  CHECK(json_metric(tests[0], "test/total_weights") > 32);  // of eval_steps x batch x L = 64 targets, EOD masked
+  CHECK(json_metric(tests[0], "test/total_weights") <= 2 * 2 * 16);
+  const double test_ce = json_metric(tests[0], "test/lm_loss") - json_metric(tests[0], "test/z_loss");
+  CHECK(test_ce != json_metric(evals[2], "eval/lm_loss") - json_metric(evals[2], "eval/z_loss"));
+  const size_t test_block = r.output.find(megatron_validation_block(4, test_ce, EvalPhase::kTestAfterTraining));
+  REQUIRE(test_block != std::string::npos);
+  CHECK(test_block > test_verbose);
+  CHECK(test_verbose > r.output.find("on validation set"));
+}
+
+TEST_CASE("a resume evaluates from its checkpoint's validation position (Megatron's consumed_valid_samples), whatever eval_interval is now", "[metrics][cli][checkpoint]") {
+  // learning_rate=0 keeps the weights at their initial values, so an evaluation's loss names the
+  // validation batch it read. Reference: eval_interval=2 over 8 steps reads batches 0, 1, 2, 3 after
+  // steps 2, 4, 6, 8 and batch 4 after training. The other run: 4 steps at eval_interval=2 (batches
+  // 0 and 1 before checkpoint 4), resumed to 8 steps at eval_interval=4: Megatron continues at
+  // batch 2 after step 8 and batch 3 after training (recomputing the position from the step and
+  // the new interval gave batch 1 again).
+  const std::string common = "model_name=test-tiny max_target_length=16 per_device_batch_size=2 learning_rate=0 "
+                             "eval_steps=1 base_output_directory=" + kOut;
+  const auto eval_lines = [](const std::string& run) {
+    std::vector<std::string> evals;
+    for (const auto& line : read_lines(kOut + "/" + run + "/metrics.jsonl"))
+      if (line.find("eval/lm_loss") != std::string::npos) evals.push_back(line);
+    return evals;
+  };
+  fs::remove_all(kOut + "/valpos-ref");
+  fs::remove_all(kOut + "/valpos");
+  const auto ref = run_trainer(common + " run_name=valpos-ref steps=8 eval_interval=2");
+  INFO(ref.output);
+  REQUIRE(ref.exit_code == 0);
+  const auto first = run_trainer(common + " run_name=valpos steps=4 eval_interval=2");
+  INFO(first.output);
+  REQUIRE(first.exit_code == 0);
+  CHECK_THAT(read_file(kOut + "/valpos/checkpoints/4/state.json"), Catch::Contains("\"consumed_valid_samples\": 4"));
+  const auto resumed = run_trainer(common + " run_name=valpos steps=8 eval_interval=4");
+  INFO(resumed.output);
+  REQUIRE(resumed.exit_code == 0);
+  const auto a = eval_lines("valpos-ref"), b = eval_lines("valpos");
+  REQUIRE(a.size() == 5);
+  REQUIRE(b.size() == 5);  // 2 + after training, then 1 + after training
+  for (size_t i = 0; i < 5; ++i) CHECK(json_metric(a[i], "eval/group") == static_cast<double>(i));
+  CHECK(json_metric(a[1], "eval/lm_loss") != json_metric(a[2], "eval/lm_loss"));  // the batches tell apart
+  CHECK(json_metric(b[0], "eval/lm_loss") == json_metric(a[0], "eval/lm_loss"));
+  CHECK(json_metric(b[1], "eval/lm_loss") == json_metric(a[1], "eval/lm_loss"));
+  CHECK(json_metric(b[3], "step") == 7);
+  CHECK(json_metric(b[3], "eval/group") == 2);
+  CHECK(json_metric(b[3], "eval/consumed_samples") == 6);
+  CHECK(json_metric(b[3], "eval/lm_loss") == json_metric(a[2], "eval/lm_loss"));
+  CHECK(json_metric(b[4], "eval/lm_loss") == json_metric(a[3], "eval/lm_loss"));
+  CHECK_THAT(read_file(kOut + "/valpos/checkpoints/8/state.json"), Catch::Contains("\"consumed_valid_samples\": 6"));
+  // The test split's evaluation reads its first batch after either run: the same loss.
+  const auto test_loss = [](const std::string& run) {
+    for (const auto& line : read_lines(kOut + "/" + run + "/metrics.jsonl"))
+      if (line.find("test/lm_loss") != std::string::npos) return json_metric(line, "test/lm_loss");
+    return -1.0;
+  };
+  CHECK(test_loss("valpos") > 0);
+  CHECK(test_loss("valpos") == test_loss("valpos-ref"));
 }
 
 TEST_CASE("Megatron validation block: Megatron-LM's evaluate_and_print_results, rules and all", "[metrics]") {
@@ -376,11 +447,11 @@ TEST_CASE("Megatron validation block: Megatron-LM's evaluate_and_print_results, 
   //   print('-' * (len(string) + 1)); print(string); print('-' * (len(string) + 1))
   // with prefix 'iteration N' in the loop and 'iteration N on validation set' after training.
   const std::string in_loop = " validation loss at iteration 20 | lm loss value: 4.400000E+00 | lm loss PPL: 8.145087E+01 | ";
-  CHECK(megatron_validation_block(20, 4.4, false) ==
+  CHECK(megatron_validation_block(20, 4.4, EvalPhase::kInLoop) ==
         std::string(in_loop.size() + 1, '-') + "\n" + in_loop + "\n" + std::string(in_loop.size() + 1, '-') + "\n");
   const std::string after = " validation loss at iteration 7 on validation set | lm loss value: 2.500000E+01 | "
                             "lm loss PPL: 4.851652E+08 | ";  // exp(min(20, 25))
-  CHECK(megatron_validation_block(7, 25.0, true) ==
+  CHECK(megatron_validation_block(7, 25.0, EvalPhase::kValidAfterTraining) ==
         std::string(after.size() + 1, '-') + "\n" + after + "\n" + std::string(after.size() + 1, '-') + "\n");
 }
 

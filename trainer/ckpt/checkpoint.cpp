@@ -103,6 +103,7 @@ std::string state_to_json(const CheckpointState& s) {
   j["updates_applied"] = s.updates_applied;
   j["consumed_samples"] = s.consumed_samples;
   j["data"] = {{"type", "global_sample_index"}, {"consumed_samples", s.consumed_samples}};
+  if (s.consumed_valid_samples >= 0) j["consumed_valid_samples"] = s.consumed_valid_samples;
   j["spike_guard"] = {{"losses", s.spike_losses}, {"grad_norms", s.spike_grad_norms}};
   j["rng"] = {{"torch_cpu", s.cpu_rng_state}};
   j["lr_schedule"] = {{"updates_applied", s.updates_applied}};
@@ -146,6 +147,10 @@ CheckpointState state_from_json(const std::string& text, const std::string& path
     s.updates_applied = integer(j, "updates_applied");
     s.consumed_samples = integer(j, "consumed_samples");
     s.world_size = integer(j, "world_size");
+    if (j.contains("consumed_valid_samples")) {
+      s.consumed_valid_samples = integer(j, "consumed_valid_samples");
+      if (s.consumed_valid_samples < 0) throw malformed("consumed_valid_samples is negative");
+    }
     const auto& spike = member(j, "spike_guard", "spike_guard");
     try {
       s.spike_losses = member(spike, "losses", "spike_guard.losses").get<std::vector<double>>();

@@ -29,6 +29,9 @@ struct CheckpointState {
   int64_t step = 0;             // optimizer steps completed; training resumes at this step index
   int64_t updates_applied = 0;  // AdamW step count and LR schedule position (skipped steps excluded)
   int64_t consumed_samples = 0; // data position: global samples consumed (step * global_batch_size)
+  // Validation position: samples the evaluations so far read (Megatron's consumed_valid_samples);
+  // -1 when state.json has none (written before it was recorded).
+  int64_t consumed_valid_samples = -1;
   std::vector<double> spike_losses, spike_grad_norms;  // spike-guard window
   std::string cpu_rng_state;    // LibTorch default CPU generator state, hex
   int64_t world_size = 1;

@@ -90,6 +90,10 @@ struct DataIndexSync {
 // `ranks_on_host` processes of this machine each hold the index arrays (the memory check).
 std::unique_ptr<SampleSource> megatron_source(const Config& config, DataSplit split, int64_t num_samples,
                                               int64_t rank = 0, const DataIndexSync& sync = {}, int64_t ranks_on_host = 1);
+// Why dataset_path's `split` part is empty ("<prefix>: split \"969,30,1\" leaves ... no sequences"
+// for the first file where it is), or "" when every file has sequences in it. Megatron builds no
+// dataset for an empty split (and skips its evaluation: the test split's after training).
+std::string megatron_split_empty(const Config& config, DataSplit split);
 
 // Global sample order (DESIGN section 6): micro-batch m of data-parallel rank r in step k holds
 // global samples k*GBS + m*mbs*R + r*mbs + [0, mbs).

@@ -198,6 +198,8 @@ struct Component {
   int64_t tokens_per_epoch = 0;  // of its split's documents
 };
 
+const std::vector<std::string> kSplitNames = {"train", "valid", "test"};  // by DataSplit
+
 class MegatronSource : public SampleSource {
  public:
   MegatronSource(const Config& c, DataSplit split, int64_t num_samples, int64_t rank, const DataIndexSync& sync,
@@ -312,7 +314,6 @@ class MegatronSource : public SampleSource {
   }
 
  private:
-  static inline const std::vector<std::string> kSplitNames = {"train", "valid", "test"};
 
   // Opens each prefix of the blend and takes its split: this rank's work alone (no collective).
   void open_components(const Config& c, const std::vector<std::pair<double, std::string>>& blend,
@@ -368,8 +369,10 @@ class MegatronSource : public SampleSource {
     const std::string per_rank = ranks_on_host_ > 1 ? " per rank (each rank holds a copy)" : "";
     const std::string covers = split == DataSplit::kTrain
                                    ? "every training sample of the run (steps x global_batch_size): lower steps or global_batch_size"
-                                   : "every evaluation sample of the run ((steps / eval_interval + 1) x eval_steps x "
-                                     "global_batch_size): lower eval_steps, or raise eval_interval";
+                               : split == DataSplit::kValid
+                                   ? "every evaluation sample of the run (at least (steps / eval_interval + 1) x "
+                                     "eval_steps x global_batch_size): lower eval_steps, or raise eval_interval"
+                                   : "the test evaluation after training (eval_steps x global_batch_size): lower eval_steps";
     throw config_error("the " + kSplitNames[static_cast<int>(split)] + " split's data index arrays need at least " +
                        memory_bytes_text(needed) + " of host memory for " + std::to_string(num_samples_) + " samples, and " +
                        memory_bytes_text(available) + " is available" + per_rank + " (" + host.source + "):" + parts +
@@ -481,6 +484,18 @@ class MegatronSource : public SampleSource {
 std::unique_ptr<SampleSource> megatron_source(const Config& config, DataSplit split, int64_t num_samples, int64_t rank,
                                               const DataIndexSync& sync, int64_t ranks_on_host) {
   return std::make_unique<MegatronSource>(config, split, num_samples, rank, sync, ranks_on_host);
+}
+
+std::string megatron_split_empty(const Config& config, DataSplit split) {
+  const int s = static_cast<int>(split);
+  for (const auto& [weight, prefix] : parse_dataset_path(config.dataset_path).parts) {
+    const IndexedDataset data(prefix);
+    const auto bounds = gpt_split_boundaries(config.split, data.num_sequences());
+    if (bounds[s] == bounds[s + 1])
+      return prefix + ": split \"" + config.split + "\" leaves the " + kSplitNames[s] + " split no sequences (of " +
+             std::to_string(data.num_sequences()) + ")";
+  }
+  return "";
 }
 
 }  // namespace trainer

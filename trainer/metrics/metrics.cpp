@@ -231,21 +231,22 @@ void MetricsLogger::megatron_line(int64_t step, bool reset) {
   if (reset) megatron_interval_ = MegatronInterval{};  // Megatron zeroes its totals after each line but the first
 }
 
-void MetricsLogger::log_eval(int64_t step, const MetricValues& values, bool after_training) {
+void MetricsLogger::log_eval(int64_t step, const MetricValues& values, EvalPhase phase) {
   const std::string line = metrics_to_json(step, values) + "\n";
   if (std::fputs(line.c_str(), file_) < 0 || std::fflush(file_) != 0)
     throw Error(kExitFailure, "cannot write metrics_file " + config_.metrics_file + ": " + std::strerror(errno));
   if (tensorboard_) tensorboard_->tensorboard_add_scalars(step, values);
+  const std::string split = phase == EvalPhase::kTestAfterTraining ? "test" : "eval";
+  const auto get = [&](const std::string& name) { return metric_get(values, split + "/" + name); };
   if (config_.log_format == "megatron") {
-    const std::string block = megatron_validation_block(step + 1, metric_get(values, "eval/lm_loss") - metric_get(values, "eval/z_loss"),
-                                                        after_training);
+    const std::string block = megatron_validation_block(step + 1, get("lm_loss") - get("z_loss"), phase);
     std::fputs(block.c_str(), stdout);
     std::fflush(stdout);
     return;
   }
-  spdlog::info("eval {}after step {}: lm_loss {:.4f}, perplexity {:.3f} ({:.0f} tokens)", after_training ? "(after training) " : "",
-               step, metric_get(values, "eval/lm_loss"), metric_get(values, "eval/perplexity"),
-               metric_get(values, "eval/total_weights"));
+  spdlog::info("{} {}after step {}: lm_loss {:.4f}, perplexity {:.3f} ({:.0f} tokens)", split,
+               phase == EvalPhase::kInLoop ? "" : "(after training) ", step, get("lm_loss"), get("perplexity"),
+               get("total_weights"));
 }
 
 void MetricsLogger::log_eval_progress(int64_t done, int64_t steps, int64_t samples) {
@@ -258,11 +259,14 @@ void MetricsLogger::log_eval_progress(int64_t done, int64_t steps, int64_t sampl
 
 // Megatron-LM's evaluate_and_print_results (d98e8a64): the line between two rules of dashes one
 // longer than it, the loss and exp(min(20, loss)) in %.6E, the trailing " | " included; prefix
-// "iteration N" inside the loop, "iteration N on validation set" after training.
-std::string megatron_validation_block(int64_t iteration, double lm_loss, bool after_training) {
+// "iteration N" inside the loop, "iteration N on validation set" and "iteration N on test set"
+// after training.
+std::string megatron_validation_block(int64_t iteration, double lm_loss, EvalPhase phase) {
+  const char* split = phase == EvalPhase::kValidAfterTraining ? " on validation set"
+                      : phase == EvalPhase::kTestAfterTraining ? " on test set"
+                                                               : "";
   const std::string text = fmt::format(" validation loss at iteration {}{} | lm loss value: {:.6E} | lm loss PPL: {:.6E} | ",
-                                       iteration, after_training ? " on validation set" : "", lm_loss,
-                                       std::exp(std::min(20.0, lm_loss)));
+                                       iteration, split, lm_loss, std::exp(std::min(20.0, lm_loss)));
   const std::string rule(text.size() + 1, '-');
   return rule + "\n" + text + "\n" + rule + "\n";
 }

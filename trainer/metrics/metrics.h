@@ -41,9 +41,13 @@ void megatron_interval_add(MegatronInterval& interval, const Config& config, con
 std::string megatron_log_line(const Config& config, int64_t step, const MegatronInterval& interval,
                               const MetricValues& last, const std::string& timestamp);
 
+// Which evaluation: one every eval_interval steps, or one of the two Megatron runs after the
+// last step (the validation split's, then the test split's).
+enum class EvalPhase { kInLoop, kValidAfterTraining, kTestAfterTraining };
+
 // Megatron-LM's validation print for `iteration` (1-based): three lines, the loss and its
 // perplexity between two rules of dashes (metrics.cpp).
-std::string megatron_validation_block(int64_t iteration, double lm_loss, bool after_training);
+std::string megatron_validation_block(int64_t iteration, double lm_loss, EvalPhase phase);
 
 class MetricsLogger {
  public:
@@ -55,9 +59,9 @@ class MetricsLogger {
   MetricsLogger(const Config& config, int64_t first_step = 0);
   ~MetricsLogger();
   void log(int64_t step, const MetricValues& values);
-  // An evaluation after `step` (after_training: the one Megatron runs after the last step): one
-  // JSON line {"step": step, "eval/...": ...} and a console line, or Megatron's validation block.
-  void log_eval(int64_t step, const MetricValues& values, bool after_training = false);
+  // An evaluation after `step`: one JSON line {"step": step, "eval/...": ...} ("test/..." for the
+  // test split's) and a console line, or Megatron's validation block.
+  void log_eval(int64_t step, const MetricValues& values, EvalPhase phase);
   // Before evaluation step `done` of `steps` (over `samples` samples): with log_format megatron,
   // Megatron's verbose evaluation lines "Evaluating on N samples" (first) and "Evaluating iter i/n".
   void log_eval_progress(int64_t done, int64_t steps, int64_t samples);

@@ -161,6 +161,7 @@ CheckpointContents Trainer::snapshot(int64_t completed_steps) {
   c.state.step = completed_steps;
   c.state.updates_applied = updates_applied_;
   c.state.consumed_samples = completed_steps * config_.global_batch_size;
+  c.state.consumed_valid_samples = eval_consumed_samples_;
   c.state.spike_losses.assign(spike_losses_.begin(), spike_losses_.end());
   c.state.spike_grad_norms.assign(spike_grad_norms_.begin(), spike_grad_norms_.end());
   const auto rng = at::detail::getDefaultCPUGenerator().get_state();
@@ -361,6 +362,14 @@ void Trainer::restore(const CheckpointContents& c, bool full_state, const std::s
 
 void Trainer::restore_state(const CheckpointState& state, const std::string& config_yaml, const std::string& source) {
   restored_consumed_samples_ = state.consumed_samples;
+  // A state.json without the validation position: where the evaluations of its steps under this
+  // config left it (Megatron derives it alike from its checkpoint's iteration).
+  eval_consumed_samples_ = state.consumed_valid_samples >= 0 ? state.consumed_valid_samples : 0;
+  if (state.consumed_valid_samples < 0 && config_.eval_interval > 0 &&
+      (__builtin_mul_overflow(state.step / config_.eval_interval, config_.eval_steps, &eval_consumed_samples_) ||
+       __builtin_mul_overflow(eval_consumed_samples_, config_.global_batch_size, &eval_consumed_samples_)))
+    throw config_error(source + ": its step " + std::to_string(state.step) + " x eval_steps x global_batch_size does "
+                       "not fit in 64 bits");
   if (state.world_size != config_.data_parallel_size)
     spdlog::warn("{} was written with {} ranks, resuming with {}", source, state.world_size, config_.data_parallel_size);
   updates_applied_ = state.updates_applied;

@@ -159,16 +159,20 @@ class Trainer {
   // tokens[i+1] (main head only), and "grad.<checkpoint name>" = its gradient for every tensor,
   // for checking against an independent reference (tests/ling2_reference.py).
   NamedTensors logits_for(const std::vector<int64_t>& tokens, bool with_gradients = false);
-  // Forward-only evaluation on `eval_steps` global batches of the validation split (the
-  // `index`-th evaluation reads the next batches): {eval/lm_loss (token mean), eval/perplexity}.
-  // nullopt when a SIGTERM/SIGINT on any rank stopped it between two of its steps (all ranks
-  // return nullopt at the same step; logs at most one progress line a minute on rank 0).
-  // announce: the progress lines of Megatron's verbose evaluation (the one after training), in
+  // Forward-only evaluation on `eval_steps` global batches of the validation or the test split
+  // from global batch `first_batch`: {eval/lm_loss (token mean), eval/z_loss, eval/perplexity,
+  // eval/total_weights} ("test/..." for the test split), and for the validation split
+  // eval/consumed_samples (its position after this evaluation) and eval/group (first_batch /
+  // eval_steps). nullopt when a SIGTERM/SIGINT on any rank stopped it between two of its steps
+  // (all ranks return nullopt at the same step; logs at most one progress line a minute on rank 0).
+  // announce: the progress lines of Megatron's verbose evaluation (the ones after training), in
   // its log format.
-  std::optional<MetricValues> evaluate(int64_t index, bool announce = false);
-  // Builds the validation split's loader (and its index) once; train() calls it at the start when
-  // eval_interval > 0, so an empty or unreadable validation split stops the run before step 0.
-  void eval_data_open();
+  std::optional<MetricValues> evaluate(DataSplit split, int64_t first_batch, bool announce = false);
+  // Builds the validation split's loader (and its index), and the test split's unless it is
+  // empty, once, sized for the evaluations of steps [start_step, steps); train() calls it at the
+  // start when eval_interval > 0, so an empty or unreadable validation split stops the run before
+  // step 0.
+  void eval_data_open(int64_t start_step = 0);
 
   // One optimizer step = forward_backward + optimizer_update. Returns device-side metrics.
   StepOutput train_step(int64_t step);
@@ -312,6 +316,10 @@ class Trainer {
   std::string checkpoint_write_error_;  // this rank's failed shard write, until checkpoint_commit decides
   std::unique_ptr<DataPrefetcher> prefetcher_;  // in-order micro-batches during train()
   std::unique_ptr<DataLoader> eval_data_;       // validation split, built on first use
+  std::unique_ptr<DataLoader> test_data_;       // test split (eval_steps global batches); null if empty
+  // Validation samples the evaluations so far read (Megatron's consumed_valid_samples; in
+  // state.json): the next evaluation starts there.
+  int64_t eval_consumed_samples_ = 0;
 };
 
 }  // namespace trainer

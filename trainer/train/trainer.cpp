@@ -447,20 +447,38 @@ MetricValues Trainer::read_metrics(const StepOutput& out) const {
   return values;
 }
 
-void Trainer::eval_data_open() {
+void Trainer::eval_data_open(int64_t start_step) {
   if (eval_data_) return;
   const Config& c = config_;
-  const int64_t samples = config_eval_samples(c, c.steps);
-  std::shared_ptr<SampleSource> source;
-  if (c.dataset_type == "synthetic") {
-    Config shifted = c;
-    shifted.data_shuffle_seed = c.data_shuffle_seed + 1;  // disjoint from the training samples
-    source = std::make_shared<SyntheticDataset>(shifted);
-  } else {
-    source = megatron_source(c, DataSplit::kValid, samples, dist_.rank, data_index_sync(*comm_, c.collective_timeout_seconds),
-                             dist_.local_world_size);
-  }
-  eval_data_ = std::make_unique<DataLoader>(c, dist_.rank, std::move(source));
+  const int64_t per_evaluation = c.eval_steps * c.global_batch_size;
+  // Megatron sizes the validation split for this run's (steps / eval_interval + 1) evaluations and
+  // a resume continues at the checkpoint's position (consumed_valid_samples). With eval_interval or
+  // eval_steps changed since, the evaluations left can read past that size: the index is built
+  // for them (Megatron's sampler would stop at its end).
+  const int64_t formula = config_eval_samples(c, c.steps);
+  const int64_t interval = std::max<int64_t>(c.eval_interval, 1);
+  const int64_t evaluations_left = c.steps / interval - start_step / interval + 1;  // and the one after training
+  int64_t needed = 0;
+  if (__builtin_mul_overflow(evaluations_left, per_evaluation, &needed) ||
+      __builtin_add_overflow(needed, eval_consumed_samples_, &needed))
+    throw Error(kExitData, "the checkpoint's consumed_valid_samples (" + std::to_string(eval_consumed_samples_) +
+                               ") and this run's evaluations left do not fit in 64 bits");
+  const int64_t samples = std::max(formula, needed);
+  const auto source_of = [&](DataSplit split, int64_t num_samples) -> std::shared_ptr<SampleSource> {
+    if (c.dataset_type == "synthetic") {
+      Config shifted = c;  // disjoint from the training samples and from each other
+      shifted.data_shuffle_seed = c.data_shuffle_seed + static_cast<int64_t>(split);
+      return std::make_shared<SyntheticDataset>(shifted);
+    }
+    return megatron_source(c, split, num_samples, dist_.rank, data_index_sync(*comm_, c.collective_timeout_seconds),
+                           dist_.local_world_size);
+  };
+  eval_data_ = std::make_unique<DataLoader>(c, dist_.rank, source_of(DataSplit::kValid, samples));
+  if (samples > formula && !eval_data_->data_loader_same_samples_as_built_for(formula))
+    spdlog::warn("the validation index is built for {} samples (the checkpoint's evaluations read {}, the {} left read {} "
+                 "more), past the {} of this config's (steps / eval_interval + 1) x eval_steps x global_batch_size, and it "
+                 "spans other epochs: its samples differ from those Megatron's index for this config holds (docs/metrics.md)",
+                 samples, eval_consumed_samples_, evaluations_left, evaluations_left * per_evaluation, formula);
   // As for training (load_initial_state): another steps can mean other validation epochs.
   const int64_t samples_before = config_eval_samples(c, restored_steps_);
   if (restored_steps_ > 0 && restored_steps_ != c.steps && !eval_data_->data_loader_same_samples_as_built_for(samples_before))
@@ -468,11 +486,33 @@ void Trainer::eval_data_open() {
                  "the checkpoint's run had ({} samples): the evaluation losses from here on are over other samples "
                  "than that run's (docs/data.md)",
                  restored_steps_, c.steps, samples, samples_before);
+  // Megatron evaluates the test split once after training (eval_iters global batches from its
+  // start), unless `split` leaves it empty ("99,1,0" turns it off).
+  // Its files are the ones just opened; a test split that cannot be built (too few tokens, an
+  // index past host memory) costs only that evaluation. All ranks agree, as they enter its
+  // collectives together.
+  std::string skipped;
+  try {
+    skipped = c.dataset_type == "synthetic" ? "" : megatron_split_empty(c, DataSplit::kTest);
+    if (skipped.empty()) test_data_ = std::make_unique<DataLoader>(c, dist_.rank, source_of(DataSplit::kTest, per_evaluation));
+  } catch (const Error& e) {
+    skipped = e.what();
+  }
+  if (ranks_reporting(!skipped.empty(), *comm_, "the test split's opening") > 0) {
+    test_data_.reset();
+    if (dist_.rank == 0 || !skipped.empty())
+      spdlog::info("no evaluation on the test split after training: {}",
+                   skipped.empty() ? "another rank could not build it (its message says why)" : skipped);
+  }
 }
 
-std::optional<MetricValues> Trainer::evaluate(int64_t index, bool announce) {
+std::optional<MetricValues> Trainer::evaluate(DataSplit split, int64_t first_batch, bool announce) {
   const Config& c = config_;
   eval_data_open();
+  TORCH_CHECK(split != DataSplit::kTrain, "evaluate: the validation or the test split");
+  if (split == DataSplit::kTest && !test_data_) throw Error(kExitFailure, "evaluate: the test split is empty");
+  const DataLoader& loader = split == DataSplit::kTest ? *test_data_ : *eval_data_;
+  const std::string prefix = split == DataSplit::kTest ? "test/" : "eval/";
   torch::NoGradGuard no_grad;
   if (sharded_state_) sharded_state_->params_ensure();  // the decoder layers gather as they run
   // The same quantity as learning/lm_loss in per-token mode: the token-weighted mean of CE plus
@@ -501,7 +541,7 @@ std::optional<MetricValues> Trainer::evaluate(int64_t index, bool announce) {
     }
     if (announce && logger_) logger_->log_eval_progress(s, c.eval_steps, c.eval_steps * c.global_batch_size);
     for (int64_t micro = 0; micro < c.gradient_accumulation_steps; ++micro) {
-      const auto batch = eval_data_->data_loader_next(index * c.eval_steps + s, micro);
+      const auto batch = loader.data_loader_next(first_batch + s, micro);
       const auto m = micro_batch_losses(model_, batch, c, device_);
       const auto host = torch::stack({m.ce.to(torch::kFloat64), m.z.to(torch::kFloat64)}).cpu();
       perf_note_host_read();
@@ -514,11 +554,15 @@ std::optional<MetricValues> Trainer::evaluate(int64_t index, bool announce) {
   comm_->all_reduce_sum(sums, "the evaluation loss sums");
   ce = sums[0].item<double>(), z = sums[1].item<double>(), weights = sums[2].item<double>();
   const double lm_loss = weights > 0 ? ce / weights : 0.0, z_loss = weights > 0 ? z / weights : 0.0;
-  return MetricValues{{"eval/lm_loss", lm_loss},
-                      {"eval/z_loss", z_loss},
-                      {"eval/perplexity", std::exp(lm_loss - z_loss)},
-                      {"eval/total_weights", weights},
-                      {"eval/group", static_cast<double>(index)}};
+  MetricValues values = {{prefix + "lm_loss", lm_loss},
+                         {prefix + "z_loss", z_loss},
+                         {prefix + "perplexity", std::exp(lm_loss - z_loss)},
+                         {prefix + "total_weights", weights}};
+  if (split == DataSplit::kValid) {
+    values.emplace_back("eval/consumed_samples", static_cast<double>((first_batch + c.eval_steps) * c.global_batch_size));
+    values.emplace_back("eval/group", static_cast<double>(first_batch) / static_cast<double>(c.eval_steps));
+  }
+  return values;
 }
 
 void stop_signals_install() {
@@ -577,7 +621,7 @@ void Trainer::train() {
   });
   // At the start, not at the first evaluation: a split that leaves the validation set empty
   // would otherwise end the run after eval_interval steps, and every resume again.
-  if (c.eval_interval > 0) eval_data_open();
+  if (c.eval_interval > 0) eval_data_open(start_step);
   if (c.enable_checkpointing && (writer || sharded_checkpoints())) checkpointer_ = std::make_unique<Checkpointer>(c);
   // A signal held during start-up (g_stop_mode) stops every rank here, before any work is lost.
   g_stop_mode = kStopAfterStep;
@@ -680,17 +724,25 @@ void Trainer::train() {
   if (c.enable_checkpointing && c.save_checkpoint_on_start && start_step == 0) save(0, c.async_checkpointing);
   prefetcher_ = std::make_unique<DataPrefetcher>(data_, start_step, c.steps, c.gradient_accumulation_steps,
                                                  static_cast<size_t>(2 * c.gradient_accumulation_steps));
-  // Megatron's validation schedule: evaluation g (0-based) reads global batches
-  // [g * eval_steps, (g + 1) * eval_steps) of the valid split; one every eval_interval steps
-  // (g = completed / eval_interval - 1), and one after training and its final checkpoint
-  // (g = steps / eval_interval), even when the last step just had one. The valid split is sized
-  // for exactly these (config_eval_samples). False when a stop signal dropped the evaluation (all
-  // ranks agree).
-  auto run_eval = [&](int64_t completed, bool after_training) {
+  // Megatron's validation schedule: one evaluation every eval_interval steps and one after
+  // training and its final checkpoint, even when the last step just had one, each on the next
+  // eval_steps global batches of the valid split (its position, consumed_valid_samples, is in the
+  // checkpoints); then one on the test split's first eval_steps global batches. False when a
+  // stop signal dropped the evaluation (all ranks agree); a dropped (or skipped) one's batches are
+  // passed over all the same: Megatron finishes an evaluation before it stops, reading them.
+  auto run_eval = [&](int64_t completed, EvalPhase phase) {
     flush(Clock::now());
-    const int64_t group = after_training ? c.steps / c.eval_interval : completed / c.eval_interval - 1;
-    const auto values = evaluate(group, /*announce=*/after_training);
-    if (values && logger_) own_work([&] { logger_->log_eval(completed - 1, *values, after_training); });
+    std::optional<MetricValues> values;
+    if (phase == EvalPhase::kTestAfterTraining) {
+      values = evaluate(DataSplit::kTest, 0, /*announce=*/true);
+    } else {
+      // From the next whole global batch (a load_full_state_path of a run with another global
+      // batch can leave the position between two).
+      const int64_t first_batch = (eval_consumed_samples_ + c.global_batch_size - 1) / c.global_batch_size;
+      values = evaluate(DataSplit::kValid, first_batch, /*announce=*/phase == EvalPhase::kValidAfterTraining);
+      eval_consumed_samples_ = (first_batch + c.eval_steps) * c.global_batch_size;
+    }
+    if (values && logger_) own_work([&] { logger_->log_eval(completed - 1, *values, phase); });
     return values.has_value();
   };
 
@@ -715,8 +767,13 @@ void Trainer::train() {
     const int64_t completed = step + 1;
     steps_done = completed;
     int signal = stop ? std::max(g_stop_signal.load(), 1) : 0;
-    if (c.eval_interval > 0 && completed % c.eval_interval == 0 && !signal && !run_eval(completed, false))
-      signal = std::max(g_stop_signal.load(), 1);
+    if (c.eval_interval > 0 && completed % c.eval_interval == 0) {
+      if (signal)  // skipped; its batches count as read, as for a dropped one
+        eval_consumed_samples_ = ((eval_consumed_samples_ + c.global_batch_size - 1) / c.global_batch_size + c.eval_steps) *
+                                 c.global_batch_size;
+      else if (!run_eval(completed, EvalPhase::kInLoop))
+        signal = std::max(g_stop_signal.load(), 1);
+    }
     const bool final_step = completed == c.steps || signal != 0;
     if (c.enable_checkpointing &&
         (completed % c.checkpoint_period == 0 || (final_step && (c.save_checkpoint_on_completion || signal))))
@@ -739,8 +796,8 @@ void Trainer::train() {
   // After the final checkpoint, as Megatron: a stop signal during this evaluation drops it and
   // loses no training state. Not on a relaunch of a finished run (no step ran; Megatron would).
   if (c.eval_interval > 0 && steps_done == c.steps && start_step < c.steps && !stopped) {
-    run_eval(c.steps, true);
-    share_own_failure("after the evaluation after training");
+    if (run_eval(c.steps, EvalPhase::kValidAfterTraining) && test_data_) run_eval(c.steps, EvalPhase::kTestAfterTraining);
+    share_own_failure("after the evaluations after training");
   }
   checkpoint_commit(/*block=*/true, /*fatal=*/true);
   if (checkpointer_) {
