@@ -72,6 +72,14 @@ for arg in "$@"; do  # the arguments come last on the trainer's command line: th
     pad_id=*) PAD_ID=${arg#pad_id=} ;;
   esac
 done
+# The trainer first: the demo corpus below is made with its build/preprocess_data (and setup.sh
+# installs what prepare_corpus.sh reads), on a fresh machine too.
+if [ -n "${TRAINER:-}" ]; then
+  [ -x "$TRAINER" ] || { echo "pretrain_ling2.sh: TRAINER=$TRAINER is not an executable" >&2; exit 2; }
+else
+  TRAINER="$ROOT/build/trainer"
+  [ -x "$TRAINER" ] || "$ROOT/scripts/setup.sh"
+fi
 if [ "$(realpath -m -- "$DATA_PATH")" = "$DEMO_PATH" ]; then
   EOD_ID=${EOD_ID:-${DEMO_EOD_ID:-256}}
   PAD_ID=${PAD_ID:-${DEMO_PAD_ID:-257}}
@@ -110,12 +118,6 @@ MODEL_FILE="$(dirname "$CONFIG_FILE")/models/${MODEL_NAME}.yml"  # where the tra
 if [ "$MODEL_NAME" != hf ] && [ ! -f "$MODEL_FILE" ]; then
   echo "pretrain_ling2.sh: $MODEL_FILE does not exist (MODEL_NAME=${MODEL_NAME})" >&2
   exit 2
-fi
-if [ -n "${TRAINER:-}" ]; then
-  [ -x "$TRAINER" ] || { echo "pretrain_ling2.sh: TRAINER=$TRAINER is not an executable" >&2; exit 2; }
-else
-  TRAINER="$ROOT/build/trainer"
-  [ -x "$TRAINER" ] || "$ROOT/scripts/setup.sh"
 fi
 
 # Overriding the model file's vocabulary is a deliberate act: only when VOCAB_SIZE is given.

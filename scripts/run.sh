@@ -5,8 +5,11 @@
 # Example: scripts/run.sh steps=100 gradient_accumulation_steps=4
 set -euo pipefail
 cd -- "$(dirname -- "$(readlink -f -- "$0")")/.."  # also when run through a link
-if [ ! -x build/trainer ] || [ -n "${REBUILD:-}" ]; then
+if [ ! -x build/trainer ]; then
   scripts/setup.sh
+elif ! build_log=$(cmake --build build -j 2 2>&1); then  # after a git pull: not the previous build
+  echo "$build_log" >&2
+  exit 1
 fi
 # The default corpus, when the run reads it (a built tree whose data/ was deleted exited 3). The
 # trainer's own precedence: base.yml, then the arguments, then M_<KEY> variables.

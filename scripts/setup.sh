@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PACKAGES=(
-  build-essential cmake ccache pkg-config
+  build-essential cmake ccache pkg-config git  # git: test_libtorch2.sh copies the tracked files
   libtorch-dev            # LibTorch 1.13 (CPU), with c10d/Gloo
   libgloo-dev             # Gloo headers for c10d's ProcessGroupGloo
   libopenmpi-dev openmpi-bin  # mpirun launch and rendezvous

@@ -4,8 +4,8 @@
 # trainer/util/torch_compat.h (fused attention, the 2.x autocast API, the TCPStore backend
 # switch, the allocator interface) on machines without a GPU; only the CUDA-specific code is left
 # to scripts/gpu/. Needs root (debootstrap, chroot, mounts; re-runs itself with sudo) and Debian's
-# package mirror. The chroot is kept between runs (about 3 GB; the first run takes ~9 minutes, 3 of
-# them for the chroot) and refreshed from the working tree each time.
+# package mirror. The chroot is kept between runs (about 3 GB; the first run takes ~13 minutes in CI,
+# 3 of them for the chroot) and refreshed from the working tree each time.
 #   scripts/test_libtorch2.sh [ctest args]      TRAINER_TORCH2_ROOT picks the chroot's folder
 # TRAINER_SKIP_TORCH2=1 skips it, loudly (for machines without root or mirror access).
 set -euo pipefail

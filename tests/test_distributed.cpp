@@ -574,7 +574,7 @@ TEST_CASE("checkpoints of R=2 resume bit-exactly with R=2, and load with R=1", "
   CHECK_THAT(one.output, Catch::Contains("written with 2 ranks, resuming with 1"));
 }
 
-TEST_CASE("ranks that see different newest checkpoints all exit 3 naming both, before any step", "[dist][cli][checkpoint]") {
+TEST_CASE("ranks that see different newest checkpoints (or rank 0's cut short) all exit 3 naming both, before any step", "[dist][cli][checkpoint]") {
   // A relative base_output_directory under node-local working directories: each rank reads its own
   // copy of the run directory. Rank 1 used to start fresh beside a resumed rank 0 (or resume
   // another checkpoint of the same step), average gradients with it and commit valid-looking
@@ -597,9 +597,11 @@ TEST_CASE("ranks that see different newest checkpoints all exit 3 naming both, b
   INFO(fresh.output);
   CHECK(fresh.exit_code == 3);
   // The first rank to exit has printed; mpirun may end the other before it does.
-  CHECK_THAT(fresh.output, Catch::Contains("rank 1 found the newest valid checkpoint in runs/r/checkpoints to be none (a fresh "
-                                           "start), rank 0 runs/r/checkpoints/2 (manifest.json checksum ") ||
-                               Catch::Contains("rank 0: 1 rank(s) found another newest checkpoint"));
+  const std::string differs = "rank 1 sees the checkpoints in runs/r/checkpoints otherwise than rank 0: rank 0 resumes from "
+                             "runs/r/checkpoints/2 (manifest.json checksum ";
+  const std::string rank0_says = "rank 0: 1 rank(s) see the checkpoints in runs/r/checkpoints otherwise than rank 0";
+  CHECK_THAT(fresh.output, (Catch::Contains(differs) && Catch::Contains("and here there is no runs/r/checkpoints/2/manifest.json")) ||
+                               Catch::Contains(rank0_says));
   CHECK(read_lines(a + "/runs/r/metrics.jsonl").size() == 2);  // no step ran
   CHECK_FALSE(fs::exists(b + "/runs/r/metrics.jsonl"));
   // The same step in both, written by different runs (another seed, one process, the same global batch).
@@ -607,9 +609,20 @@ TEST_CASE("ranks that see different newest checkpoints all exit 3 naming both, b
   const auto other = split("steps=4");
   INFO(other.output);
   CHECK(other.exit_code == 3);
-  CHECK_THAT(other.output, Catch::Contains("rank 1 found the newest valid checkpoint in runs/r/checkpoints to be "
-                                           "runs/r/checkpoints/2 (manifest.json checksum ") ||
-                               Catch::Contains("rank 0: 1 rank(s) found another newest checkpoint"));
+  CHECK_THAT(other.output, (Catch::Contains(differs) && Catch::Contains("and here there is runs/r/checkpoints/2 (manifest.json checksum ")) ||
+                               Catch::Contains(rank0_says));
+  // Rank 0 alone reads every file for its checksum; another rank checks that it sees rank 0's
+  // manifest and the file sizes it lists. The same checkpoint in B, its optimizer file cut short.
+  fs::remove_all(b + "/runs");
+  fs::copy(a + "/runs", b + "/runs", fs::copy_options::recursive);
+  const std::string optimizer = b + "/runs/r/checkpoints/2/optimizer.safetensors";
+  fs::resize_file(optimizer, fs::file_size(optimizer) - 1);
+  const auto cut = split("steps=4");
+  INFO(cut.output);
+  CHECK(cut.exit_code == 3);
+  CHECK_THAT(cut.output, (Catch::Contains(differs) && Catch::Contains("and here there is runs/r/checkpoints/2 not usable: "
+                                                                      "optimizer.safetensors has ")) ||
+                             Catch::Contains(rank0_says));
   // The same copies agree: both ranks in A resume.
   const auto agreed = in_a("steps=4");
   CHECK(agreed.exit_code == 0);

@@ -390,6 +390,54 @@ TEST_CASE("Megatron format: validation blocks every eval_interval and after trai
   CHECK(test_verbose > r.output.find("on validation set"));
 }
 
+TEST_CASE("a finished run launched again evaluates its final state as Megatron, and skip_train evaluates without training", "[metrics][cli][checkpoint]") {
+  // Megatron runs its evaluations after training after an empty training loop too: a relaunch of
+  // a finished run, or --skip-train. The final checkpoint precedes the evaluation after training,
+  // so a relaunch reads the same validation batches with the same weights: the same losses.
+  const std::string dir = kOut + "/evaluate-again";
+  fs::remove_all(dir);
+  const std::string common = "model_name=test-tiny max_target_length=16 per_device_batch_size=2 eval_steps=1 "
+                             "base_output_directory=" + kOut + " run_name=evaluate-again ";
+  const auto values = [&](const std::string& name) {
+    std::vector<double> found;
+    for (const auto& line : read_lines(dir + "/metrics.jsonl"))
+      if (line.find("\"" + name + "\"") != std::string::npos) found.push_back(json_metric(line, name));
+    return found;
+  };
+  REQUIRE(run_trainer(common + "steps=4 eval_interval=2").exit_code == 0);
+  REQUIRE(values("eval/lm_loss").size() == 3);  // after steps 2 and 4, and after training
+  REQUIRE(values("test/lm_loss").size() == 1);
+  const auto again = run_trainer(common + "steps=4 eval_interval=2 log_format=megatron");
+  INFO(again.output);
+  REQUIRE(again.exit_code == 0);
+  CHECK_THAT(again.output, Catch::Contains("no training (steps reached): evaluating the state after step 4") &&
+                               Catch::Contains("validation loss at iteration 4 on validation set") &&
+                               Catch::Contains("validation loss at iteration 4 on test set"));
+  auto evals = values("eval/lm_loss");
+  auto tests = values("test/lm_loss");
+  REQUIRE(evals.size() == 4);
+  REQUIRE(tests.size() == 2);
+  CHECK(evals[3] == evals[2]);
+  CHECK(evals[3] != evals[1]);
+  CHECK(tests[1] == tests[0]);
+  // skip_train: the same with a steps the run has not reached, and no step, no checkpoint.
+  const auto skip = run_trainer(common + "steps=8 eval_interval=0 skip_train=true");
+  INFO(skip.output);
+  REQUIRE(skip.exit_code == 0);
+  CHECK_THAT(skip.output, Catch::Contains("no training (skip_train): evaluating the state after step 4") &&
+                              Catch::Contains("eval (after training) after step 3") &&
+                              Catch::Contains("done: evaluated the state after step 4 (no training)"));
+  evals = values("eval/lm_loss");
+  REQUIRE(evals.size() == 5);
+  CHECK(evals[4] == evals[2]);
+  tests = values("test/lm_loss");
+  REQUIRE(tests.size() == 3);
+  CHECK(tests[2] == tests[0]);
+  CHECK(values("learning/loss").size() == 4);
+  CHECK(checkpoint_list_steps(dir + "/checkpoints") == std::vector<int64_t>{4});
+  CHECK_THAT(read_file(dir + "/config.yml"), Catch::Contains("skip_train: false"));  // the config that trained
+}
+
 TEST_CASE("a resume evaluates from its checkpoint's validation position (Megatron's consumed_valid_samples), whatever eval_interval is now", "[metrics][cli][checkpoint]") {
   // learning_rate=0 keeps the weights at their initial values, so an evaluation's loss names the
   // validation batch it read. Reference: eval_interval=2 over 8 steps reads batches 0, 1, 2, 3 after

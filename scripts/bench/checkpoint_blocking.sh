@@ -19,7 +19,7 @@ for arm in "default|$DEFAULT|${STEPS_DEFAULT:-40}|10" "medium|$MEDIUM|${STEPS_ME
     async=$([ "$mode" = async ] && echo true || echo false)
     log="$out/$name-$mode.log"
     build/trainer configs/base.yml $overrides steps="$steps" checkpoint_period="$period" async_checkpointing=$async \
-      log_period=1000 base_output_directory="$out" run_name="$name-$mode" > "$log" 2>&1
+      log_period=1000 base_output_directory="$out" run_name="$name-$mode" > "$log" 2>&1 || { cat "$log" >&2; exit 1; }
     python3 - "$log" "$name" "$params" "$mode" <<'PY'
 import re, statistics, sys
 text = open(sys.argv[1]).read()

@@ -10,7 +10,8 @@ out=$(mktemp -d /tmp/trainer-data-bench-XXXX)
 trap 'rm -rf "$out"' EXIT
 echo "loader alone (default config, 300 steps of 8 x 128 tokens):"
 build/bench_data configs/base.yml --steps 300 data_cache_path="$out/cache"
-build/trainer configs/base.yml steps=60 log_period=1000 enable_checkpointing=false base_output_directory="$out" run_name=consume > /dev/null 2>&1
+build/trainer configs/base.yml steps=60 log_period=1000 enable_checkpointing=false base_output_directory="$out" run_name=consume \
+  > "$out/consume.log" 2>&1 || { cat "$out/consume.log" >&2; exit 1; }
 python3 - "$out/consume/metrics.jsonl" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])][10:]

@@ -12,10 +12,12 @@ STEPS=${STEPS:-40}
 COMMON="dataset_type=synthetic pad_id=0 model_name=default max_target_length=128 steps=$STEPS log_period=1000 \
 enable_checkpointing=false base_output_directory=$out"
 for round in 1 2; do
-  build/trainer configs/base.yml $COMMON num_threads=2 per_device_batch_size=8 run_name=r1-$round > /dev/null 2>&1
-  build/trainer configs/base.yml $COMMON num_threads=0 per_device_batch_size=8 run_name=r1d-$round > /dev/null 2>&1
+  for arm in "r1-$round num_threads=2 per_device_batch_size=8" "r1d-$round num_threads=0 per_device_batch_size=8"; do
+    read -r name settings <<< "$arm"
+    build/trainer configs/base.yml $COMMON $settings run_name="$name" > "$out/$name.log" 2>&1 || { cat "$out/$name.log" >&2; exit 1; }
+  done
   mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 build/trainer configs/base.yml $COMMON num_threads=1 \
-    per_device_batch_size=4 run_name=r2-$round > /dev/null 2>&1
+    per_device_batch_size=4 run_name=r2-$round > "$out/r2-$round.log" 2>&1 || { cat "$out/r2-$round.log" >&2; exit 1; }
 done
 python3 - "$out" <<'PY'
 import json, statistics, sys

@@ -30,7 +30,7 @@ for row in $ROWS; do
     name="$shape-$K-$dtype-$round"
     build/trainer configs/base.yml ${SHAPES[$shape]} gradient_accumulation_steps=$K steps=$steps num_threads=1 \
       dtype=$dtype save_checkpoint_on_start=true checkpoint_period=100000 base_output_directory="$out" \
-      run_name="$name" log_period=1000 > /dev/null 2>&1
+      run_name="$name" log_period=1000 > "$out/$name.log" 2>&1 || { cat "$out/$name.log" >&2; exit 1; }
     t+=($(python3 -c "import json,statistics; r=[json.loads(l) for l in open('$out/$name/metrics.jsonl')][$warmup:]; print(statistics.median(x['perf/step_time_seconds'] for x in r))"))
     p+=($(/usr/bin/python3 scripts/bench/peer.py "$out/$name" --threads 1 --warmup "$warmup" | tail -1 |
           python3 -c "import json,sys; print(json.load(sys.stdin)['peer_median_step_seconds'])"))

@@ -37,7 +37,8 @@ for shape in small medium; do
   for K in 1 8; do
     steps=${STEPS[$shape]}; [ "$K" = 8 ] && steps=$(( steps / 2 + 2 ))
     build/trainer configs/base.yml ${SHAPES[$shape]} gradient_accumulation_steps=$K steps=$steps log_period=1000 \
-      enable_checkpointing=false base_output_directory="$out" run_name="$shape-$K" > "$out/$shape-$K.log" 2>&1
+      enable_checkpointing=false base_output_directory="$out" run_name="$shape-$K" > "$out/$shape-$K.log" 2>&1 ||
+      { cat "$out/$shape-$K.log" >&2; exit 1; }
     read -r step micro rss tflops reads grad allocs <<< "$(summary "$out/$shape-$K" "$K")"
     [ "$K" = 1 ] && { base_micro=$micro; base_rss=$rss; TFLOPS[$shape]=$tflops; }
     ratio_t=$(python3 -c "print(f'{$micro / $base_micro:.3f}')"); ratio_m=$(python3 -c "print(f'{$rss / $base_rss:.3f}')")

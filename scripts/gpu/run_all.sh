@@ -22,6 +22,13 @@ shift $(( $# > 0 ? 1 : 0 ))
 phase "device"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$log/device.txt"
 g++ --version | head -1 | tee -a "$log/device.txt"
+# Every phase runs (one machine start gathers all it can); the exit status says whether any failed.
+failures=()
+finish() {
+  phase "done${1:+ ($1)}"
+  if (( ${#failures[@]} > 0 )); then echo "failed: ${failures[*]}"; exit 1; fi
+  exit 0
+}
 if [[ $part != 2 || ! -x build-gpu/trainer ]]; then
   phase "build"
   if ! scripts/gpu/build.sh > "$log/build.log" 2>&1; then
@@ -33,15 +40,16 @@ if [[ $part != 2 || ! -x build-gpu/trainer ]]; then
 fi
 if [[ $part != 2 ]]; then
 phase "checks"
-python3 scripts/gpu/check.py 2>&1 | tee "$log/check.log"
+python3 scripts/gpu/check.py 2>&1 | tee "$log/check.log" || failures+=(checks)
 phase "the 2.11 resume crash (docs/checkpoints.md, known issue): the two tests, native stack on a crash"
 (cd build-gpu && timeout 120 ./trainer_tests "a flipped byte in model.safetensors*" \
-   "kill -9 at random moments never leaves a checkpoint that is taken for complete" > "$log/resume_crash.log" 2>&1)
+   "kill -9 at random moments never leaves a checkpoint that is taken for complete" > "$log/resume_crash.log" 2>&1) ||
+  failures+=(resume-crash-tests)
 grep -E "fatal signal|^/|libtorch|trainer\(|test cases|assertions" "$log/resume_crash.log" | head -80
 fi
-[[ $part == 1 ]] && { phase "done (part 1)"; exit 0; }
+[[ $part == 1 ]] && finish "part 1"
 phase "benchmark"
-timeout "${BENCH_SECONDS:-240}" python3 scripts/gpu/bench.py "$@" 2>&1 | tee "$log/bench.log"
+timeout "${BENCH_SECONDS:-240}" python3 scripts/gpu/bench.py "$@" 2>&1 | tee "$log/bench.log" || failures+=(benchmark)
 phase "one GLA layer against one SDPA (GQA) layer at 4096 tokens, bf16 (issue 17; docs/benchmarks.md)"
 # ling2's layer shape (D 2048, 16 heads of 128), one decoder layer with a dense MLP, byte vocabulary:
 # the attention is what differs. Tokens/s is the median over steps 4-11.
@@ -51,7 +59,7 @@ for kind in global gla; do
     routed_bias=false n_routing_groups=-1 topk_routing_group=-1 moe_shared_expert_dim=0 mtp_num_layers=0 mtp_moe_mlp=false \
     vocab_size=258 max_target_length=4096 per_device_batch_size=1 steps=12 log_period=12 enable_checkpointing=false \
     dataset_type=synthetic pad_id=0 base_output_directory=/tmp/trainer-gpu-gla run_name=$kind > "$log/gla_$kind.log" 2>&1 \
-    || { echo "$kind: failed"; tail -5 "$log/gla_$kind.log"; continue; }
+    || { echo "$kind: failed"; tail -5 "$log/gla_$kind.log"; failures+=("gla-$kind"); continue; }
   python3 -c 'import json,statistics,sys; r=[json.loads(l) for l in open(sys.argv[1])][4:]; print("%s layer: %.0f tokens/s (median step %.4f s)" % (sys.argv[2], statistics.median(x["perf/per_device_tokens_per_sec"] for x in r), statistics.median(x["perf/step_time_seconds"] for x in r)))' \
     "/tmp/trainer-gpu-gla/$kind/metrics.jsonl" "$kind" | tee -a "$log/gla_vs_sdpa.log"
 done
@@ -70,8 +78,10 @@ left=$(( ${TOTAL_SECONDS:-480} - SECONDS ))
 echo "ctest gets ${left}s"
 # Left out, by name: the tests that launch mpirun, the one that needs Gloo (the wheel ships no Gloo
 # headers; NCCL's one-rank group is checked by check.py instead) and the Debian-python peer test.
-(( left > 10 )) && (cd build-gpu && timeout "${CTEST_SECONDS:-$left}" ctest -j 1 --timeout 120 --output-on-failure \
-   -E "mpirun|^one all-reduce per gradient|^a rank that dies|R=2 resume|pretrain_ling2|^ZeRO-1|peer_parity|^a named backend" \
-   > "$log/ctest.log" 2>&1)
+if (( left > 10 )); then
+  (cd build-gpu && timeout "${CTEST_SECONDS:-$left}" ctest -j 1 --timeout 120 --output-on-failure \
+     -E "mpirun|^one all-reduce per gradient|^a rank that dies|R=2 resume|pretrain_ling2|^ZeRO-1|peer_parity|^a named backend" \
+     > "$log/ctest.log" 2>&1) || failures+=(ctest)
+fi
 grep -E "tests passed|tests failed|\*\*\*Failed|Timeout|Not Run|FAILED|with expansion|^  [A-Za-z0-9(]" "$log/ctest.log" | head -60
-phase "done"
+finish

@@ -105,10 +105,15 @@ std::optional<std::string> checkpoint_find_latest(const std::string& checkpoints
 
 // Verifies the manifest of one checkpoint directory (format_version, then the size and CRC32C of
 // every file it must list, or with `weights_only` only of the model's files: what
-// load_parameters_path reads, skipping the optimizer state that is twice their size); returns ""
-// or the reason it is invalid. Throws config_error for a manifest of another format_version: not
-// damage, and no reason to fall back to an older one.
-std::string checkpoint_verify(const std::string& checkpoint_dir, bool weights_only = false);
+// load_parameters_path reads, skipping the optimizer state that is twice their size; without
+// `checksums` the sizes alone, reading no file through); returns "" or the reason it is invalid.
+// Throws config_error for a manifest of another format_version: not damage, and no reason to
+// fall back to an older one.
+std::string checkpoint_verify(const std::string& checkpoint_dir, bool weights_only = false, bool checksums = true);
+
+// The steps of the checkpoint directories under `checkpoints_dir` (complete or not), newest
+// first; none when it does not exist.
+std::vector<int64_t> checkpoint_list_steps(const std::string& checkpoints_dir);
 
 // Checks that `path` (load_full_state_path) is one usable checkpoint directory: config_error for
 // no directory, a run, checkpoints or Hugging Face directory (naming the checkpoint probably

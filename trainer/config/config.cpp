@@ -443,6 +443,9 @@ void config_derive_and_validate(Config& c) {
     throw config_error("(steps / eval_interval + 1) x eval_steps=" + std::to_string(c.eval_steps) +
                        " x global_batch_size x (max_target_length + 1) evaluation tokens do not fit in 64 bits: "
                        "lower eval_steps or raise eval_interval");
+  if ((c.eval_interval > 0 || c.skip_train) && !product({c.eval_steps, *batch, c.max_target_length + 1}))  // the test split's, skip_train's
+    throw config_error("eval_steps=" + std::to_string(c.eval_steps) +
+                       " x global_batch_size x (max_target_length + 1) evaluation tokens do not fit in 64 bits: lower eval_steps");
   c.global_batch_size = *batch;
   if (c.run_name.empty()) {
     // A new run each time: a second run started within the same second took the first one's

@@ -114,6 +114,7 @@ using StringList = std::vector<std::string>;
   X(int64_t, eod_id)                              \
   X(int64_t, eval_interval)                       \
   X(int64_t, eval_steps)                          \
+  X(bool, skip_train)                             \
   X(int64_t, max_target_length)                   \
   X(int64_t, per_device_batch_size)               \
   X(int64_t, gradient_accumulation_steps)         \

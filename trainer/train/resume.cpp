@@ -422,28 +422,76 @@ void Trainer::restore_state(const CheckpointState& state, const std::string& con
 // made it skip the newest) would average its gradients with replicas at another step and commit
 // checkpoints that look valid. Rank 0's pick is broadcast; a rank that found another makes every
 // rank exit 3, each naming what it found. (Megatron takes the maximum iteration over the ranks.)
+namespace {
+// Where rank 0 verifies a checkpoint's checksums, another rank checks that it sees its files at
+// their sizes (a node that lacks the path fails here, not in the load after the others went on).
+void checkpoint_check_files_present(const std::string& key, const std::string& path, bool weights_only) {
+  if (const std::string problem = checkpoint_verify(path, weights_only, /*checksums=*/false); !problem.empty())
+    throw Error(kExitData, key + " " + path + " is not usable on this rank: " + problem);
+}
+}  // namespace
+
+void Trainer::on_rank0_alone(const std::string& what, const std::function<void()>& work,
+                             const std::function<void()>& others_work) {
+  std::exception_ptr failure;
+  try {
+    if (dist_.rank == 0) work();
+    else if (others_work) others_work();
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  comm_->wait_for_rank0(what + ": done", what);
+  ranks_share_failure(*comm_, what, [&] {
+    if (failure) std::rethrow_exception(failure);
+  });
+}
+
 std::optional<std::string> Trainer::agree_on_latest_checkpoint() {
   const std::string checkpoints_dir = (std::filesystem::path(config_.run_dir) / "checkpoints").string();
-  std::optional<std::string> own;
-  ranks_share_failure(*comm_, "looking for a checkpoint in " + checkpoints_dir,
-                      [&] { own = checkpoint_find_latest(checkpoints_dir); });
-  if (comm_->is_local()) return own;
-  // The path and the manifest's checksum (which covers every file's): two copies of a run
-  // directory can hold different checkpoints under one step.
-  std::string mine;
-  if (own) mine = *own + " (manifest.json checksum " + checkpoint_manifest_hash(*own) + ")";
-  const std::string rank0 = comm_->broadcast_string("checkpoint to resume", mine);
+  std::optional<std::string> newest;
+  // Rank 0 verifies every file's checksum (falling back past damaged ones); the others check that
+  // they see the same: rank 0's pick with the same manifest.json (which holds every file's
+  // checksum) and file sizes, or, where rank 0 found none, no checkpoint directory either. Two
+  // copies of a run directory (node-local working directories, a stale cache) can hold other
+  // checkpoints, or others under one step.
+  on_rank0_alone("looking for a checkpoint in " + checkpoints_dir,
+                 [&] { newest = checkpoint_find_latest(checkpoints_dir); });
+  if (comm_->is_local()) return newest;
+  const std::string rank0 = comm_->broadcast_string(
+      "checkpoint to resume", newest ? *newest + " (manifest.json checksum " + checkpoint_manifest_hash(*newest) + ")" : "");
+  std::string mine = rank0;  // as rank 0 describes it, or what this rank sees instead
+  if (dist_.rank > 0) {
+    ranks_share_failure(*comm_, "checking rank 0's checkpoint in " + checkpoints_dir, [&] {
+      if (rank0.empty()) {
+        std::string steps;
+        for (const int64_t step : checkpoint_list_steps(checkpoints_dir)) steps += (steps.empty() ? "" : ", ") + std::to_string(step);
+        if (!steps.empty()) mine = "checkpoint directories of steps " + steps;
+        return;
+      }
+      newest = rank0.substr(0, rank0.rfind(" (manifest.json checksum "));
+      if (!std::filesystem::exists(std::filesystem::path(*newest) / "manifest.json")) {
+        mine = "no " + *newest + "/manifest.json";
+      } else if (const std::string problem = checkpoint_verify(*newest, false, /*checksums=*/false); !problem.empty()) {
+        mine = *newest + " not usable: " + problem;
+      } else {
+        mine = *newest + " (manifest.json checksum " + checkpoint_manifest_hash(*newest) + ")";
+      }
+    });
+  } else {
+    ranks_share_failure(*comm_, "checking rank 0's checkpoint in " + checkpoints_dir, [] {});
+  }
   const int64_t differing = ranks_reporting(mine != rank0, *comm_, "the checkpoint agreement");
-  const auto described = [](const std::string& dir) { return dir.empty() ? std::string("none (a fresh start)") : dir; };
+  const std::string rank0_text = rank0.empty() ? std::string("none (a fresh start)") : rank0;
   if (mine != rank0)
-    throw Error(kExitData, "rank " + std::to_string(dist_.rank) + " found the newest valid checkpoint in " +
-                               checkpoints_dir + " to be " + described(mine) + ", rank 0 " + described(rank0) +
+    throw Error(kExitData, "rank " + std::to_string(dist_.rank) + " sees the checkpoints in " + checkpoints_dir +
+                               " otherwise than rank 0: rank 0 resumes from " + rank0_text + ", and here there is " +
+                               (mine.empty() ? std::string("no checkpoint") : mine) +
                                ": every rank must see the same run directory (a shared filesystem; docs/distributed.md)");
   if (differing > 0)
     throw Error(kExitData, "rank " + std::to_string(dist_.rank) + ": " + std::to_string(differing) +
-                               " rank(s) found another newest checkpoint in " + checkpoints_dir + " than rank 0's " +
-                               described(rank0) + " (their messages say which); every rank must see the same run directory");
-  return own;
+                               " rank(s) see the checkpoints in " + checkpoints_dir + " otherwise than rank 0, which resumes from " +
+                               rank0_text + " (their messages say what they see); every rank must see the same run directory");
+  return newest;
 }
 
 int64_t Trainer::load_initial_state(StartingFor use) {
@@ -496,8 +544,9 @@ int64_t Trainer::load_initial_state(StartingFor use) {
     return state.step;
   }
   if (!c.load_full_state_path.empty()) {
-    ranks_share_failure(*comm_, "checking load_full_state_path " + c.load_full_state_path,
-                        [&] { checkpoint_check_full_state_path(c.load_full_state_path); });
+    on_rank0_alone("checking load_full_state_path " + c.load_full_state_path,
+                   [&] { checkpoint_check_full_state_path(c.load_full_state_path); },
+                   [&] { checkpoint_check_files_present("load_full_state_path", c.load_full_state_path, false); });
     const auto state = restore_full(c.load_full_state_path, "load_full_state_path " + c.load_full_state_path);
     spdlog::info("loaded full state from {} (step {})", c.load_full_state_path, state.step);
     initial_state_source_ = "load_full_state_path " + c.load_full_state_path;
@@ -516,8 +565,13 @@ int64_t Trainer::load_initial_state(StartingFor use) {
     // CRC32C against its manifest): a flipped byte used to load as a weight of 5051. Its
     // optimizer files are not read (they were, and are twice the weights' size).
     if (dir && std::filesystem::exists(std::filesystem::path(path) / "manifest.json"))
-      if (const std::string problem = checkpoint_verify(path, /*weights_only=*/true); !problem.empty())
-        throw Error(kExitData, "load_parameters_path " + path + " is not usable: " + problem);
+      on_rank0_alone(
+          "verifying load_parameters_path " + path,
+          [&] {
+            if (const std::string problem = checkpoint_verify(path, /*weights_only=*/true); !problem.empty())
+              throw Error(kExitData, "load_parameters_path " + path + " is not usable: " + problem);
+          },
+          [&] { checkpoint_check_files_present("load_parameters_path", path, true); });
     if (sharded_state_) {
       auto reader = CheckpointReader::weights(path);
       reader.check_reads([&](const std::string& name, const std::string& stored, const torch::Tensor& tensor) {

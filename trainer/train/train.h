@@ -134,6 +134,13 @@ class Trainer {
   int64_t load_initial_state(StartingFor use);
   // The newest valid checkpoint in run_dir, the same on every rank (exit 3 when ranks differ).
   std::optional<std::string> agree_on_latest_checkpoint();
+  // Runs `work` on rank 0 alone (what reads a checkpoint's every file to check its checksums:
+  // R ranks each reading it all multiplies terabytes of reads at scale) and `others_work` (a
+  // cheap check: that the files are there) on the others, which then wait for rank 0 as long as
+  // it lives (it can outlast collective_timeout_seconds); every rank stops with the error of a
+  // rank that failed.
+  void on_rank0_alone(const std::string& what, const std::function<void()>& work,
+                      const std::function<void()>& others_work = {});
   // Whether load_initial_state restored a checkpoint (this run's or load_full_state_path's).
   bool restored_checkpoint() const { return restored_consumed_samples_ >= 0; }
   // Host-side copy of everything a bit-exact resume needs, after `completed_steps` steps; every

@@ -455,9 +455,11 @@ void Trainer::eval_data_open(int64_t start_step) {
   // a resume continues at the checkpoint's position (consumed_valid_samples). With eval_interval or
   // eval_steps changed since, the evaluations left can read past that size: the index is built
   // for them (Megatron's sampler would stop at its end).
-  const int64_t formula = config_eval_samples(c, c.steps);
+  // Megatron's --skip-train sizes it for the one evaluation.
+  const bool trains = !c.skip_train && start_step < c.steps;
+  const int64_t formula = c.skip_train ? per_evaluation : config_eval_samples(c, c.steps);
   const int64_t interval = std::max<int64_t>(c.eval_interval, 1);
-  const int64_t evaluations_left = c.steps / interval - start_step / interval + 1;  // and the one after training
+  const int64_t evaluations_left = (trains ? c.steps / interval - start_step / interval : 0) + 1;  // and the one after training
   int64_t needed = 0;
   if (__builtin_mul_overflow(evaluations_left, per_evaluation, &needed) ||
       __builtin_add_overflow(needed, eval_consumed_samples_, &needed))
@@ -607,22 +609,29 @@ void Trainer::train() {
   } lock_release{run_dir_lock_, checkpointer_};
   const int64_t start_step = load_initial_state(StartingFor::kTraining);
   perf_startup_mark("resume");
-  if (start_step >= c.steps) {
+  // As Megatron, the evaluations after training also follow an empty training loop: with
+  // skip_train (--skip-train), and when a finished run is launched again with evaluation on.
+  const bool trains = !c.skip_train && start_step < c.steps;
+  const bool evaluates = c.eval_interval > 0 || c.skip_train;
+  if (!trains && !evaluates) {
     spdlog::info("{} already reached step {} (steps = {}); nothing to do", initial_state_source_, start_step, c.steps);
     return;
   }
   ranks_share_failure(*comm_, "opening the run's files (config.yml, metrics_file, TensorBoard)", [&] {
     if (!writer) return;
-    const std::string config_path = (std::filesystem::path(c.run_dir) / "config.yml").string();
-    std::ofstream config_file(config_path);
-    config_file << config_to_yaml(c);
-    if (!config_file.flush()) throw Error(kExitFailure, "cannot write " + config_path);
+    if (trains) {  // the config that trained (an evaluation alone leaves the run's)
+      const std::string config_path = (std::filesystem::path(c.run_dir) / "config.yml").string();
+      std::ofstream config_file(config_path);
+      config_file << config_to_yaml(c);
+      if (!config_file.flush()) throw Error(kExitFailure, "cannot write " + config_path);
+    }
     logger_ = std::make_unique<MetricsLogger>(c, start_step);
   });
   // At the start, not at the first evaluation: a split that leaves the validation set empty
   // would otherwise end the run after eval_interval steps, and every resume again.
-  if (c.eval_interval > 0) eval_data_open(start_step);
-  if (c.enable_checkpointing && (writer || sharded_checkpoints())) checkpointer_ = std::make_unique<Checkpointer>(c);
+  if (evaluates) eval_data_open(start_step);
+  if (trains && c.enable_checkpointing && (writer || sharded_checkpoints()))
+    checkpointer_ = std::make_unique<Checkpointer>(c);
   // A signal held during start-up (g_stop_mode) stops every rank here, before any work is lost.
   g_stop_mode = kStopAfterStep;
   if (ranks_reporting(g_stop_signal.load() != 0, comm_->host_group(), "the stop vote before the first step") > 0) {
@@ -631,11 +640,13 @@ void Trainer::train() {
     return;
   }
   spdlog::info("run_dir {} | model {}: {} parameters ({} active per token), {:.4g} TFLOP per step per device | "
-               "device {} | global batch {} sequences x {} tokens, K = {} | {} normalization | steps {}..{}",
+               "device {} | global batch {} sequences x {} tokens, K = {} | {} normalization | {}",
                c.run_dir, c.model_name, size_.total_params, size_.active_params, size_.flops_per_step_per_device / 1e12,
                device_.str(), c.global_batch_size, c.max_target_length, c.gradient_accumulation_steps,
                c.calculate_per_token_loss ? "per-token (sum/sum)" : "Megatron (mean of micro-batch means)",
-               start_step, c.steps - 1);
+               trains ? fmt::format("steps {}..{}", start_step, c.steps - 1)
+                      : fmt::format("no training ({}): evaluating the state after step {}",
+                                    c.skip_train ? "skip_train" : "steps reached", start_step));
 
   // A failure in this rank's own work in the loop (writing metrics_file or TensorBoard, a
   // checkpoint rank 0 saves alone) is held until the next step's vote when other ranks run:
@@ -721,9 +732,10 @@ void Trainer::train() {
     comm_->wait_for_rank0("checkpoint " + std::to_string(completed_steps) + " handed to the writer",
                           "saving checkpoint " + std::to_string(completed_steps));
   };
-  if (c.enable_checkpointing && c.save_checkpoint_on_start && start_step == 0) save(0, c.async_checkpointing);
-  prefetcher_ = std::make_unique<DataPrefetcher>(data_, start_step, c.steps, c.gradient_accumulation_steps,
-                                                 static_cast<size_t>(2 * c.gradient_accumulation_steps));
+  if (trains && c.enable_checkpointing && c.save_checkpoint_on_start && start_step == 0) save(0, c.async_checkpointing);
+  if (trains)
+    prefetcher_ = std::make_unique<DataPrefetcher>(data_, start_step, c.steps, c.gradient_accumulation_steps,
+                                                   static_cast<size_t>(2 * c.gradient_accumulation_steps));
   // Megatron's validation schedule: one evaluation every eval_interval steps and one after
   // training and its final checkpoint, even when the last step just had one, each on the next
   // eval_steps global batches of the valid split (its position, consumed_valid_samples, is in the
@@ -748,7 +760,7 @@ void Trainer::train() {
 
   int64_t steps_done = start_step;  // below c.steps after a stop signal
   bool stopped = false;              // by a stop signal (at the last step too)
-  for (int64_t step = start_step; step < c.steps; ++step) {
+  for (int64_t step = start_step; trains && step < c.steps; ++step) {
     const auto start = Clock::now();
     stop_vote_ = g_stop_signal.load() != 0;
     StepOutput out = c.debug_cuda_sync_check && step > start_step ? train_step_without_syncs(step) : train_step(step);
@@ -793,10 +805,10 @@ void Trainer::train() {
   flush(Clock::now());
   share_own_failure("after the last step");
   prefetcher_.reset();
-  // After the final checkpoint, as Megatron: a stop signal during this evaluation drops it and
-  // loses no training state. Not on a relaunch of a finished run (no step ran; Megatron would).
-  if (c.eval_interval > 0 && steps_done == c.steps && start_step < c.steps && !stopped) {
-    if (run_eval(c.steps, EvalPhase::kValidAfterTraining) && test_data_) run_eval(c.steps, EvalPhase::kTestAfterTraining);
+  // After the final checkpoint, as Megatron: a stop signal during these evaluations drops them and
+  // loses no training state.
+  if (evaluates && (steps_done == c.steps || !trains) && !stopped) {
+    if (run_eval(steps_done, EvalPhase::kValidAfterTraining) && test_data_) run_eval(steps_done, EvalPhase::kTestAfterTraining);
     share_own_failure("after the evaluations after training");
   }
   checkpoint_commit(/*block=*/true, /*fatal=*/true);
@@ -804,7 +816,9 @@ void Trainer::train() {
     const std::string error = checkpointer_->wait();
     if (!error.empty()) throw Error(kExitFailure, error);
   }
-  if (steps_done == c.steps)
+  if (!trains)
+    spdlog::info("done: evaluated the state after step {} (no training), metrics in {}", start_step, c.metrics_file);
+  else if (steps_done == c.steps)
     spdlog::info("done: {} steps, {} updates applied, metrics in {}", c.steps, updates_applied_, c.metrics_file);
   else
     spdlog::info("stopped: {} of {} steps, {} updates applied, metrics in {}", steps_done, c.steps, updates_applied_,
