@@ -7,7 +7,7 @@ set -euo pipefail
 cd -- "$(dirname -- "$(readlink -f -- "$0")")/.."  # also when run through a link
 if [ ! -x build/trainer ]; then
   scripts/setup.sh
-elif ! build_log=$(cmake --build build -j 2 2>&1); then  # after a git pull: not the previous build
+elif ! build_log=$(cmake --build build -j 2 --target trainer preprocess_data 2>&1); then  # after a git pull: not the previous build
   echo "$build_log" >&2
   exit 1
 fi

@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The timeouts below are sized for a Release build (a caller's BUILD_TYPE=Debug would not fit them).
-BUILD_TYPE=Release JOBS=2 scripts/setup.sh
+BUILD_TYPE=Release scripts/setup.sh
 # Every test has its own timeout (CMakeLists.txt); the suite has a budget on top (the 1.13 suite
 # takes ~16 minutes here at -j 1: 917 s of test time on 2026-12-06), so nothing can hold CI until
 # its 90-minute limit. A pattern that matches no test fails (--no-tests=error).

@@ -420,7 +420,8 @@ TEST_CASE("a finished run launched again evaluates its final state as Megatron, 
   CHECK(evals[3] == evals[2]);
   CHECK(evals[3] != evals[1]);
   CHECK(tests[1] == tests[0]);
-  // skip_train: the same with a steps the run has not reached, and no step, no checkpoint.
+  // skip_train: the state of a steps the run has not reached, with no step and no checkpoint, on
+  // the validation split's first batch (Megatron's --skip-train loader starts at 0).
   const auto skip = run_trainer(common + "steps=8 eval_interval=0 skip_train=true");
   INFO(skip.output);
   REQUIRE(skip.exit_code == 0);
@@ -429,13 +430,34 @@ TEST_CASE("a finished run launched again evaluates its final state as Megatron, 
                               Catch::Contains("done: evaluated the state after step 4 (no training)"));
   evals = values("eval/lm_loss");
   REQUIRE(evals.size() == 5);
-  CHECK(evals[4] == evals[2]);
+  CHECK(evals[4] != evals[2]);
+  CHECK(values("eval/group").back() == 0);
+  CHECK(values("eval/consumed_samples").back() == 2);
+  CHECK(values("eval/consumed_samples")[2] == 6);  // the first run's after training: batch 2
   tests = values("test/lm_loss");
   REQUIRE(tests.size() == 3);
   CHECK(tests[2] == tests[0]);
   CHECK(values("learning/loss").size() == 4);
   CHECK(checkpoint_list_steps(dir + "/checkpoints") == std::vector<int64_t>{4});
   CHECK_THAT(read_file(dir + "/config.yml"), Catch::Contains("skip_train: false"));  // the config that trained
+
+  // A run whose metrics go past its newest checkpoint: an evaluation alone drops none of them (a
+  // resume would, as it runs those steps again).
+  const std::string keep = kOut + "/evaluate-keep";
+  fs::remove_all(keep);
+  const std::string keep_args = "model_name=test-tiny max_target_length=16 checkpoint_period=4 save_checkpoint_on_completion=false "
+                                "base_output_directory=" + kOut + " run_name=evaluate-keep ";
+  REQUIRE(run_trainer(keep_args + "steps=6").exit_code == 0);
+  const auto before = read_lines(keep + "/metrics.jsonl");
+  REQUIRE(before.size() == 6);
+  const auto keep_skip = run_trainer(keep_args + "steps=6 skip_train=true eval_steps=1");
+  INFO(keep_skip.output);
+  REQUIRE(keep_skip.exit_code == 0);
+  CHECK_THAT(keep_skip.output, Catch::Contains("evaluating the state after step 4"));
+  const auto after = read_lines(keep + "/metrics.jsonl");
+  REQUIRE(after.size() == 8);  // and the validation and test lines
+  CHECK(std::equal(before.begin(), before.end(), after.begin()));
+  CHECK(json_metric(after[6], "step") == 3);
 }
 
 TEST_CASE("a resume evaluates from its checkpoint's validation position (Megatron's consumed_valid_samples), whatever eval_interval is now", "[metrics][cli][checkpoint]") {

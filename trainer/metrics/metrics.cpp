@@ -54,7 +54,8 @@ std::string metrics_aside_name(const std::filesystem::path& path) {
 }
 }  // namespace
 
-MetricsLogger::MetricsLogger(const Config& config, int64_t first_step) : config_(config), first_step_(first_step) {
+MetricsLogger::MetricsLogger(const Config& config, int64_t first_step, bool evaluation_only)
+    : config_(config), first_step_(first_step) {
   std::error_code ec;
   // A symbolic link is followed: the file it names is the one kept, rewritten or moved aside (the
   // rename used to replace the link by a regular file, its target left with the old lines).
@@ -72,7 +73,7 @@ MetricsLogger::MetricsLogger(const Config& config, int64_t first_step) : config_
   // rewrite or move aside (a resume replaced /dev/null by a regular file, run as root).
   const bool regular = !std::filesystem::exists(path, ec) || std::filesystem::is_regular_file(path, ec);
   if (!regular) spdlog::info("metrics_file {} is not a regular file: written to as it is", path.string());
-  if (regular && first_step > 0 && std::filesystem::exists(path)) {
+  if (regular && !evaluation_only && first_step > 0 && std::filesystem::exists(path)) {
     // Resuming: keep the lines of steps before first_step. The kept lines go to a temporary
     // file that replaces the old one by rename, so a kill at any moment loses nothing. Lines
     // dropped (steps run after the last checkpoint, or another run's file named by mistake) stay
@@ -113,7 +114,7 @@ MetricsLogger::MetricsLogger(const Config& config, int64_t first_step) : config_
     }
     std::filesystem::rename(tmp, path);
   }
-  if (regular && first_step == 0 && std::filesystem::file_size(path, ec) > 0 && !ec) {
+  if (regular && !evaluation_only && first_step == 0 && std::filesystem::file_size(path, ec) > 0 && !ec) {
     // A fresh run whose metrics file holds an earlier run's lines (one that left no checkpoint,
     // or metrics_file shared by mistake): moved aside, not overwritten.
     const std::string aside = metrics_aside_name(path);
@@ -122,10 +123,10 @@ MetricsLogger::MetricsLogger(const Config& config, int64_t first_step) : config_
     spdlog::warn("metrics_file {} held the lines of an earlier run, and this run starts at step 0; moved them to {}",
                  path.string(), aside);
   }
-  file_ = std::fopen(path.c_str(), first_step > 0 || !regular ? "a" : "w");
+  file_ = std::fopen(path.c_str(), first_step > 0 || !regular || evaluation_only ? "a" : "w");
   if (!file_)
     throw Error(kExitFailure, "cannot open metrics_file " + path.string() + ": " + std::strerror(errno));
-  if (config.enable_tensorboard)
+  if (config.enable_tensorboard && !evaluation_only)
     tensorboard_ = std::make_unique<TensorBoardWriter>((std::filesystem::path(config.run_dir) / "tensorboard").string(),
                                                        first_step);
 }

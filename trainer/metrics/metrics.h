@@ -55,8 +55,10 @@ class MetricsLogger {
 
   // Opens metrics_file. When resuming at `first_step` > 0, lines of steps >= first_step (written
   // after the checkpoint by an interrupted run) are dropped and the rest kept; TensorBoard is told
-  // to drop its points of those steps too (tensorboard.h).
-  MetricsLogger(const Config& config, int64_t first_step = 0);
+  // to drop its points of those steps too (tensorboard.h). `evaluation_only` (no step will run:
+  // skip_train, a finished run launched again): lines are appended, none dropped or moved aside,
+  // and no TensorBoard events are written (Megatron's --skip-train writes none).
+  MetricsLogger(const Config& config, int64_t first_step = 0, bool evaluation_only = false);
   ~MetricsLogger();
   void log(int64_t step, const MetricValues& values);
   // An evaluation after `step`: one JSON line {"step": step, "eval/...": ...} ("test/..." for the

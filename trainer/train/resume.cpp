@@ -364,8 +364,9 @@ void Trainer::restore_state(const CheckpointState& state, const std::string& con
   restored_consumed_samples_ = state.consumed_samples;
   // A state.json without the validation position: where the evaluations of its steps under this
   // config left it (Megatron derives it alike from its checkpoint's iteration).
-  eval_consumed_samples_ = state.consumed_valid_samples >= 0 ? state.consumed_valid_samples : 0;
-  if (state.consumed_valid_samples < 0 && config_.eval_interval > 0 &&
+  // Megatron's --skip-train evaluates from the validation split's start.
+  eval_consumed_samples_ = state.consumed_valid_samples >= 0 && !config_.skip_train ? state.consumed_valid_samples : 0;
+  if (state.consumed_valid_samples < 0 && config_.eval_interval > 0 && !config_.skip_train &&
       (__builtin_mul_overflow(state.step / config_.eval_interval, config_.eval_steps, &eval_consumed_samples_) ||
        __builtin_mul_overflow(eval_consumed_samples_, config_.global_batch_size, &eval_consumed_samples_)))
     throw config_error(source + ": its step " + std::to_string(state.step) + " x eval_steps x global_batch_size does "
@@ -434,31 +435,39 @@ void checkpoint_check_files_present(const std::string& key, const std::string& p
 void Trainer::on_rank0_alone(const std::string& what, const std::function<void()>& work,
                              const std::function<void()>& others_work) {
   std::exception_ptr failure;
-  try {
-    if (dist_.rank == 0) work();
-    else if (others_work) others_work();
-  } catch (...) {
-    failure = std::current_exception();
+  if (dist_.rank == 0) {
+    try {
+      work();
+    } catch (...) {
+      failure = std::current_exception();
+    }
   }
   comm_->wait_for_rank0(what + ": done", what);
+  // Rank 0's outcome first: its message is the one that says what is wrong (a run directory
+  // named for a checkpoint), where the others would only see files missing.
   ranks_share_failure(*comm_, what, [&] {
     if (failure) std::rethrow_exception(failure);
+  });
+  if (others_work) ranks_share_failure(*comm_, what + " (the other ranks)", [&] {
+    if (dist_.rank > 0) others_work();
   });
 }
 
 std::optional<std::string> Trainer::agree_on_latest_checkpoint() {
   const std::string checkpoints_dir = (std::filesystem::path(config_.run_dir) / "checkpoints").string();
   std::optional<std::string> newest;
+  std::string described;  // rank 0's: its pick and its manifest's checksum, "" for none
   // Rank 0 verifies every file's checksum (falling back past damaged ones); the others check that
   // they see the same: rank 0's pick with the same manifest.json (which holds every file's
   // checksum) and file sizes, or, where rank 0 found none, no checkpoint directory either. Two
   // copies of a run directory (node-local working directories, a stale cache) can hold other
   // checkpoints, or others under one step.
-  on_rank0_alone("looking for a checkpoint in " + checkpoints_dir,
-                 [&] { newest = checkpoint_find_latest(checkpoints_dir); });
+  on_rank0_alone("looking for a checkpoint in " + checkpoints_dir, [&] {
+    newest = checkpoint_find_latest(checkpoints_dir);
+    if (newest && !comm_->is_local()) described = *newest + " (manifest.json checksum " + checkpoint_manifest_hash(*newest) + ")";
+  });
   if (comm_->is_local()) return newest;
-  const std::string rank0 = comm_->broadcast_string(
-      "checkpoint to resume", newest ? *newest + " (manifest.json checksum " + checkpoint_manifest_hash(*newest) + ")" : "");
+  const std::string rank0 = comm_->broadcast_string("checkpoint to resume", described);
   std::string mine = rank0;  // as rank 0 describes it, or what this rank sees instead
   if (dist_.rank > 0) {
     ranks_share_failure(*comm_, "checking rank 0's checkpoint in " + checkpoints_dir, [&] {
@@ -516,7 +525,7 @@ int64_t Trainer::load_initial_state(StartingFor use) {
     // from state.json alone, before minutes of reading tensors. (A finished run has nothing to
     // skip, an export reads no data; a load_full_state_path of another run starts a new data
     // stream: its position is not checked.)
-    if (use == StartingFor::kTraining) {
+    if (use == StartingFor::kTraining && !c.skip_train) {
       const CheckpointState peek = checkpoint_load_state(*own).first;
       if (peek.step < c.steps && peek.consumed_samples != peek.step * c.global_batch_size)
         throw config_error("checkpoint " + *own + " consumed " + std::to_string(peek.consumed_samples) + " samples in " +
@@ -528,7 +537,7 @@ int64_t Trainer::load_initial_state(StartingFor use) {
                            (peek.step > 0 ? std::to_string(peek.consumed_samples / peek.step) : std::string("the checkpoint's")));
     }
     const auto state = restore_full(*own, "checkpoint " + *own);
-    const bool continues = use == StartingFor::kTraining && state.step < c.steps;
+    const bool continues = use == StartingFor::kTraining && !c.skip_train && state.step < c.steps;
     // Megatron's index is shuffled over whole epochs of the run's steps x global_batch_size
     // samples: another `steps` that changes a dataset's epochs is another sample order (as in
     // Megatron when --train-iters changes).
@@ -559,12 +568,18 @@ int64_t Trainer::load_initial_state(StartingFor use) {
     // shards its model.safetensors.index.json lists.
     // Sharded levels read it one tensor at a time, as a resume does; the others read it all.
     const std::string& path = c.load_parameters_path;
-    const bool dir = std::filesystem::is_directory(path);
-    if (!dir && !std::filesystem::exists(path)) throw config_error("load_parameters_path: no file " + path);
+    bool dir = false, checkpoint_dir = false;
+    ranks_share_failure(*comm_, "opening load_parameters_path " + path, [&] {
+      dir = std::filesystem::is_directory(path);
+      if (!dir && !std::filesystem::exists(path)) throw config_error("load_parameters_path: no file " + path);
+      checkpoint_dir = dir && std::filesystem::exists(std::filesystem::path(path) / "manifest.json");
+    });
     // A checkpoint directory's model files are verified as a resume verifies them (sizes and
     // CRC32C against its manifest): a flipped byte used to load as a weight of 5051. Its
-    // optimizer files are not read (they were, and are twice the weights' size).
-    if (dir && std::filesystem::exists(std::filesystem::path(path) / "manifest.json"))
+    // optimizer files are not read (they were, and are twice the weights' size). Rank 0 says
+    // whether it is one (every rank takes the same branch; one that sees no manifest fails its check).
+    if (!comm_->is_local()) checkpoint_dir = comm_->broadcast_string("load_parameters_path is a checkpoint", checkpoint_dir ? "1" : "") == "1";
+    if (checkpoint_dir)
       on_rank0_alone(
           "verifying load_parameters_path " + path,
           [&] {

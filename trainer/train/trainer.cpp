@@ -483,7 +483,8 @@ void Trainer::eval_data_open(int64_t start_step) {
                  samples, eval_consumed_samples_, evaluations_left, evaluations_left * per_evaluation, formula);
   // As for training (load_initial_state): another steps can mean other validation epochs.
   const int64_t samples_before = config_eval_samples(c, restored_steps_);
-  if (restored_steps_ > 0 && restored_steps_ != c.steps && !eval_data_->data_loader_same_samples_as_built_for(samples_before))
+  if (trains && restored_steps_ > 0 && restored_steps_ != c.steps &&
+      !eval_data_->data_loader_same_samples_as_built_for(samples_before))
     spdlog::warn("steps changed from {} to {}, and the validation index built for {} samples spans other epochs than "
                  "the checkpoint's run had ({} samples): the evaluation losses from here on are over other samples "
                  "than that run's (docs/data.md)",
@@ -625,7 +626,7 @@ void Trainer::train() {
       config_file << config_to_yaml(c);
       if (!config_file.flush()) throw Error(kExitFailure, "cannot write " + config_path);
     }
-    logger_ = std::make_unique<MetricsLogger>(c, start_step);
+    logger_ = std::make_unique<MetricsLogger>(c, start_step, /*evaluation_only=*/!trains);
   });
   // At the start, not at the first evaluation: a split that leaves the validation set empty
   // would otherwise end the run after eval_interval steps, and every resume again.
@@ -807,8 +808,10 @@ void Trainer::train() {
   prefetcher_.reset();
   // After the final checkpoint, as Megatron: a stop signal during these evaluations drops them and
   // loses no training state.
+  bool evaluated = false;  // the evaluations after training, not dropped by a stop signal
   if (evaluates && (steps_done == c.steps || !trains) && !stopped) {
-    if (run_eval(steps_done, EvalPhase::kValidAfterTraining) && test_data_) run_eval(steps_done, EvalPhase::kTestAfterTraining);
+    evaluated = run_eval(steps_done, EvalPhase::kValidAfterTraining) &&
+                (!test_data_ || run_eval(steps_done, EvalPhase::kTestAfterTraining));
     share_own_failure("after the evaluations after training");
   }
   checkpoint_commit(/*block=*/true, /*fatal=*/true);
@@ -816,8 +819,10 @@ void Trainer::train() {
     const std::string error = checkpointer_->wait();
     if (!error.empty()) throw Error(kExitFailure, error);
   }
-  if (!trains)
+  if (!trains && evaluated)
     spdlog::info("done: evaluated the state after step {} (no training), metrics in {}", start_step, c.metrics_file);
+  else if (!trains)
+    spdlog::info("stopped: the evaluations of the state after step {} were dropped (no training)", start_step);
   else if (steps_done == c.steps)
     spdlog::info("done: {} steps, {} updates applied, metrics in {}", c.steps, updates_applied_, c.metrics_file);
   else
