@@ -743,18 +743,20 @@ void Trainer::train() {
   // checkpoints); then one on the test split's first eval_steps global batches. False when a
   // stop signal dropped the evaluation (all ranks agree); a dropped (or skipped) one's batches are
   // passed over all the same: Megatron finishes an evaluation before it stops, reading them.
+  // The next validation evaluation's first global batch, its batches counted as read: from the
+  // next whole global batch (a load_full_state_path of a run with another global batch can leave
+  // the position between two).
+  auto take_validation_batches = [&] {
+    const int64_t first_batch = (eval_consumed_samples_ + c.global_batch_size - 1) / c.global_batch_size;
+    eval_consumed_samples_ = (first_batch + c.eval_steps) * c.global_batch_size;
+    return first_batch;
+  };
   auto run_eval = [&](int64_t completed, EvalPhase phase) {
     flush(Clock::now());
-    std::optional<MetricValues> values;
-    if (phase == EvalPhase::kTestAfterTraining) {
-      values = evaluate(DataSplit::kTest, 0, /*announce=*/true);
-    } else {
-      // From the next whole global batch (a load_full_state_path of a run with another global
-      // batch can leave the position between two).
-      const int64_t first_batch = (eval_consumed_samples_ + c.global_batch_size - 1) / c.global_batch_size;
-      values = evaluate(DataSplit::kValid, first_batch, /*announce=*/phase == EvalPhase::kValidAfterTraining);
-      eval_consumed_samples_ = (first_batch + c.eval_steps) * c.global_batch_size;
-    }
+    const auto values = phase == EvalPhase::kTestAfterTraining
+                            ? evaluate(DataSplit::kTest, 0, /*announce=*/true)
+                            : evaluate(DataSplit::kValid, take_validation_batches(),
+                                       /*announce=*/phase == EvalPhase::kValidAfterTraining);
     if (values && logger_) own_work([&] { logger_->log_eval(completed - 1, *values, phase); });
     return values.has_value();
   };
@@ -782,8 +784,7 @@ void Trainer::train() {
     int signal = stop ? std::max(g_stop_signal.load(), 1) : 0;
     if (c.eval_interval > 0 && completed % c.eval_interval == 0) {
       if (signal)  // skipped; its batches count as read, as for a dropped one
-        eval_consumed_samples_ = ((eval_consumed_samples_ + c.global_batch_size - 1) / c.global_batch_size + c.eval_steps) *
-                                 c.global_batch_size;
+        take_validation_batches();
       else if (!run_eval(completed, EvalPhase::kInLoop))
         signal = std::max(g_stop_signal.load(), 1);
     }
