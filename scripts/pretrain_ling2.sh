@@ -5,8 +5,10 @@
 # Every setting below can be overridden from the environment (${VAR:-default}); anything after
 # the script name is passed through to the trainer as key=value overrides (and wins: dataset_path=,
 # dataset_type=, eod_id=, pad_id= there are seen by the demo-corpus rule of section 4). TRAINER
-# names the binary (default build/trainer, built by scripts/setup.sh when missing; a TRAINER that
-# does not exist is an error, never a reason to install anything). Paths you give (HOSTFILE,
+# names the binary (default build/trainer, built by scripts/setup.sh when missing, or on GPUs
+# build-gpu/trainer, built by scripts/gpu/build.sh; a TRAINER that does not exist is an error,
+# never a reason to install anything). HARDWARE (cpu | gpu) defaults to gpu where `nvidia-smi -L`
+# lists a GPU on this machine, one per local process. Paths you give (HOSTFILE,
 # TRAINER, CONFIG_FILE, DATA_PATH, BASE_OUTPUT_DIR, key=value arguments) are relative to your
 # working directory; the defaults are the repository's files. Running again with the same
 # RUN_NAME (default <model_name>-<data file name>) resumes that run, even with other settings
@@ -44,6 +46,17 @@ if [ -n "$HOSTFILE" ] && [ ! -f "$HOSTFILE" ]; then
   echo "pretrain_ling2.sh: HOSTFILE=$HOSTFILE does not exist" >&2
   exit 2
 fi
+HARDWARE=${HARDWARE:-}
+for arg in "$@"; do case "$arg" in hardware=*) HARDWARE=${arg#hardware=} ;; esac; done  # the arguments win
+if [ -z "$HARDWARE" ]; then
+  # A GPU node trained on its CPUs unless hardware=gpu was passed.
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then HARDWARE=gpu; else HARDWARE=cpu; fi
+  echo "pretrain_ling2.sh: HARDWARE=$HARDWARE (detected; set HARDWARE=cpu or gpu to choose)" >&2
+fi
+if [ "$HARDWARE" != cpu ] && [ "$HARDWARE" != gpu ]; then
+  echo "pretrain_ling2.sh: HARDWARE=$HARDWARE is neither cpu nor gpu" >&2
+  exit 2
+fi
 MPIRUN_ARGS=${MPIRUN_ARGS:-"--bind-to none"}
 if [ "$(id -u)" -eq 0 ]; then MPIRUN_ARGS="$MPIRUN_ARGS --allow-run-as-root"; fi
 if [ -n "$HOSTFILE" ]; then
@@ -76,6 +89,10 @@ done
 # installs what prepare_corpus.sh reads), on a fresh machine too.
 if [ -n "${TRAINER:-}" ]; then
   [ -x "$TRAINER" ] || { echo "pretrain_ling2.sh: TRAINER=$TRAINER is not an executable" >&2; exit 2; }
+elif [ "$HARDWARE" = gpu ]; then
+  # build/trainer is Debian's CPU-only LibTorch: a GPU run needs the CUDA build.
+  TRAINER="$ROOT/build-gpu/trainer"
+  [ -x "$TRAINER" ] || { echo "pretrain_ling2.sh: HARDWARE=gpu needs $TRAINER: build it with scripts/gpu/build.sh (README, GPU), or set TRAINER" >&2; exit 2; }
 else
   TRAINER="$ROOT/build/trainer"
   [ -x "$TRAINER" ] || "$ROOT/scripts/setup.sh"
@@ -83,7 +100,12 @@ fi
 if [ "$(realpath -m -- "$DATA_PATH")" = "$DEMO_PATH" ]; then
   EOD_ID=${EOD_ID:-${DEMO_EOD_ID:-256}}
   PAD_ID=${PAD_ID:-${DEMO_PAD_ID:-257}}
-  if [ "$DATASET_TYPE" = megatron ] && [ ! -f "$DEMO_PATH.idx" ]; then "$ROOT/scripts/prepare_corpus.sh"; fi
+  if [ "$DATASET_TYPE" = megatron ] && [ ! -f "$DEMO_PATH.idx" ]; then
+    # The tokenizer built beside the trainer where there is one (build-gpu/ on a GPU machine).
+    PREPROCESS_DATA=$(dirname -- "$TRAINER")/preprocess_data
+    [ -x "$PREPROCESS_DATA" ] || PREPROCESS_DATA="$ROOT/build/preprocess_data"
+    PREPROCESS_DATA="$PREPROCESS_DATA" "$ROOT/scripts/prepare_corpus.sh"
+  fi
 fi
 EOD_ID=${EOD_ID:-156892}
 # The RFC's script sets PAD_ID=156892 (<|endoftext|>), which is the EOD id: Megatron's GPTDataset
@@ -133,6 +155,7 @@ exec ${LAUNCH[@]+"${LAUNCH[@]}"} "$TRAINER" "$CONFIG_FILE" \
   model_name="$MODEL_NAME" \
   ${MODEL_OVERRIDES[@]+"${MODEL_OVERRIDES[@]}"} \
   run_name="$RUN_NAME" \
+  hardware="$HARDWARE" \
   base_output_directory="$BASE_OUTPUT_DIR" \
   \
   eod_id="$EOD_ID" \

@@ -660,7 +660,7 @@ TEST_CASE("scripts/pretrain_ling2.sh: valid bash, and a 2-step run with 2 proces
   fs::remove_all(kOut + "/ling2-script");
   // The binary under test, not build/trainer; synthetic data (no corpus preparation).
   const std::string trainer = std::string("TRAINER=") + TRAINER_BINARY + " ";
-  const auto r = run_command("cd " + std::string(TRAINER_SOURCE_DIR) + " && " + trainer + "MODEL_NAME=ling2-tiny VOCAB_SIZE=258 NPROC=2 "
+  const auto r = run_command("cd " + std::string(TRAINER_SOURCE_DIR) + " && " + trainer + "HARDWARE=cpu MODEL_NAME=ling2-tiny VOCAB_SIZE=258 NPROC=2 "
                              "STEPS=2 MAX_TARGET_LENGTH=32 DTYPE=float32 BASE_OUTPUT_DIR=" + kOut +
                              " RUN_NAME=ling2-script DATASET_TYPE=synthetic DEMO_EOD_ID=-1 DEMO_PAD_ID=0 "
                              "scripts/pretrain_ling2.sh data_cache_path=" + kOut + "/cache");
@@ -700,7 +700,7 @@ TEST_CASE("scripts/pretrain_ling2.sh: valid bash, and a 2-step run with 2 proces
     // The script's own variables cleared: the caller's shell may export some.
     const auto r = run_command("cd " + fs::path(TRAINER_BINARY).parent_path().string() +
                                " && env -u EOD_ID -u PAD_ID -u DATA_PATH -u RUN_NAME -u NPROC -u HOSTFILE -u CONFIG_FILE "
-                               "-u MPIRUN_ARGS -u DEMO_EOD_ID -u DEMO_PAD_ID -u BASE_OUTPUT_DIR TRAINER=./" +
+                               "-u MPIRUN_ARGS -u DEMO_EOD_ID -u DEMO_PAD_ID -u BASE_OUTPUT_DIR -u HARDWARE TRAINER=./" +
                                fs::path(TRAINER_BINARY).filename().string() + " MODEL_NAME=ling2-tiny VOCAB_SIZE=157184 DATASET_TYPE=synthetic " +
                                env + " " + source_path("scripts/pretrain_ling2.sh") + " --print-config " + args);
     INFO(env << " | " << args << ": " << r.output);
@@ -720,6 +720,53 @@ TEST_CASE("scripts/pretrain_ling2.sh: valid bash, and a 2-step run with 2 proces
   CHECK_THAT(print("", "pad_id=7"), Catch::Contains("\neod_id: 256\n") && Catch::Contains("\npad_id: 7\n"));
   CHECK_THAT(print("DATA_PATH=" + source_path("data/../data/fortunes_text_document"), ""),
              Catch::Contains("\neod_id: 256\n"));  // the demo corpus by another spelling
+}
+
+TEST_CASE("scripts/pretrain_ling2.sh trains on the GPUs nvidia-smi lists, and HARDWARE chooses", "[dist][cli]") {
+  // A GPU node used to train on its CPUs unless hardware=gpu was passed. Stand-in nvidia-smi
+  // programs first on PATH say what the machine has.
+  const std::string dir = kOut + "/ling2-hardware";
+  fs::remove_all(dir);
+  const auto fake_nvidia_smi = [&](const std::string& name, const std::string& body) {
+    fs::create_directories(dir + "/" + name);
+    const std::string path = dir + "/" + name + "/nvidia-smi";
+    std::ofstream(path) << "#!/bin/sh\n" << body << "\n";
+    fs::permissions(path, fs::perms::owner_all);
+    return dir + "/" + name;
+  };
+  const std::string with_gpus = fake_nvidia_smi("gpus", "echo 'GPU 0: NVIDIA H200 (UUID: GPU-0)'");
+  const std::string broken = fake_nvidia_smi("broken", "echo 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver.'; exit 9");
+  const auto print = [&](const std::string& path_first, const std::string& env, const std::string& args) {
+    const auto r = run_command("cd " + std::string(TRAINER_SOURCE_DIR) + " && env -u HARDWARE" +
+                               (path_first.empty() ? std::string() : " PATH=" + path_first + ":$PATH") + " TRAINER=" + TRAINER_BINARY +
+                               " MODEL_NAME=ling2-tiny VOCAB_SIZE=157184 DATASET_TYPE=synthetic " + env +
+                               " scripts/pretrain_ling2.sh --print-config " + args);
+    INFO(path_first << " | " << env << " | " << args << ": " << r.output);
+    return r;
+  };
+  auto r = print(with_gpus, "", "");
+  CHECK(r.exit_code == 0);
+  CHECK_THAT(r.output, Catch::Contains("HARDWARE=gpu (detected") && Catch::Contains("\nhardware: \"gpu\"\n"));
+  r = print(broken, "", "");  // a driver that does not answer: no GPU
+  CHECK(r.exit_code == 0);
+  CHECK_THAT(r.output, Catch::Contains("HARDWARE=cpu (detected") && Catch::Contains("\nhardware: \"cpu\"\n"));
+  r = print(with_gpus, "HARDWARE=cpu", "");
+  CHECK(r.exit_code == 0);
+  CHECK_THAT(r.output, Catch::Contains("\nhardware: \"cpu\"\n") && !Catch::Contains("detected"));
+  r = print(with_gpus, "", "hardware=cpu");  // the arguments win, as for every other key
+  CHECK(r.exit_code == 0);
+  CHECK_THAT(r.output, Catch::Contains("\nhardware: \"cpu\"\n") && !Catch::Contains("detected"));
+  r = print("", "HARDWARE=tpu", "");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.output, Catch::Contains("HARDWARE=tpu is neither cpu nor gpu"));
+  // Without TRAINER a GPU run takes build-gpu/trainer: build/trainer is the CPU-only LibTorch. A
+  // copy of the script in a tree without build-gpu/ says how to build it.
+  fs::create_directories(dir + "/tree/scripts");
+  fs::copy_file(source_path("scripts/pretrain_ling2.sh"), dir + "/tree/scripts/pretrain_ling2.sh");
+  r = run_command("env -u TRAINER HARDWARE=gpu bash " + dir + "/tree/scripts/pretrain_ling2.sh --print-config");
+  INFO(r.output);
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.output, Catch::Contains("HARDWARE=gpu needs " + fs::canonical(dir + "/tree").string() + "/build-gpu/trainer: build it with scripts/gpu/build.sh"));
 }
 
 TEST_CASE("under mpirun --print-config, --dry-run and --dump-samples print once, from rank 0, and every rank exits alike", "[dist][cli]") {

@@ -225,6 +225,21 @@ TEST_CASE("TensorBoard writers of the same second get names that sort in the ord
   }
 }
 
+TEST_CASE("log_format=megatron: a MoE model without the balancing loss logs load_balancing_loss 0, as Megatron", "[metrics][cli]") {
+  // Megatron's router records no balancing loss when its coefficient is 0 and its tracker prints
+  // 0.000000E+00; the statistic we compute anyway (the expert load) stays out of that column.
+  fs::remove_all(kOut + "/megatron-no-balance");
+  const auto r = run_trainer("model_name=moe-tiny override_model_config=true max_target_length=16 steps=1 log_format=megatron load_balance_loss_weight=0 "
+                             "per_device_batch_size=2 base_output_directory=" + kOut + " run_name=megatron-no-balance");
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  const auto lines = read_lines(kOut + "/megatron-no-balance/metrics.jsonl");
+  REQUIRE(lines.size() == 1);
+  CHECK(json_metric(lines[0], "megatron/load_balancing_loss") == 0.0);
+  CHECK(json_metric(lines[0], "moe/expert_load_max_over_mean") >= 1.0);
+  CHECK_THAT(r.output, Catch::Contains(" load_balancing_loss: 0.000000E+00 |"));
+}
+
 TEST_CASE("log_format=megatron prints Megatron-LM's training_log line", "[metrics][cli]") {
   fs::remove_all(kOut + "/megatron");
   const auto r = run_trainer("model_name=test-tiny max_target_length=16 steps=4 log_period=2 log_format=megatron "
@@ -236,7 +251,7 @@ TEST_CASE("log_format=megatron prints Megatron-LM's training_log line", "[metric
                 (json_metric(lines[2], "megatron/lm_loss") + json_metric(lines[3], "megatron/lm_loss")) / 2);
   const std::regex pattern(R"( iteration +4/ +4 \| consumed samples: +12 \| elapsed time per iteration \(ms\): [0-9.]+ \| )"
                            R"(learning rate: [0-9.]+E[-+][0-9]+ \| global batch size: +3 \| lm loss: ([0-9.]+E[-+][0-9]+) \| )"
-                           R"(loss scale: 1\.0 \| grad norm: [0-9.]+ \| num zeros: [0-9.]+ \| params norm: [0-9.]+ \| )"
+                           R"(loss scale: 1\.0 \| grad norm: [0-9.]+ \| num zeros: [0-9]+ \| params norm: [0-9.]+ \| )"
                            R"(number of skipped iterations: +0 \| number of nan iterations: +0 \|)");
   std::smatch m;
   REQUIRE(std::regex_search(r.output, m, pattern));
@@ -296,7 +311,7 @@ TEST_CASE("Megatron line: each label and number formatted as Megatron-LM's train
   expected += " mtp_2 loss: " + printf_string("%.6E", 5.0) + " |";
   expected += " loss scale: 1.0 |";
   expected += " grad norm: 2.718 |";
-  expected += " num zeros: 1234.0 |";  // Python prints the float count as 1234.0
+  expected += " num zeros: 1234 |";  // an int64 count's .item(), printed by Python as 1234
   expected += " params norm: 31.416 |";
   expected += " number of skipped iterations:   0 |";
   expected += " number of nan iterations:   0 |";
@@ -313,6 +328,14 @@ TEST_CASE("Megatron line: each label and number formatted as Megatron-LM's train
   CHECK_THAT(dense, Catch::Contains(" lm loss: 2.500000E+00 | loss scale: 1.0 | grad norm: 2.718 | params norm: 31.416 |"
                                     " number of skipped iterations:   1 |"));
   CHECK_THAT(dense, !Catch::Contains("num zeros") && !Catch::Contains("load_balancing_loss"));
+  // A MoE model without the balancing loss (the Ling recipes' coefficient 0) still has the
+  // column, as Megatron's default aux_loss tracker prints it; z_loss only with its coefficient.
+  const Config no_balance = tiny_config({"model_name=moe-tiny", "override_model_config=true", "load_balance_loss_weight=0", "router_z_loss_weight=0",
+                                         "steps=10", "log_period=2"});
+  MegatronInterval zero_balance;
+  megatron_interval_add(zero_balance, no_balance, step_values(2.5, 0.0, 0.0, 3.0, 4.0, 1.0, 0));
+  CHECK_THAT(megatron_log_line(no_balance, 4, zero_balance, skipped_step, "t"),
+             Catch::Contains(" lm loss: 2.500000E+00 | load_balancing_loss: 0.000000E+00 | loss scale: 1.0 |"));
 
   // Megatron's MoE and MTP trackers add every iteration's losses, skipped ones too, and divide by
   // the applied iterations like the lm loss, which sums the applied ones only.

@@ -160,8 +160,9 @@ namespace {
 // (metric, label) of each loss Megatron prints, in its order.
 std::vector<std::pair<std::string, std::string>> megatron_loss_columns(const Config& config) {
   std::vector<std::pair<std::string, std::string>> columns = {{"megatron/lm_loss", "lm loss"}};
-  if (config.num_experts > 1 && config.load_balance_loss_weight > 0)
-    columns.emplace_back("megatron/load_balancing_loss", "load_balancing_loss");
+  // Megatron tracks load_balancing_loss for its default --moe-router-load-balancing-type aux_loss
+  // whatever the coefficient: with 0 (the Ling recipes) it prints 0.000000E+00.
+  if (config.num_experts > 1) columns.emplace_back("megatron/load_balancing_loss", "load_balancing_loss");
   if (config.num_experts > 1 && config.router_z_loss_weight > 0) columns.emplace_back("megatron/z_loss", "z_loss");
   for (int64_t k = 1; k <= config.mtp_num_layers; ++k)
     columns.emplace_back("megatron/mtp_" + std::to_string(k) + "_loss", "mtp_" + std::to_string(k) + " loss");
@@ -211,7 +212,9 @@ std::string megatron_log_line(const Config& config, int64_t step, const Megatron
     if (mean >= 0.0) line += fmt::format(" {}: {:.6E} |", columns[i].second, mean);
   }
   line += fmt::format(" loss scale: 1.0 | grad norm: {:.3f} |", metric_get(v, "learning/raw_grad_norm"));
-  if (config.log_num_zeros_in_grad) line += fmt::format(" num zeros: {:.1f} |", metric_get(v, "learning/num_zeros"));
+  // An integer: Megatron counts zeros into an int64 tensor and prints its .item().
+  if (config.log_num_zeros_in_grad)
+    line += fmt::format(" num zeros: {} |", static_cast<int64_t>(std::llround(metric_get(v, "learning/num_zeros"))));
   line += fmt::format(" params norm: {:.3f} | number of skipped iterations: {:3d} | number of nan iterations: {:3d} |",
                       metric_get(v, "learning/param_norm"), interval.skipped, interval.nan);
   return line;

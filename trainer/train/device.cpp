@@ -150,6 +150,18 @@ bool device_sync_errors_get(const torch::Device& device) {
 #endif
 }
 
+void device_synchronize(const torch::Device& device) {
+#if TRAINER_WITH_CUDA
+  if (device.is_cuda()) {
+    const cudaError_t status = cudaDeviceSynchronize();
+    if (status != cudaSuccess)
+      throw std::runtime_error(std::string("cudaDeviceSynchronize: ") + cudaGetErrorString(status));
+  }
+#else
+  (void)device;
+#endif
+}
+
 double device_free_memory_bytes(const torch::Device& device) {
 #if TRAINER_WITH_CUDA
   size_t free_bytes = 0, total_bytes = 0;

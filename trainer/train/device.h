@@ -34,6 +34,9 @@ DeviceMemoryPeaks device_memory_peaks(const torch::Device& device);
 void device_sync_errors_set(const torch::Device& device, bool on);
 // Whether that mode is on (false on the CPU).
 bool device_sync_errors_get(const torch::Device& device);
+// Waits until the device has finished the work queued on it (cudaDeviceSynchronize; the runtime
+// call, which the sync debug mode does not see); a no-op on the CPU.
+void device_synchronize(const torch::Device& device);
 // Free memory of the current CUDA device (cudaMemGetInfo: what other processes and the CUDA
 // context left); -1 on the CPU.
 double device_free_memory_bytes(const torch::Device& device);

@@ -1,7 +1,7 @@
 // Learning-rate schedules, as a plain function of the number of updates applied so far, so a
-// skipped step freezes the schedule. The indexing is Megatron-LM's (OptimizerParamScheduler.get_lr,
-// and MaxText's before it moved to optax's `transition_steps - 1`): update s of a warmup of W uses
-// peak * s / W, the peak is first used at s = W, and the decay reaches the final rate at s = S.
+// skipped step freezes the schedule. The indexing is Megatron-LM's (OptimizerParamScheduler.get_lr):
+// update s of a warmup of W uses peak * s / W, the peak is first used at s = W (MaxText too), and
+// the decay reaches the final rate at s = S (MaxText's at S - 1: docs/training.md).
 #include <cmath>
 
 #include "trainer/train/schedule.h"

@@ -418,7 +418,9 @@ MetricValues Trainer::read_metrics(const StepOutput& out) const {
   values.emplace_back("megatron/lm_loss", v[11]);
   values.emplace_back("megatron/learning_rate", out.megatron_learning_rate);
   if (moe) {
-    values.emplace_back("megatron/load_balancing_loss", v[12]);
+    // Megatron's router records no balancing loss when its coefficient is 0: it logs 0 then (the
+    // statistic itself stays in moe/expert_load_max_over_mean).
+    values.emplace_back("megatron/load_balancing_loss", config_.load_balance_loss_weight > 0 ? v[12] : 0.0);
     values.emplace_back("megatron/z_loss", v[13]);
   }
   for (int64_t k = 0; k < depths; ++k)
@@ -693,15 +695,22 @@ void Trainer::train() {
                       ". Set abort_on_nan_loss/abort_on_inf_loss=false to continue.");
     }
   };
-  auto flush = [&](Clock::time_point end) {
-    if (pending) report(*pending, end);
+  // The last dispatched step's metrics, before an evaluation, a save or the end: its time ends
+  // when the device has finished it (on a GPU the host is ahead of it; otherwise the evaluation
+  // or save that follows would absorb its device time, and the next step would show only its
+  // dispatch: a too-short step, MFU spiking past 1. Megatron stops its timer, with a
+  // synchronize, before evaluating or saving too).
+  auto flush = [&] {
+    if (!pending) return;
+    device_synchronize(device_);
+    report(*pending, Clock::now());
     pending.reset();
   };
   // A save records the metrics first, so metrics.jsonl never runs behind a checkpoint.
   // All ranks call it (with ZeRO-1 the snapshot gathers the optimizer shards, with expert
   // parallelism the experts); rank 0 writes, or, with sharded levels, every rank its shard.
   auto save = [&](int64_t completed_steps, bool async) {
-    flush(Clock::now());
+    flush();
     // No checkpoint ahead of metrics a rank failed to write (a sharded save would go on without it).
     share_own_failure("before checkpoint " + std::to_string(completed_steps));
     const auto log_blocked = [&](Clock::time_point begin) {
@@ -752,7 +761,7 @@ void Trainer::train() {
     return first_batch;
   };
   auto run_eval = [&](int64_t completed, EvalPhase phase) {
-    flush(Clock::now());
+    flush();
     const auto values = phase == EvalPhase::kTestAfterTraining
                             ? evaluate(DataSplit::kTest, 0, /*announce=*/true)
                             : evaluate(DataSplit::kValid, take_validation_batches(),
@@ -794,7 +803,7 @@ void Trainer::train() {
       save(completed, c.async_checkpointing && !final_step);
     checkpoint_commit(/*block=*/false, /*fatal=*/false);  // a sharded save whose writes have all ended
     if (signal != 0) {
-      flush(Clock::now());
+      flush();
       spdlog::warn("received {}: stopped after step {}{}; exiting",
                    stop_signal_name(signal), step,
                    checkpointer_          ? ", checkpoint " + std::to_string(completed) + " saved"
@@ -804,7 +813,7 @@ void Trainer::train() {
       break;
     }
   }
-  flush(Clock::now());
+  flush();
   share_own_failure("after the last step");
   prefetcher_.reset();
   // After the final checkpoint, as Megatron: a stop signal during these evaluations drops them and
