@@ -334,7 +334,7 @@ TEST_CASE("config errors name the key and exit with code 2", "[config]") {
     CHECK(config_value_canonical("learning_rate", "0.0003") != config_value_canonical("learning_rate", "0.0004"));
     CHECK(config_value_canonical("rope_max_timescale", "10000") == "10000.0");
     CHECK(config_value_canonical("steps", "1e3") == "1000");
-    CHECK(config_value_canonical("mlp_activations", "[silu, linear]") == "[silu, linear]");
+    CHECK(config_value_canonical("mlp_activations", "[silu, linear]") == "[\"silu\", \"linear\"]");
     CHECK(config_value_canonical("no_such_key", "x y") == "x y");     // unknown key: the text
     CHECK(config_value_canonical("steps", "not a number") == "not a number");  // unparsable: the text
   }

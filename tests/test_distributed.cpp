@@ -809,6 +809,13 @@ TEST_CASE("ZeRO-1 gives the same weights and optimizer state as plain data paral
   REQUIRE(mpirun(2, common + "run_name=plain").exit_code == 0);
   for (const std::string file : {"model.safetensors", "optimizer.safetensors"})
     CHECK(read_file(kOut + "/zero1/checkpoints/3/" + file) == read_file(kOut + "/plain/checkpoints/3/" + file));
+  // adamw_mask under ZeRO-1: each rank's chunk cuts the masked runs (norm weights) at its own
+  // offsets; the result is plain data parallel's with the same mask, and not the one without.
+  for (const std::string run : {"zero1-mask", "plain-mask"}) fs::remove_all(kOut + "/" + run);
+  REQUIRE(mpirun(2, common + "'adamw_mask=[norm]' adam_weight_decay=0.5 shard_optimizer_over_data=true run_name=zero1-mask").exit_code == 0);
+  REQUIRE(mpirun(2, common + "'adamw_mask=[norm]' adam_weight_decay=0.5 run_name=plain-mask").exit_code == 0);
+  CHECK(read_file(kOut + "/zero1-mask/checkpoints/3/model.safetensors") == read_file(kOut + "/plain-mask/checkpoints/3/model.safetensors"));
+  CHECK(read_file(kOut + "/zero1-mask/checkpoints/3/model.safetensors") != read_file(kOut + "/plain/checkpoints/3/model.safetensors"));
   const auto z = metrics_of("zero1"), p = metrics_of("plain");
   REQUIRE(z.size() == 3);
   // The in-place all-gather sends this rank's chunk once: (R-1) x 4 ceil(P/R) bytes more than plain

@@ -834,6 +834,66 @@ TEST_CASE("AdamW's weight decay takes lr x wd of each weight, unbiased by fp32 r
   CHECK(taken / expected == Approx(1.0).epsilon(2e-3));
 }
 
+TEST_CASE("adamw_mask: the parameters it names take no weight decay, the others the same update as without it", "[training][numerics]") {
+  // With a zero gradient AdamW's step is the decay alone (m = v = 0: 0 / (0 + eps)), so after one
+  // update a masked weight is exactly what it was and every other weight exactly what the run
+  // without a mask made of it. [norm] names every 1-D parameter of these models (Megatron's
+  // default exclusion), and nothing else: checked against the shapes.
+  for (const std::string model : {"test-tiny", "moe-tiny", "ling2-tiny"}) {
+    INFO(model);
+    const std::vector<std::string> common = {"model_name=" + model, "lr_schedule_type=constant", "learning_rate=1e-3",
+                                             "adam_weight_decay=0.1"};
+    auto with_mask = common;
+    with_mask.push_back("adamw_mask=[norm, 'no_such_parameter']");
+    Trainer masked(tiny_config(uneven(with_mask))), plain(tiny_config(uneven(common)));
+    const auto before = masked.flat_params().clone();
+    REQUIRE(torch::equal(before, plain.flat_params()));
+    for (Trainer* t : {&masked, &plain}) {
+      auto out = t->forward_backward(0);
+      t->flat_grads().zero_();
+      t->optimizer_update(out);
+      REQUIRE(metric(*t, out, "optim/step_skipped") == 0);
+    }
+    auto is_masked = torch::zeros({before.numel()}, torch::kBool);
+    int64_t one_dimensional = 0, named_norm = 0;
+    const auto* arena = masked.flat_params().data_ptr<float>();
+    for (const auto& item : masked.model()->named_parameters()) {
+      const bool norm = item.key().find("norm") != std::string::npos;
+      one_dimensional += item.value().dim() == 1;
+      named_norm += norm;
+      CHECK((item.value().dim() == 1) == norm);
+      if (norm) is_masked.narrow(0, item.value().data_ptr<float>() - arena, item.value().numel()).fill_(true);
+    }
+    CHECK(named_norm == one_dimensional);
+    REQUIRE(named_norm > 0);
+    const auto after = masked.flat_params();
+    CHECK(torch::equal(after.masked_select(is_masked), before.masked_select(is_masked)));
+    CHECK(torch::equal(after.masked_select(~is_masked), plain.flat_params().masked_select(~is_masked)));
+    // ... and the decay did act there: norm weights start at 1 and lose lr wd = 1e-4 of it.
+    CHECK(plain.flat_params().masked_select(is_masked).max().item<float>() < 0.99995f);
+  }
+}
+
+TEST_CASE("adamw_mask: a pattern that is not a regex, and the sharded levels, are refused naming the key", "[training][config]") {
+  const auto bad = run_trainer("model_name=test-tiny steps=1 'adamw_mask=[norm, \"(unclosed\"]' --print-config");
+  CHECK(bad.exit_code == 2);
+  CHECK_THAT(bad.output, Catch::Contains("config key 'adamw_mask': '(unclosed' is not a regular expression"));
+  const auto sharded = run_trainer("model_name=test-tiny steps=1 remat_policy=full data_parallel_sharding=optim_grads 'adamw_mask=[norm]' --print-config");
+  CHECK(sharded.exit_code == 2);
+  CHECK_THAT(sharded.output, Catch::Contains("adamw_mask is not implemented with data_parallel_sharding=optim_grads"));
+  // A pattern that names nothing is a warning (a typo would otherwise decay what it meant to spare).
+  const auto typo = run_trainer("model_name=test-tiny steps=1 max_target_length=8 per_device_batch_size=1 'adamw_mask=[nrom]' "
+                                "enable_checkpointing=false base_output_directory=" + test_root() + " run_name=adamw-mask-typo");
+  INFO(typo.output);
+  CHECK(typo.exit_code == 0);
+  CHECK_THAT(typo.output, Catch::Contains("adamw_mask: 'nrom' matches no parameter name") &&
+                              Catch::Contains("adamw_mask: 0 parameters (0 elements) without weight decay"));
+  // The printed config loads back to the same patterns (each quoted: a regex may hold ',' or ']').
+  const auto printed = run_trainer("model_name=test-tiny 'adamw_mask=[\"a,b\", \"x]\"]' --print-config");
+  CHECK(printed.exit_code == 0);
+  CHECK_THAT(printed.output, Catch::Contains("\nadamw_mask: [\"a,b\", \"x]\"]\n"));
+}
+
 TEST_CASE("two AdamW steps with clipping equal a hand computation in float64", "[training][numerics]") {
   // optax.adamw / torch.optim.AdamW, written out per element: g <- g * min(1, c / ||g||);
   // m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2;  m_hat = m / (1 - b1^t), v_hat = v / (1 - b2^t);

@@ -9,6 +9,7 @@
 #include <initializer_list>
 #include <map>
 #include <optional>
+#include <regex>
 #include <set>
 
 #include <yaml-cpp/yaml.h>
@@ -322,6 +323,17 @@ std::vector<std::string> validation_errors(const Config& c) {
   require(std::isfinite(c.init_method_std) && c.init_method_std > 0, bad_value("init_method_std", "must be a finite number > 0"));
   require(c.adam_eps > 0, bad_value("adam_eps", "must be > 0", "with 0, a parameter whose gradient is exactly 0 gets 0/0 = NaN"));
   require(c.adam_weight_decay >= 0, bad_value("adam_weight_decay", "must be >= 0"));
+  for (const auto& pattern : c.adamw_mask) {
+    try {
+      (void)std::regex(pattern, std::regex::ECMAScript);
+    } catch (const std::regex_error& e) {
+      errors.push_back("config key 'adamw_mask': '" + pattern + "' is not a regular expression (ECMAScript): " + e.what());
+    }
+  }
+  // The sharded levels' AdamW runs on units' shards whose parameters it does not track.
+  require(c.adamw_mask.empty() || (c.data_parallel_sharding != "optim_grads" && c.data_parallel_sharding != "optim_grads_params"),
+          "adamw_mask is not implemented with data_parallel_sharding=" + c.data_parallel_sharding +
+              " (it is with none and optim)");
   require(c.gradient_clipping_threshold >= 0,
           bad_value("gradient_clipping_threshold", "must be >= 0", "0 disables clipping"));
   require(c.skip_step_scaling_factor > 0, bad_value("skip_step_scaling_factor", "must be > 0"));

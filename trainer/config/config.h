@@ -146,6 +146,7 @@ using StringList = std::vector<std::string>;
   X(double, adam_b2)                              \
   X(double, adam_eps)                             \
   X(double, adam_weight_decay)                    \
+  X(StringList, adamw_mask)                       \
   X(double, gradient_clipping_threshold)          \
   /* health */                                    \
   X(bool, abort_on_nan_loss)                      \

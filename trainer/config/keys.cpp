@@ -223,7 +223,13 @@ struct Codec<StringList> {
     }
     return out;
   }
-  static std::string format(const StringList& v) { return "[" + join(v) + "]"; }
+  // Each item quoted, so a printed list loads back to the same items (a regex of adamw_mask may
+  // hold ',', ']' or a leading '*').
+  static std::string format(const StringList& v) {
+    std::string out;
+    for (const auto& item : v) out += (out.empty() ? "" : ", ") + yaml_double_quoted(item);
+    return "[" + out + "]";
+  }
 };
 
 template <typename T>

@@ -1,9 +1,11 @@
 // The optimizer phase on the flat buffers: arenas, spike guard, clipping, AdamW (optionally
 // ZeRO-1 sharded), and the aux-loss-free expert-bias update.
+#include <algorithm>
 #include <cmath>
 #include <csignal>
 #include <deque>
 #include <numeric>
+#include <regex>
 #if defined(__SSE2__)
 #include <immintrin.h>
 #endif
@@ -155,6 +157,12 @@ void Trainer::build_flat_buffers(ModelInitializer* deferred_init) {
     flat_grads_ = torch::zeros({total}, opts);
     flat_params_ = flat_params_padded_.narrow(0, 0, total);
     torch::NoGradGuard no_grad;
+    // adamw_mask (MaxText's): parameters whose name matches a pattern (a search, as Python's
+    // re.search) take no weight decay; each run of them in the arena is updated with wd = 0.
+    std::vector<std::regex> mask;
+    for (const auto& pattern : config_.adamw_mask) mask.emplace_back(pattern, std::regex::ECMAScript);
+    std::vector<int64_t> mask_matches(mask.size(), 0);
+    int64_t masked_parameters = 0, masked_elements = 0;
     int64_t offset = 0;
     for (auto& item : model_->named_parameters()) {  // the order of parameters()
       auto& p = item.value();
@@ -163,6 +171,15 @@ void Trainer::build_flat_buffers(ModelInitializer* deferred_init) {
       param_view.copy_(p);
       p.set_data(param_view);
       p.mutable_grad() = flat_grads_.narrow(0, offset, n).view(p.sizes());
+      if (std::any_of(mask.begin(), mask.end(), [&](const std::regex& r) { return std::regex_search(item.key(), r); })) {
+        if (!no_decay_segments_.empty() && no_decay_segments_.back().first + no_decay_segments_.back().second == offset)
+          no_decay_segments_.back().second += n;
+        else
+          no_decay_segments_.emplace_back(offset, n);
+        for (size_t i = 0; i < mask.size(); ++i) mask_matches[i] += std::regex_search(item.key(), mask[i]);
+        ++masked_parameters;
+        masked_elements += n;
+      }
       if (model_is_stacked_experts(item.key())) {
         if (!expert_segments_.empty() && expert_segments_.back().first + expert_segments_.back().second == offset)
           expert_segments_.back().second += n;  // a layer's gate_up_proj and down_proj: one run
@@ -171,6 +188,12 @@ void Trainer::build_flat_buffers(ModelInitializer* deferred_init) {
       }
       offset += n;
     }
+    for (size_t i = 0; i < mask.size(); ++i)
+      if (mask_matches[i] == 0)
+        spdlog::warn("adamw_mask: '{}' matches no parameter name (names as in docs/model.md, e.g. "
+                     "model.layers.0.input_layernorm.weight)", config_.adamw_mask[i]);
+    if (!mask.empty())
+      spdlog::info("adamw_mask: {} parameters ({} elements) without weight decay", masked_parameters, masked_elements);
     shard_begin_ = std::min(total, (ranks > 1 ? zero1_group().rank() : 0) * shard_chunk_);
     shard_end_ = std::min(total, shard_begin_ + shard_chunk_);
   }
@@ -244,15 +267,32 @@ void Trainer::optimizer_update(StepOutput& out) {
     else
       segments.push_back({flat_params_.narrow(0, shard_begin_, shard_end_ - shard_begin_), 0});
     if (adam_step_.defined()) adam_step_.fill_(t);  // CUDA: bias terms from t on the device
+    // Elements [from, to) of a segment, with weight decay wd.
+    const auto adamw = [&](torch::Tensor& params, const torch::Tensor& grads, torch::Tensor& m, torch::Tensor& v,
+                           int64_t from, int64_t to, double wd) {
+      if (from >= to) return;
+      auto p_part = params.narrow(0, from, to - from), m_part = m.narrow(0, from, to - from), v_part = v.narrow(0, from, to - from);
+      const auto g_part = grads.narrow(0, from, to - from);
+      if (adam_step_.defined())  // CUDA: the same formula in one kernel
+        compat::fused_adamw(p_part, g_part, m_part, v_part, adam_step_, lr, c.adam_b1, c.adam_b2, wd, c.adam_eps);
+      else
+        adamw_update_cpu(p_part, g_part, m_part, v_part, lr, c.adam_b1, c.adam_b2, wd, c.adam_eps, bias1, bias2);
+    };
     for (auto& [params, offset] : segments) {
       const int64_t n = params.numel();
       const auto grads = sharded_state_ ? sharded_state_->grad_shard.narrow(0, offset, n) : flat_grads_.narrow(0, shard_begin_, n);
       auto m = adam_m_.narrow(0, offset, n), v = adam_v_.narrow(0, offset, n);
-      if (adam_step_.defined()) {  // CUDA: the same formula in one kernel
-        compat::fused_adamw(params, grads, m, v, adam_step_, lr, c.adam_b1, c.adam_b2, c.adam_weight_decay, c.adam_eps);
-      } else {
-        adamw_update_cpu(params, grads, m, v, lr, c.adam_b1, c.adam_b2, c.adam_weight_decay, c.adam_eps, bias1, bias2);
+      // adamw_mask's runs (arena offsets; only without sharded_state_, config.cpp: the one segment
+      // starts at shard_begin_) with wd = 0, the elements between them with adam_weight_decay.
+      int64_t done = 0;
+      for (const auto& [begin, length] : no_decay_segments_) {
+        const int64_t from = std::max(begin - shard_begin_, done), to = std::min(begin + length - shard_begin_, n);
+        if (from >= to) continue;
+        adamw(params, grads, m, v, done, from, c.adam_weight_decay);
+        adamw(params, grads, m, v, from, to, 0.0);
+        done = to;
       }
+      adamw(params, grads, m, v, done, n, c.adam_weight_decay);
     }
     if (c.debug_kill_rank_before_parameter_gather == comm_->rank() && out.step == 1) {
       if (sharded_state_ && sharded_state_->params_sharded())
