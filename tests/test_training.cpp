@@ -936,41 +936,47 @@ TEST_CASE("two AdamW steps with clipping equal a hand computation in float64", "
 }
 
 TEST_CASE("spike guard: skip decisions on crafted losses and norms equal a hand computation", "[training][numerics]") {
-  // The rule (docs/training.md, step 5): with the last n = skip_step_interval accepted steps'
-  // losses l_j and raw gradient norms g_j, step t is skipped iff a value is non-finite, or the
-  // window is full and l_t > mean(l) + f std(l) or g_t > mean(g) + f std(g) (population std).
-  // A skipped step leaves the parameters, the AdamW step count and the window unchanged.
-  // The (loss, norm) pairs below replace each step's measured ones; n = 3, f = 1. Each line says
-  // which part of the rule it pins down.
+  // MaxText's rule (optimizers.py skip_step_on_spikes; docs/training.md, step 5): with the last
+  // n = skip_step_interval steps' losses l_j and clipped gradient norms g_j (skipped steps
+  // included, non-finite ones not), step t is skipped iff a value is non-finite, or the window
+  // holds at least max(2, n / 2) - 1 steps and l_t - mean(l) > f std(l) or g_t - mean(g) > f std(g)
+  // (sample std). A skipped step leaves the parameters and the AdamW step count unchanged.
+  // The (loss, norm) pairs below replace each step's measured ones; n = 6 (judged from a window
+  // of 2), f = 1. Each line says which part of the rule it pins down.
   struct Case {
     double loss, norm;
     bool skipped;
   };
   const double nan = std::numeric_limits<double>::quiet_NaN();
-  const std::vector<Case> cases = {
-      {1.0, 10, false},    // window not full: never judged
-      {2.0, 10, false},    //
-      {3.0, 10, false},    // window l = {1, 2, 3}: mean 2, population std 0.816 (sample std 1)
-      {2.9, 10, true},     // 2.9 > 2.816: skipped with the population std (the sample std would accept)
-      {100.0, 10, true},   // a plain loss spike
-      {2.0, 10.5, true},   // a gradient-norm spike alone (g = {10, 10, 10}: std 0)
-      {2.0, 10, false},    // accepted: window l = {2, 3, 2}, the three skipped steps left out of it
-      {2.9, 10, true},     // 2.9 > 2.333 + 0.471 (a window holding 2.9, 100, 2 would accept it)
-      {nan, 10, true},     // non-finite
-      {2.1, 10, false},    // within the window {2, 3, 2}
+  const auto run = [](const std::string& clipping, const std::vector<Case>& cases) {
+    Trainer t(tiny_config(uneven({"skip_step_on_spikes=true", "skip_step_interval=6", "skip_step_scaling_factor=1.0",
+                                  "gradient_clipping_threshold=" + clipping, "steps=10"})));
+    for (size_t step = 0; step < cases.size(); ++step) {
+      auto out = t.forward_backward(static_cast<int64_t>(step));
+      out.loss = torch::tensor(cases[step].loss, torch::kFloat64);
+      out.raw_grad_norm = torch::tensor(cases[step].norm, torch::kFloat64);
+      const auto before = t.flat_params().clone();
+      const int64_t updates_before = t.updates_applied();
+      t.optimizer_update(out);
+      INFO("clipping " << clipping << ", step " << step << ": loss " << cases[step].loss << ", grad norm " << cases[step].norm);
+      CHECK(out.step_skipped == cases[step].skipped);
+      CHECK(torch::equal(t.flat_params(), before) == cases[step].skipped);
+      CHECK(t.updates_applied() == updates_before + (cases[step].skipped ? 0 : 1));
+    }
   };
-  Trainer t(tiny_config(uneven({"skip_step_on_spikes=true", "skip_step_interval=3", "skip_step_scaling_factor=1.0",
-                                "gradient_clipping_threshold=0", "steps=10"})));
-  for (size_t step = 0; step < cases.size(); ++step) {
-    auto out = t.forward_backward(static_cast<int64_t>(step));
-    out.loss = torch::tensor(cases[step].loss, torch::kFloat64);
-    out.raw_grad_norm = torch::tensor(cases[step].norm, torch::kFloat64);
-    const auto before = t.flat_params().clone();
-    const int64_t updates_before = t.updates_applied();
-    t.optimizer_update(out);
-    INFO("step " << step << ": loss " << cases[step].loss << ", grad norm " << cases[step].norm);
-    CHECK(out.step_skipped == cases[step].skipped);
-    CHECK(torch::equal(t.flat_params(), before) == cases[step].skipped);
-    CHECK(t.updates_applied() == updates_before + (cases[step].skipped ? 0 : 1));
-  }
+  run("0", {
+               {1.0, 10, false},    // window of 0: not judged
+               {2.0, 10, false},    // window of 1: not judged (its std 0 would reject 2 > 1)
+               {1.6, 10, false},    // l = {1, 2}: mean 1.5, std 0.707; g = {10, 10}: std 0, and 10 - 10 <= 0
+               {2.0, 10, false},    // l = {1, 2, 1.6}: 2.0 <= 1.533 + 0.503 (sample std; the population std 0.411 rejects)
+               {100.0, 10, true},   // a plain loss spike ...
+               {2.5, 10, false},    // ... which joined the window: mean 21.3, std 44 (without it: 2.5 > 1.65 + 0.47)
+               {2.0, 10.5, true},   // a gradient-norm spike alone (g all 10: std 0)
+               {nan, 10, true},     // non-finite: skipped, and kept out of the window
+               {2.0, 10, false},    // g = {10, 10, 10, 10, 10, 10.5}: 10 <= 10.083 + 0.204
+           });
+  // The norm judged is the clipped one: with the threshold 11.2, a raw 40 counts as 11.2, within
+  // g = {9, 11}: mean 10 + std 1.414.
+  run("11.2", {{1.0, 9, false}, {2.0, 11, false}, {1.6, 40, false}});
+  run("0", {{1.0, 9, false}, {2.0, 11, false}, {1.6, 40, true}});  // unclipped, 40 is a spike
 }

@@ -96,12 +96,15 @@ void adamw_update_cpu(torch::Tensor& params, const torch::Tensor& grads, torch::
   });
 }
 
+// Mean and sample standard deviation (Bessel's correction, as torch.std and MaxText's
+// _compute_rolling_stats), both 0 for no values, the std 0 for one.
 std::pair<double, double> mean_and_std(const std::deque<double>& values) {
+  if (values.empty()) return {0.0, 0.0};
   const double n = static_cast<double>(values.size());
   const double mean = std::accumulate(values.begin(), values.end(), 0.0) / n;
   double var = 0;
   for (double v : values) var += (v - mean) * (v - mean);
-  return {mean, std::sqrt(var / n)};
+  return {mean, std::sqrt(var / std::max(1.0, n - 1))};
 }
 
 }  // namespace
@@ -211,21 +214,26 @@ void Trainer::build_flat_buffers(ModelInitializer* deferred_init) {
                2.0 * 4 * static_cast<double>(total) / (1 << 20));
 }
 
+// MaxText's skip_step_on_spikes (optimizers.py, after OLMo-core's SkipStepOptimizer): against
+// the window of the last n = skip_step_interval steps' (loss, clipped grad norm), skipped ones
+// included ("so spikes can become the new baseline"), step t is skipped when
+//   loss - mean(losses) > f std(losses)  or  norm - mean(norms) > f std(norms)   (sample std),
+// judged once the window holds max(2, n / 2) - 1 steps. One difference: a non-finite value is
+// skipped and kept out of the window (MaxText appends it, and its NaN mean then rejects every
+// step until it leaves the window). In fp64 (MaxText keeps the window in fp32).
 bool Trainer::spike_guard_rejects(double loss, double grad_norm) {
   if (!std::isfinite(loss) || !std::isfinite(grad_norm)) return true;
   const auto interval = static_cast<size_t>(config_.skip_step_interval);
   bool spike = false;
-  if (spike_losses_.size() >= interval) {  // judged only against a full window
+  if (spike_losses_.size() + 1 >= std::max<size_t>(2, interval / 2)) {
     const double f = config_.skip_step_scaling_factor;
     const auto [loss_mean, loss_std] = mean_and_std(spike_losses_);
     const auto [norm_mean, norm_std] = mean_and_std(spike_grad_norms_);
-    spike = loss > loss_mean + f * loss_std || grad_norm > norm_mean + f * norm_std;
+    spike = !(loss - loss_mean <= f * loss_std) || !(grad_norm - norm_mean <= f * norm_std);
   }
-  if (!spike) {
-    spike_losses_.push_back(loss);
-    spike_grad_norms_.push_back(grad_norm);
-    while (spike_losses_.size() > interval) spike_losses_.pop_front(), spike_grad_norms_.pop_front();
-  }
+  spike_losses_.push_back(loss);
+  spike_grad_norms_.push_back(grad_norm);
+  while (spike_losses_.size() > interval) spike_losses_.pop_front(), spike_grad_norms_.pop_front();
   return spike;
 }
 
@@ -242,7 +250,9 @@ void Trainer::optimizer_update(StepOutput& out) {
     // The guard needs this step's values on the host: one sync per step, only when enabled.
     const auto host = torch::stack({out.loss.to(torch::kFloat64), out.raw_grad_norm.to(torch::kFloat64)}).cpu();
     perf_note_host_read();
-    skip = spike_guard_rejects(host[0].item<double>(), host[1].item<double>());
+    // The norm after clipping, as MaxText's train step hands the guard (the factor as below).
+    const double raw = host[1].item<double>(), threshold = c.gradient_clipping_threshold;
+    skip = spike_guard_rejects(host[0].item<double>(), threshold > 0 ? raw * std::min(threshold * (1.0 / raw), 1.0) : raw);
   }
   // Global-norm clipping (optax.clip_by_global_norm): g *= min(1, threshold / ||g||).
   if (c.gradient_clipping_threshold > 0) {

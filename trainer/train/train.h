@@ -314,7 +314,7 @@ class Trainer {
   int64_t updates_applied_ = 0;
   bool stop_vote_ = false;  // this rank's SIGTERM/SIGINT, agreed on in the step's stats all-reduce
   bool failure_vote_ = false;  // this rank holds a failure of its own (train()), announced the same way
-  std::deque<double> spike_losses_, spike_grad_norms_;  // last skip_step_interval accepted steps
+  std::deque<double> spike_losses_, spike_grad_norms_;  // last skip_step_interval finite steps' loss, clipped grad norm
   int64_t restored_consumed_samples_ = -1;  // of the checkpoint restore_state read; -1: none
   int64_t restored_steps_ = 0;              // its run's `steps` where the config differs, else 0
   std::string initial_state_source_;        // "run_dir D" or "load_full_state_path P": where the start step came from
