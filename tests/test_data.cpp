@@ -289,10 +289,16 @@ TEST_CASE("split boundaries: cumulative normalized weights, each rounded half to
     INFO(bad);
     CHECK_THROWS_WITH(gpt_split_boundaries(bad, 100), Catch::Contains("config key 'split': '" + bad + "'"));
   }
-  // A tiny subnormal is a finite number (it was "not a list of finite numbers"); parts that sum
-  // past a double are named as such (it was "must be non-negative with a positive sum").
-  CHECK(gpt_split_boundaries("1e-320,1,0", 100) == std::vector<int64_t>{0, 0, 100, 100});
-  CHECK_THROWS_WITH(gpt_split_boundaries("1e308,1e308,0", 100), Catch::Contains("its parts sum past the largest double"));
+  // Exponents and signs: Megatron's regex [.0-9]+ takes "1e2,1" as 1, 2, 1 (train 25%), where strtod
+  // read 100, 1 (99%); only plain decimals are read alike, the rest is refused naming the rule.
+  for (const std::string other : {"1e2,1", "9E2,1,0", "1e-320,1,0", "+5,1,0", "5,-1,0"}) {
+    INFO(other);
+    CHECK_THROWS_WITH(gpt_split_boundaries(other, 100), Catch::Contains("write each part as plain decimal digits"));
+  }
+  CHECK(gpt_split_boundaries(" 0.5, 1.5 ,0", 100) == std::vector<int64_t>{0, 25, 100, 100});
+  // Parts that sum past a double are named as such (it was "must be non-negative with a positive sum").
+  const std::string huge = "17" + std::string(307, '0');  // 1.7e308, finite
+  CHECK_THROWS_WITH(gpt_split_boundaries(huge + "," + huge + ",0", 100), Catch::Contains("its parts sum past the largest double"));
 }
 
 TEST_CASE("dataset_path weights that are infinite, hexadecimal or sum past a double are refused with exit 2", "[data][cli]") {

@@ -212,6 +212,10 @@ Trainer::Trainer(Config config)
   else
     spdlog::info("device {}: perf/mfu is not reported: its peak TFLOP/s is unknown (set peak_tflops_per_device)", name);
   log_attention_kernel();
+  if (device_.is_cpu() && config_.dtype == "bfloat16" && !device_cpu_bf16_matmul_accumulates_in_fp32())
+    spdlog::warn("dtype=bfloat16 on this CPU: LibTorch " TORCH_VERSION " has no fp32-accumulating bf16 matrix product "
+                 "here (no AVX-512), so every product sums in bf16 (about 1% relative error at inner size 64, 10% at "
+                 "8192; docs/training.md); dtype=float32 avoids it");
 }
 
 // Which kernel scaled_dot_product_attention picks for this model's plain causal rows (no packed
