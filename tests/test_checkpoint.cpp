@@ -1146,6 +1146,67 @@ TEST_CASE("load_parameters_path refuses a nonzero expert bias that routed_bias=f
   }
 }
 
+TEST_CASE("Hugging Face config.json: fields left out take their config class's defaults, and exports carry what loaders read",
+          "[checkpoint]") {
+  // from_pretrained fills a field the file leaves out with its config class's default; the
+  // trainer took hidden / heads and a dense Ling model, so such a file failed on a tensor shape.
+  const auto keys_of = [](const std::string& name, const std::string& body) {
+    const std::string dir = kOut + "/hf-defaults-" + name;
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+    std::ofstream(dir + "/config.json") << body;
+    std::map<std::string, std::string> keys;
+    for (const auto& entry : hf_config_model_keys(dir)) keys[entry.key] = entry.text;
+    return keys;
+  };
+  const std::string core = R"("vocab_size": 1000, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 8)";
+  const std::string bailing = R"({"architectures": ["BailingMoeV2ForCausalLM"], )" + core;
+  auto k = keys_of("bailing-absent", bailing + "}");
+  CHECK(k["base_num_kv_heads"] == "4");     // BailingMoeV2Config: num_key_value_heads=4
+  CHECK(k["head_dim"] == "128");            // head_dim=128
+  CHECK(k["num_experts"] == "256");         // num_experts=256: a MoE model
+  CHECK(k["num_experts_per_tok"] == "8");
+  CHECK(k["base_moe_mlp_dim"] == "512");
+  CHECK(k["shared_experts"] == "1");
+  CHECK(k["first_num_dense_layers"] == "1");
+  k = keys_of("bailing-null", bailing + R"(, "num_key_value_heads": null, "head_dim": 0, "num_experts": null})");
+  CHECK(k["base_num_kv_heads"] == "8");  // null: the query heads
+  CHECK(k["head_dim"] == "8");           // `head_dim or hidden_size // num_attention_heads`
+  CHECK(k["num_experts"] == "1");        // null: dense (no MoE block in any layer)
+  k = keys_of("bailing-no-shared", bailing + R"(, "num_shared_experts": null})");
+  CHECK(k["shared_experts"] == "0");
+  k = keys_of("qwen3-absent", R"({"architectures": ["Qwen3ForCausalLM"], )" + core + "}");
+  CHECK(k["base_num_kv_heads"] == "32");  // Qwen3Config: num_key_value_heads=32, head_dim=128
+  CHECK(k["head_dim"] == "128");
+  k = keys_of("qwen3-null", R"({"architectures": ["Qwen3ForCausalLM"], )" + core + R"(, "num_key_value_heads": null})");
+  CHECK(k["base_num_kv_heads"] == "8");
+  k = keys_of("llama-absent", R"({"architectures": ["LlamaForCausalLM"], )" + core + "}");
+  CHECK(k["base_num_kv_heads"] == "8");  // LlamaConfig derives both
+  CHECK(k["head_dim"] == "8");
+
+  // Exports: pad and eos ids always (null where the run has none: BailingMoeV2Config's default
+  // 156892 is past a small vocabulary, and its embedding's padding_idx then fails to build), and
+  // the fields vLLM's BailingMoE reads.
+  const std::string dir = kOut + "/hf-export-fields";
+  fs::remove_all(dir);
+  Trainer(tiny_config({"model_name=ling-mini-tiny", "run_name=hf-export-fields", "override_model_config=true", "vocab_size=300",
+                       "eod_id=-1"}))
+      .export_hf(dir, 1 << 30, torch::kFloat32);
+  const auto ling = nlohmann::json::parse(read_file(dir + "/config.json"));
+  CHECK(ling["eos_token_id"].is_null());
+  CHECK(ling["pad_token_id"] == 0);
+  CHECK(ling["norm_topk_prob"] == true);
+  CHECK(ling["use_rmsnorm"] == true);
+  CHECK(ling["router_dtype"] == "fp32");
+  const std::string llama_dir = kOut + "/hf-export-fields-llama";
+  fs::remove_all(llama_dir);
+  Trainer(tiny_config({"run_name=hf-export-fields-llama", "eod_id=5", "pad_id=7"})).export_hf(llama_dir, 1 << 30, torch::kFloat32);
+  const auto llama = nlohmann::json::parse(read_file(llama_dir + "/config.json"));
+  CHECK(llama["eos_token_id"] == 5);
+  CHECK(llama["pad_token_id"] == 7);
+  CHECK(llama.count("use_rmsnorm") == 0);
+}
+
 TEST_CASE("Hugging Face directories: config.json round trips the model keys, and what cannot be read or written is refused by name",
           "[checkpoint]") {
   const std::string dir = kOut + "/hf-ling-mini-tiny";

@@ -51,6 +51,7 @@ class ConfigJson {
   }
   const std::string& path() const { return path_; }
   bool has(const std::string& field) const { return root_.contains(field) && !root_[field].is_null(); }
+  bool present(const std::string& field) const { return root_.contains(field); }  // null included
   [[noreturn]] void fail(const std::string& field, const std::string& why) const {
     throw config_error(path_ + ": field '" + field + "' " + why);
   }
@@ -184,8 +185,15 @@ std::vector<Translated> translate(const ConfigJson& f) {
   add_int("vocab_size", "vocab_size");
   add_int("base_emb_dim", "hidden_size");
   add_int("base_num_query_heads", "num_attention_heads");
-  add_int("base_num_kv_heads", "num_key_value_heads", heads);
-  add_int("head_dim", "head_dim", f.integer("hidden_size") / heads);
+  // A field the file leaves out takes its config class's default, as from_pretrained does
+  // (transformers' Qwen3Config, inclusionAI's BailingMoeV2Config; LlamaConfig derives both): kv
+  // heads 32 (Qwen3) or 4 (Bailing), head_dim 128. Written as null it means the query heads, and
+  // hidden / heads (a Bailing head_dim of 0 too).
+  const bool qwen3 = arch == kQwen3;
+  const int64_t derived_head_dim = f.integer("hidden_size") / heads;
+  add_int("base_num_kv_heads", "num_key_value_heads", f.present("num_key_value_heads") ? heads : bailing ? 4 : qwen3 ? 32 : heads);
+  const int64_t head_dim = f.integer("head_dim", f.present("head_dim") || !(bailing || qwen3) ? derived_head_dim : 128);
+  add("head_dim", std::to_string(bailing && head_dim == 0 ? derived_head_dim : head_dim), "head_dim", true);
   add_int("base_mlp_dim", "intermediate_size");
   add_int("base_num_decoder_layers", "num_hidden_layers");
   add("mlp_activations", "[silu, linear]", "hidden_act", false);
@@ -199,18 +207,22 @@ std::vector<Translated> translate(const ConfigJson& f) {
   add("use_qk_norm", qk_norm ? "true" : "false", bailing ? "use_qk_norm" : "architectures", true);
   add("logits_via_embedding", f.boolean("tie_word_embeddings", false) ? "true" : "false", "tie_word_embeddings", true);
 
-  const bool moe = bailing && f.has("num_experts");
+  // BailingMoeV2Config's defaults where a field is left out: 256 experts, top-8 of 512-wide ones,
+  // one shared expert, the first layer dense; a null num_experts is a dense model, a null
+  // num_shared_experts none.
+  const bool moe = bailing && (f.has("num_experts") || !f.present("num_experts"));
   if (moe) {
-    const int64_t experts = f.integer("num_experts"), top_k = f.integer("num_experts_per_tok");
+    const int64_t experts = f.integer("num_experts", 256), top_k = f.integer("num_experts_per_tok", 8);
     // Named here: num_experts 0 used to surface as an n_group error.
     if (experts < 1) f.fail("num_experts", "must be >= 1, not " + std::to_string(experts));
     if (top_k < 1 || top_k > experts)
       f.fail("num_experts_per_tok", "must be in [1, num_experts " + std::to_string(experts) + "], not " + std::to_string(top_k));
-    add_int("num_experts", "num_experts");
+    add("num_experts", std::to_string(experts), "num_experts", true);
     add("num_experts_per_tok", std::to_string(top_k), "num_experts_per_tok", false);
-    add_int("base_moe_mlp_dim", "moe_intermediate_size");
-    add("shared_experts", std::to_string(f.integer("num_shared_experts", 0)), "num_shared_experts", true);
-    add_int("first_num_dense_layers", "first_k_dense_replace", 0);
+    add_int("base_moe_mlp_dim", "moe_intermediate_size", 512);
+    add("shared_experts", std::to_string(f.integer("num_shared_experts", f.present("num_shared_experts") ? 0 : 1)),
+        "num_shared_experts", true);
+    add_int("first_num_dense_layers", "first_k_dense_replace", 1);
     // BailingMoeV2Gate applies sigmoid whatever score_function says; a file naming another function
     // was meant for other modeling code (or is wrong), and reading it as sigmoid would be silent.
     const std::string score = f.text("score_function", "sigmoid");
@@ -325,7 +337,11 @@ std::string hf_config_json(const Config& c, const std::string& torch_dtype) {
   j["tie_word_embeddings"] = c.logits_via_embedding;
   j["initializer_range"] = c.init_method_std;
   j["torch_dtype"] = torch_dtype;
-  if (c.eod_id >= 0 && c.eod_id < c.vocab_size) j["eos_token_id"] = c.eod_id;
+  // Both written, null where the run has none: BailingMoeV2Config's defaults (156892) would
+  // otherwise name a row past a smaller vocabulary, and its embedding's padding_idx then fails
+  // to build in from_pretrained.
+  j["eos_token_id"] = c.eod_id >= 0 && c.eod_id < c.vocab_size ? json(c.eod_id) : json(nullptr);
+  j["pad_token_id"] = c.pad_id >= 0 && c.pad_id < c.vocab_size ? json(c.pad_id) : json(nullptr);
   if (arch == kBailing) {
     j["use_qkv_bias"] = false;
     j["use_bias"] = false;
@@ -341,6 +357,12 @@ std::string hf_config_json(const Config& c, const std::string& torch_dtype) {
     j["n_group"] = c.n_routing_groups == -1 ? 1 : c.n_routing_groups;
     j["topk_group"] = c.topk_routing_group == -1 ? 1 : c.topk_routing_group;
     j["moe_router_enable_expert_bias"] = c.routed_bias;
+    // Not read by the HF modeling code, but by vLLM's and SGLang's BailingMoE, as the released
+    // configs carry them: without use_rmsnorm vLLM builds the q/k norms as LayerNorm, without
+    // router_dtype it routes in bf16, without norm_topk_prob it fails to load.
+    j["norm_topk_prob"] = c.norm_topk_prob;
+    j["use_rmsnorm"] = true;
+    j["router_dtype"] = "fp32";
     j["num_nextn_predict_layers"] = c.mtp_num_layers;
     j["mtp_loss_scaling_factor"] = c.mtp_num_layers > 0 ? c.mtp_loss_scaling_factor : 0.0;
   } else {
