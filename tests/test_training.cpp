@@ -426,8 +426,16 @@ TEST_CASE("end to end: the default-shaped run learns and writes every metric eac
                            "learning/raw_grad_norm", "learning/param_norm", "learning/num_zeros",
                            "learning/is_nan", "learning/is_inf", "learning/current_learning_rate",
                            "optim/step_skipped", "perf/step_time_seconds", "perf/per_device_tokens_per_sec",
-                           "perf/per_device_tflops_per_sec"})
+                           "perf/per_device_tflops_per_sec", "perf/per_device_tokens", "perf/per_device_tflops",
+                           "learning/perplexity"})
     CHECK_NOTHROW(json_metric(lines.back(), name));
+  // MaxText's definitions: exp(lm_loss); B x K x L tokens per device; the step's TFLOPs, which over
+  // the step time is the rate.
+  const auto& last = lines.back();
+  CHECK(json_metric(last, "learning/perplexity") == Approx(std::exp(json_metric(last, "learning/lm_loss"))).epsilon(1e-12));
+  CHECK(json_metric(last, "perf/per_device_tokens") == 8 * 2 * 32);  // base.yml: 8 sequences per micro-batch
+  CHECK(json_metric(last, "perf/per_device_tflops") / json_metric(last, "perf/step_time_seconds") ==
+        Approx(json_metric(last, "perf/per_device_tflops_per_sec")).epsilon(1e-9));
   CHECK(json_metric(lines.back(), "learning/loss") < json_metric(lines.front(), "learning/loss") - 1.0);
   CHECK(std::filesystem::exists(test_root() + "/learn/config.yml"));
 }

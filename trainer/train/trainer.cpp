@@ -417,6 +417,10 @@ MetricValues Trainer::read_metrics(const StepOutput& out) const {
       {"perf/grad_sync_seconds", out.grad_sync_seconds},
       {"perf/per_device_tokens_per_sec", seconds > 0 ? tokens / seconds : 0.0},
       {"perf/per_device_tflops_per_sec", seconds > 0 ? size_.flops_per_step_per_device / seconds / 1e12 : 0.0},
+      // MaxText's per-step constants and its perplexity (exp of learning/lm_loss, z-loss part included).
+      {"perf/per_device_tokens", tokens},
+      {"perf/per_device_tflops", size_.flops_per_step_per_device / 1e12},
+      {"learning/perplexity", std::exp(v[1])},
   };
   if (out.num_zeros.defined()) values.emplace_back("learning/num_zeros", v[8]);
   values.emplace_back("megatron/lm_loss", v[11]);
