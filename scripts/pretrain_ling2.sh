@@ -50,7 +50,10 @@ HARDWARE=${HARDWARE:-}
 for arg in "$@"; do case "$arg" in hardware=*) HARDWARE=${arg#hardware=} ;; esac; done  # the arguments win
 if [ -z "$HARDWARE" ]; then
   # A GPU node trained on its CPUs unless hardware=gpu was passed.
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then HARDWARE=gpu; else HARDWARE=cpu; fi
+  # Read whole first (grep -q exiting early would kill a long listing with SIGPIPE, which
+  # pipefail turns into "no GPU"); bounded, as a broken driver can hang nvidia-smi.
+  gpu_list=$(command -v nvidia-smi >/dev/null 2>&1 && timeout 30 nvidia-smi -L 2>/dev/null || true)
+  if grep -q '^GPU ' <<<"$gpu_list"; then HARDWARE=gpu; else HARDWARE=cpu; fi
   echo "pretrain_ling2.sh: HARDWARE=$HARDWARE (detected; set HARDWARE=cpu or gpu to choose)" >&2
 fi
 if [ "$HARDWARE" != cpu ] && [ "$HARDWARE" != gpu ]; then
@@ -85,8 +88,9 @@ for arg in "$@"; do  # the arguments come last on the trainer's command line: th
     pad_id=*) PAD_ID=${arg#pad_id=} ;;
   esac
 done
-# The trainer first: the demo corpus below is made with its build/preprocess_data (and setup.sh
-# installs what prepare_corpus.sh reads), on a fresh machine too.
+# The trainer first: the demo corpus below is made with the preprocess_data beside it (on the CPU
+# path setup.sh also installs what prepare_corpus.sh reads, Debian's fortunes; a GPU machine
+# without it needs DATA_PATH or DATASET_TYPE=synthetic).
 if [ -n "${TRAINER:-}" ]; then
   [ -x "$TRAINER" ] || { echo "pretrain_ling2.sh: TRAINER=$TRAINER is not an executable" >&2; exit 2; }
 elif [ "$HARDWARE" = gpu ]; then

@@ -296,6 +296,7 @@ TEST_CASE("split boundaries: cumulative normalized weights, each rounded half to
     CHECK_THROWS_WITH(gpt_split_boundaries(other, 100), Catch::Contains("write each part as plain decimal digits"));
   }
   CHECK(gpt_split_boundaries(" 0.5, 1.5 ,0", 100) == std::vector<int64_t>{0, 25, 100, 100});
+  CHECK(gpt_split_boundaries("\t0.5,1.5\t,0", 100) == std::vector<int64_t>{0, 25, 100, 100});
   // Parts that sum past a double are named as such (it was "must be non-negative with a positive sum").
   const std::string huge = "17" + std::string(307, '0');  // 1.7e308, finite
   CHECK_THROWS_WITH(gpt_split_boundaries(huge + "," + huge + ",0", 100), Catch::Contains("its parts sum past the largest double"));

@@ -81,14 +81,15 @@ std::vector<int64_t> gpt_split_boundaries(const std::string& split, int64_t n) {
     // Megatron reads the numbers with the regex [.0-9]+, so any other character separates two:
     // "1e2,1" is 1, 2, 1 there (train 25%), 100, 1 for strtod (99%); "0x10" is 0 and 10. Only plain
     // decimals mean the same to both.
-    const size_t first = part.find_first_not_of(' '), last = part.find_last_not_of(' ');
+    const char* const blank = " \t\n\v\f\r";  // what strtod skipped, and Megatron's regex
+    const size_t first = part.find_first_not_of(blank), last = part.find_last_not_of(blank);
     if (first == std::string::npos || part.substr(first, last - first + 1).find_first_not_of("0123456789.") != std::string::npos)
       throw config_error("config key 'split': '" + split + "': write each part as plain decimal digits like \"969,30,1\" "
                          "(Megatron's parser reads only [.0-9]+: \"1e2\" would be the two numbers 1 and 2 there)");
     char* end = nullptr;
     weights.push_back(std::strtod(part.c_str(), &end));
     const size_t used = static_cast<size_t>(end - part.c_str());
-    if (used == 0 || part.find_first_not_of(' ', used) != std::string::npos || !std::isfinite(weights.back()))
+    if (used == 0 || part.find_first_not_of(blank, used) != std::string::npos || !std::isfinite(weights.back()))
       throw config_error("config key 'split': '" + split + "' is not a list of finite numbers like \"969,30,1\"");
   }
   while (weights.size() < 3) weights.push_back(0.0);

@@ -376,8 +376,8 @@ void Trainer::restore_state(const CheckpointState& state, const std::string& con
   updates_applied_ = state.updates_applied;
   spike_losses_.assign(state.spike_losses.begin(), state.spike_losses.end());
   spike_grad_norms_.assign(state.spike_grad_norms.begin(), state.spike_grad_norms.end());
-  // A shorter skip_step_interval than the checkpoint's: the window is its newest entries (the
-  // first resumed step was judged against the whole old window, and kept it if rejected).
+  // A shorter skip_step_interval than the checkpoint's: the window is its newest entries, as if
+  // the run had had this interval all along (the window holds the last n steps, skipped included).
   while (spike_losses_.size() > static_cast<size_t>(config_.skip_step_interval))
     spike_losses_.pop_front(), spike_grad_norms_.pop_front();
   if (!state.cpu_rng_state.empty()) {
