@@ -11,6 +11,7 @@
 #include "trainer/model/layers.h"
 #include "trainer/model/model.h"
 #include "trainer/model/row_kernels.h"
+#include "trainer/train/cross_entropy.h"
 #include "trainer/util/torch_compat.h"
 
 using namespace trainer;
@@ -632,4 +633,128 @@ TEST_CASE("logits equal an independent float64 forward (GQA, rotate_half RoPE, p
     INFO("max abs difference " << difference << ", logits scale " << scale);
     CHECK(difference <= 1e-6 * scale);
   }
+}
+
+namespace {
+// ||a - b|| / ||b|| in float64.
+double relative_error(const torch::Tensor& a, const torch::Tensor& b) {
+  const auto b64 = b.to(torch::kFloat64);
+  return ((a.to(torch::kFloat64) - b64).norm() / b64.norm()).item<double>();
+}
+// Puts compat's bf16 GEMM choice back to this CPU's own when a test that forced it ends.
+struct Bf16GemmModeRestore {
+  ~Bf16GemmModeRestore() { compat::cpu_bf16_gemm_via_fp32_set(-1); }
+};
+}  // namespace
+
+// Every bf16 GEMM the model makes on a CPU, with compat's fp32 summation forced on, against
+// float64 products of the same bf16-rounded operands. Each result is rounded to bf16 once (or a
+// few times through attention's softmax), a relative error of a few 2^-9; summing the products in
+// bf16, as LibTorch 1.13's CPU fallback does, is off by ~1% at inner size 64 and ~5% at 2048
+// (each bound below failed with the choice forced off on an AVX2 machine under 1.13).
+TEST_CASE("bf16 GEMMs on the CPU summed in fp32: linear, block attention, MoE experts against float64", "[model]") {
+  Bf16GemmModeRestore restore;
+  compat::cpu_bf16_gemm_via_fp32_set(1);
+  REQUIRE(compat::cpu_bf16_gemm_via_fp32());
+  const auto rounded = [](const torch::Tensor& t) { return t.to(torch::kBFloat16).to(torch::kFloat64); };
+  torch::manual_seed(11);
+
+  // Linear under CPU autocast: fp32 weight and input, bf16 output, fp32 gradients.
+  const int64_t rows = 16, in = 2048, out = 2048;
+  const auto x = torch::randn({rows, in}).requires_grad_();
+  const auto weight = (torch::randn({out, in}) / std::sqrt(static_cast<double>(in))).requires_grad_();
+  const auto dy = torch::randn({rows, out}).to(torch::kBFloat16);
+  torch::Tensor y;
+  {
+    compat::AutocastGuard autocast(true, false);
+    y = model_detail::linear_gemm(x, weight);
+  }
+  y.backward(dy);
+  CHECK(y.scalar_type() == torch::kBFloat16);
+  CHECK(x.grad().scalar_type() == torch::kFloat32);
+  CHECK(weight.grad().scalar_type() == torch::kFloat32);
+  const auto y_ref = rounded(x).mm(rounded(weight).t());  // (rows, out)
+  const auto dx_ref = dy.to(torch::kFloat64).mm(rounded(weight));  // (rows, in): inner size out
+  const auto dw_ref = dy.to(torch::kFloat64).t().mm(rounded(x));   // (out, in): inner size rows
+  INFO("linear: y " << relative_error(y, y_ref) << ", dx " << relative_error(x.grad(), dx_ref) << ", dW "
+                    << relative_error(weight.grad(), dw_ref));
+  CHECK(relative_error(y, y_ref) < 4e-3);
+  CHECK(relative_error(x.grad(), dx_ref) < 4e-3);
+  CHECK(relative_error(weight.grad(), dw_ref) < 4e-3);
+  // Rounded once: every element within one bf16 rounding (2^-8 relative) of the exact product, up
+  // to fp32's summation error (far smaller here).
+  CHECK(((y.to(torch::kFloat64) - y_ref).abs() <= y_ref.abs() * std::ldexp(1.0, -8) + 1e-5).all().item<bool>());
+
+  // Block-causal attention in bf16 (the 1.13 kernel), 512 positions: the probabilities' product
+  // with v sums up to 512 terms.
+  const int64_t B = 1, Hq = 4, Hkv = 2, L = 512, hd = 32;
+  const auto q = torch::randn({B, Hq, L, hd}).to(torch::kBFloat16).requires_grad_();
+  const auto k = torch::randn({B, Hkv, L, hd}).to(torch::kBFloat16).requires_grad_();
+  const auto v = torch::randn({B, Hkv, L, hd}).to(torch::kBFloat16).requires_grad_();
+  const auto upstream = torch::randn({B, Hq, L, hd}).to(torch::kBFloat16);
+  const auto attended = model_detail::block_causal_attention(q, k, v, torch::Tensor(), 64);
+  const auto grads = torch::autograd::grad({attended}, {q, k, v}, {upstream});
+  const auto q64 = q.detach().to(torch::kFloat64).requires_grad_(), k64 = k.detach().to(torch::kFloat64).requires_grad_(),
+             v64 = v.detach().to(torch::kFloat64).requires_grad_();
+  const auto causal = torch::ones({B, 1, L, L}, torch::kBool).tril();
+  const auto attended_ref = per_head_attention(q64, k64, v64, causal);
+  const auto grads_ref = torch::autograd::grad({attended_ref}, {q64, k64, v64}, {upstream.to(torch::kFloat64)});
+  CHECK(attended.scalar_type() == torch::kBFloat16);
+  INFO("attention: out " << relative_error(attended, attended_ref) << ", dq " << relative_error(grads[0], grads_ref[0])
+                         << ", dk " << relative_error(grads[1], grads_ref[1]) << ", dv "
+                         << relative_error(grads[2], grads_ref[2]));
+  CHECK(relative_error(attended, attended_ref) < 6e-3);
+  for (int i = 0; i < 3; ++i) CHECK(relative_error(grads[i], grads_ref[i]) < 1.2e-2);
+
+  // Grouped MoE experts under autocast (GEMMs straight into the experts' buffers), width 1024.
+  const int64_t E = 3, D = 1024, Fh = 256, M = 48;
+  MoeExperts experts(E, D, Fh);
+  draw_weights(*experts, 0.03);
+  const std::vector<int64_t> sizes = {20, 0, 28};
+  const auto xe = torch::randn({M, D}).requires_grad_();
+  const auto dye = torch::randn({M, D});
+  torch::Tensor ye;
+  {
+    compat::AutocastGuard autocast(true, false);
+    ye = experts->forward(xe, sizes, /*grouped=*/true);
+  }
+  (ye.to(torch::kFloat32) * dye).sum().backward();
+  // float64 reference, per expert, of the rounded inputs and weights (intermediates unrounded).
+  const auto xe64 = rounded(xe.detach()).requires_grad_();
+  const auto gu64 = rounded(experts->gate_up_proj.detach()).requires_grad_(), down64 = rounded(experts->down_proj.detach()).requires_grad_();
+  std::vector<torch::Tensor> pieces;
+  for (int64_t e = 0, first = 0; e < E; first += sizes[static_cast<size_t>(e)], ++e) {
+    const auto xr = xe64.narrow(0, first, sizes[static_cast<size_t>(e)]);
+    const auto gu = xr.mm(gu64[e].t()).split(Fh, 1);
+    pieces.push_back((torch::silu(gu[0]) * gu[1]).mm(down64[e].t()));
+  }
+  const auto ye_ref = torch::cat(pieces);
+  const auto experts_ref = torch::autograd::grad({ye_ref}, {xe64, gu64, down64}, {dye.to(torch::kFloat64)});
+  INFO("experts: y " << relative_error(ye, ye_ref) << ", dx " << relative_error(xe.grad(), experts_ref[0])
+                     << ", d gate_up " << relative_error(experts->gate_up_proj.grad(), experts_ref[1]) << ", d down "
+                     << relative_error(experts->down_proj.grad(), experts_ref[2]));
+  CHECK(relative_error(ye, ye_ref) < 8e-3);
+  CHECK(relative_error(xe.grad(), experts_ref[0]) < 1.2e-2);
+  CHECK(relative_error(experts->gate_up_proj.grad(), experts_ref[1]) < 1.2e-2);
+  CHECK(relative_error(experts->down_proj.grad(), experts_ref[2]) < 1.2e-2);
+
+  // The tiled LM head's cross-entropy in bf16: logits of inner size 2048, the hidden gradient of
+  // inner size V = 512.
+  const int64_t V = 512, width = 2048;
+  const auto hidden = torch::randn({4, 16, width}).requires_grad_();
+  const auto head = (torch::randn({V, width}) / std::sqrt(static_cast<double>(width))).requires_grad_();
+  const auto targets = torch::randint(0, V, {4, 16}, torch::kInt64);
+  const auto token_weights = torch::rand({4, 16});
+  const auto ce = cross_entropy_sums_tiled(hidden, head, targets, token_weights, 0.0, 3, /*bf16_compute=*/true).ce;
+  ce.backward();
+  const auto hidden64 = rounded(hidden.detach()).requires_grad_(), head64 = rounded(head.detach()).requires_grad_();
+  const auto logits64 = torch::matmul(hidden64, head64.t());  // (4, 16, V)
+  const auto ce64 = ((torch::logsumexp(logits64, -1) - logits64.gather(-1, targets.unsqueeze(-1)).squeeze(-1)) *
+                     token_weights.to(torch::kFloat64)).sum();
+  const auto ce_grads = torch::autograd::grad({ce64}, {hidden64, head64});
+  INFO("cross-entropy: ce " << relative_error(ce, ce64) << ", d hidden " << relative_error(hidden.grad(), ce_grads[0])
+                            << ", d head " << relative_error(head.grad(), ce_grads[1]));
+  CHECK(relative_error(ce, ce64) < 1e-3);
+  CHECK(relative_error(hidden.grad(), ce_grads[0]) < 1.2e-2);
+  CHECK(relative_error(head.grad(), ce_grads[1]) < 1.2e-2);
 }

@@ -74,6 +74,7 @@ using StringList = std::vector<std::string>;
   X(bool, gla_reset_at_documents)                 \
   X(bool, logits_via_embedding)                   \
   X(std::string, dtype)                           \
+  X(std::string, cpu_bf16_gemm)                   \
   X(int64_t, init_weights_seed)                   \
   X(double, init_method_std)                      \
   X(bool, init_output_layers_scaled)              \

@@ -24,6 +24,7 @@ const std::map<std::string, std::vector<std::string>>& allowed_values() {
       {"remat_policy", {"none", "full", "minimal"}},
       {"log_format", {"maxtext", "megatron"}},
       {"dtype", {"float32", "bfloat16"}},
+      {"cpu_bf16_gemm", {"auto", "fp32", "native"}},
       {"dataset_type", {"synthetic", "megatron", "grain"}},
       {"grain_file_type", {"", "mmap_npy"}},
       {"lr_schedule_type", {"cosine", "constant", "wsd"}},

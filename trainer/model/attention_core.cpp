@@ -61,6 +61,9 @@ torch::Tensor diagonal_block_bias(int64_t block, int64_t group, torch::ScalarTyp
 // small-matrix baddbmm path multiplies the old contents by beta, so 0 * NaN would leak in.)
 // Masked entries have P = 0, hence dS = 0: the mask needs no backward. Every query row attends
 // to at least itself, so no row is all -inf.
+// bf16 where compat::cpu_bf16_gemm_via_fp32() (LibTorch 1.13 without AVX-512, whose bf16 GEMMs sum
+// in bf16): the GEMMs take fp32 copies of the bf16 operands and round S, O_blk, dP and dqs to bf16
+// (a GPU's bf16 GEMM); dk and dv are summed over the blocks in fp32 and rounded once at the end.
 class BlockCausalAttention : public torch::autograd::Function<BlockCausalAttention> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q3,
@@ -69,13 +72,18 @@ class BlockCausalAttention : public torch::autograd::Function<BlockCausalAttenti
     const int64_t N = k3.size(0), L = k3.size(1), hv = v3.size(2);
     const auto qs = q3 * (1.0 / std::sqrt(static_cast<double>(q3.size(2))));  // (N, L*g, hd)
     auto out = torch::empty({N, L * group, hv}, q3.options());  // (N, L*g, hv)
+    const auto gemm = compat::gemm_operand_dtype(q3);  // q3's, or fp32 for bf16 on such CPUs
+    const bool rounded = gemm != q3.scalar_type();
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);  // fp32 GEMMs stay fp32
+    const auto qs_g = qs.to(gemm), k_g = k3.to(gemm), v_g = v3.to(gemm);  // the operands, as multiplied
     const auto& allowed = segments.allowed;
     const auto diagonal_bias =
         allowed.defined() ? torch::Tensor() : diagonal_block_bias(block, group, q3.scalar_type(), q3.device());
     std::vector<torch::Tensor> saved = {qs, k3, v3};
     for (int64_t s = 0; s < L; s += block) {
       const int64_t e = std::min(L, s + block), rows = (e - s) * group;
-      auto scores = torch::bmm(qs.narrow(1, s * group, rows), k3.narrow(1, 0, e).transpose(1, 2));  // (N, rows, e)
+      auto scores = torch::bmm(qs_g.narrow(1, s * group, rows), k_g.narrow(1, 0, e).transpose(1, 2))
+                        .to(q3.scalar_type());  // (N, rows, e)
       if (allowed.defined()) {
         // Inverted per block: no (B, L, L) copy per layer.
         const int64_t B = allowed.size(0);
@@ -89,7 +97,10 @@ class BlockCausalAttention : public torch::autograd::Function<BlockCausalAttenti
       // as an fp32 softmax cast back would, without the fp32 (N, rows, e) copy.
       const auto probs = torch::softmax(scores, -1);  // (N, rows, e)
       auto out_block = out.narrow(1, s * group, rows);
-      at::bmm_out(out_block, probs, v3.narrow(1, 0, e));
+      if (rounded)
+        out_block.copy_(torch::bmm(probs.to(gemm), v_g.narrow(1, 0, e)));
+      else
+        at::bmm_out(out_block, probs, v3.narrow(1, 0, e));
       saved.push_back(probs);
     }
     ctx->save_for_backward(saved);
@@ -105,22 +116,30 @@ class BlockCausalAttention : public torch::autograd::Function<BlockCausalAttenti
     const int64_t group = ctx->saved_data["group"].toInt(), block = ctx->saved_data["block"].toInt();
     const int64_t L = k3.size(1);
     const double scale = 1.0 / std::sqrt(static_cast<double>(qs.size(2)));
-    const auto grad_out = grad_outputs[0].to(qs.scalar_type()).contiguous();  // (N, L*g, hv)
-    auto grad_q = torch::empty_like(qs), grad_k = torch::zeros_like(k3), grad_v = torch::zeros_like(v3);
+    const auto dtype = qs.scalar_type(), gemm = compat::gemm_operand_dtype(qs);
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const auto qs_g = qs.to(gemm), k_g = k3.to(gemm), v_g = v3.to(gemm);
+    const auto grad_out = grad_outputs[0].to(dtype).to(gemm).contiguous();  // (N, L*g, hv)
+    // In the GEMMs' dtype; dqs rounded to qs's dtype block by block (bmm_out's rounding elsewhere).
+    auto grad_q = torch::empty_like(qs), grad_k = torch::zeros_like(k_g), grad_v = torch::zeros_like(v_g);
     for (int64_t s = 0, i = 3; s < L; s += block, ++i) {
       const int64_t e = std::min(L, s + block), rows = (e - s) * group;
       const auto& probs = saved[i];  // (N, rows, e)
+      const auto probs_g = probs.to(gemm);
       const auto grad_out_block = grad_out.narrow(1, s * group, rows);
       auto grad_v_head = grad_v.narrow(1, 0, e), grad_k_head = grad_k.narrow(1, 0, e);
-      grad_v_head.baddbmm_(probs.transpose(1, 2), grad_out_block);
-      const auto grad_probs = torch::bmm(grad_out_block, v3.narrow(1, 0, e).transpose(1, 2));  // (N, rows, e)
-      const auto grad_scores = at::_softmax_backward_data(grad_probs, probs, -1, probs.scalar_type());
+      grad_v_head.baddbmm_(probs_g.transpose(1, 2), grad_out_block);
+      const auto grad_probs = torch::bmm(grad_out_block, v_g.narrow(1, 0, e).transpose(1, 2)).to(dtype);  // (N, rows, e)
+      const auto grad_scores = at::_softmax_backward_data(grad_probs, probs, -1, probs.scalar_type()).to(gemm);
       auto grad_q_block = grad_q.narrow(1, s * group, rows);
-      at::bmm_out(grad_q_block, grad_scores, k3.narrow(1, 0, e));
-      grad_k_head.baddbmm_(grad_scores.transpose(1, 2), qs.narrow(1, s * group, rows));
+      if (gemm != dtype)
+        grad_q_block.copy_(torch::bmm(grad_scores, k_g.narrow(1, 0, e)));
+      else
+        at::bmm_out(grad_q_block, grad_scores, k3.narrow(1, 0, e));
+      grad_k_head.baddbmm_(grad_scores.transpose(1, 2), qs_g.narrow(1, s * group, rows));
     }
     grad_q.mul_(scale);
-    return {grad_q, grad_k, grad_v, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return {grad_q, grad_k.to(dtype), grad_v.to(dtype), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 

@@ -12,7 +12,11 @@ namespace trainer::model_detail {
 
 Linear linear(int64_t in, int64_t out);  // weight (out, in), no bias, uninitialized
 
-// F::linear(x, cat(weights)): (..., sum out_i); callers split_with_sizes it (model.cpp says why).
+// x W^T: x (..., in), weight (out, in) -> (..., out). F::linear, except for bf16 on a CPU where
+// compat::cpu_bf16_gemm_via_fp32(): there the GEMMs (forward and backward) sum in fp32.
+torch::Tensor linear_gemm(const torch::Tensor& x, const torch::Tensor& weight);
+
+// linear_gemm(x, cat(weights)): (..., sum out_i); callers split_with_sizes it (model.cpp says why).
 torch::Tensor linear_fused(const torch::Tensor& x, std::initializer_list<torch::Tensor> weights);
 
 // x: (B, H, L, hd). Rotates the first cos.size(-1) dims, pairing i with i + rot/2 (rotate_half).

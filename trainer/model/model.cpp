@@ -143,7 +143,7 @@ torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
 // torch::empty: allocated, never touched until drawn (model.h).
 LinearImpl::LinearImpl(int64_t in, int64_t out) { weight = register_parameter("weight", torch::empty({out, in})); }
 
-torch::Tensor LinearImpl::forward(const torch::Tensor& x) { return F::linear(x, weight); }
+torch::Tensor LinearImpl::forward(const torch::Tensor& x) { return model_detail::linear_gemm(x, weight); }
 
 EmbeddingImpl::EmbeddingImpl(int64_t vocab, int64_t dim) {
   weight = register_parameter("weight", torch::empty({vocab, dim}));
@@ -288,7 +288,60 @@ torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const
 // autograd adds them (3% of an isolated fused layer's forward + backward on the CPU; within
 // noise in a whole step, docs/benchmarks.md "Against the PyTorch peer").
 torch::Tensor linear_fused(const torch::Tensor& x, std::initializer_list<torch::Tensor> weights) {
-  return F::linear(x, torch::cat(weights));
+  return linear_gemm(x, torch::cat(weights));
+}
+
+namespace {
+
+// x W^T in bf16 on a CPU whose LibTorch sums bf16 products in bf16 (compat::cpu_bf16_gemm_via_fp32):
+// the operands rounded to bf16, multiplied and summed in fp32, the result rounded to bf16 once, as
+// autocast's bf16 F::linear on a GPU computes. Backward, from dy (bf16), the same way:
+//   dx = round(dy W),   dW = round(dy^T x)   (over all leading dimensions of x)
+// each cast to its input's dtype (an fp32 weight takes its gradient as autocast's cast node would
+// pass it: rounded to bf16 first). Keeps the bf16 x and W, as autocast's linear does.
+class Fp32AccumulatedLinear : public torch::autograd::Function<Fp32AccumulatedLinear> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& weight) {
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);  // fp32 GEMMs stay fp32
+    const auto x16 = x.to(torch::kBFloat16), w16 = weight.to(torch::kBFloat16);  // (..., in), (out, in)
+    ctx->save_for_backward({x16, w16});
+    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+    ctx->saved_data["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
+    return F::linear(x16.to(torch::kFloat32), w16.to(torch::kFloat32)).to(torch::kBFloat16);  // (..., out)
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const auto saved = ctx->get_saved_variables();
+    const auto &x16 = saved[0], &w16 = saved[1];
+    const auto x_dtype = static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt());
+    const auto w_dtype = static_cast<at::ScalarType>(ctx->saved_data["w_dtype"].toInt());
+    const auto dy = grad_outputs[0].to(torch::kBFloat16).to(torch::kFloat32);  // (..., out)
+    torch::Tensor dx, dw;
+    if (ctx->needs_input_grad(0)) dx = dy.matmul(w16.to(torch::kFloat32)).to(torch::kBFloat16).to(x_dtype);
+    if (ctx->needs_input_grad(1)) {
+      const auto rows = dy.reshape({-1, dy.size(-1)}), inputs = x16.reshape({-1, x16.size(-1)});  // (N, out), (N, in)
+      dw = rows.t().mm(inputs.to(torch::kFloat32)).to(torch::kBFloat16).to(w_dtype);            // (out, in)
+    }
+    return {dx, dw};
+  }
+};
+
+}  // namespace
+
+torch::Tensor linear_gemm(const torch::Tensor& x, const torch::Tensor& weight) {
+  if (x.is_cpu() && compat::cpu_bf16_gemm_via_fp32()) {
+    // In bf16 where F::linear would be: under CPU autocast (which leaves fp64 alone), or both bf16.
+    const auto is_autocast_input = [](const torch::Tensor& t) {
+      return t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16;
+    };
+    const bool bf16 = compat::autocast_is_enabled(false)
+                          ? is_autocast_input(x) && is_autocast_input(weight)
+                          : x.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16;
+    if (bf16) return Fp32AccumulatedLinear::apply(x, weight);
+  }
+  return F::linear(x, weight);
 }
 
 RopeTables rope_tables(const torch::Tensor& positions, const torch::Tensor& inv_freq) {
@@ -644,7 +697,7 @@ TransformerImpl::TransformerImpl(const Config& c)
 }
 
 torch::Tensor TransformerImpl::head(const torch::Tensor& normed_hidden) {
-  const auto logits = lm_head ? lm_head(normed_hidden) : F::linear(normed_hidden, model->embed_tokens->weight);
+  const auto logits = lm_head ? lm_head(normed_hidden) : model_detail::linear_gemm(normed_hidden, model->embed_tokens->weight);
   return logits.to(at::promote_types(logits.scalar_type(), torch::kFloat32));
 }
 

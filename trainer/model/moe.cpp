@@ -127,6 +127,13 @@ BlasMatrix blas_matrix_of(const torch::Tensor& t) {
 // bitwise the same result). Row-major out = a b is column-major out^T = b^T a^T.
 void gemm_into(torch::Tensor out, const torch::Tensor& a, const torch::Tensor& b) {
   const auto dtype = out.scalar_type();
+  if (compat::gemm_operand_dtype(out) != dtype) {  // bf16 summed in fp32, rounded once (compat says why)
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    auto product = torch::empty(out.sizes(), out.options().dtype(torch::kFloat32));  // (rows, cols)
+    gemm_into(product, a.to(torch::kFloat32), b.to(torch::kFloat32));
+    out.copy_(product);
+    return;
+  }
   const bool blas = out.is_cpu() && ((dtype == at::kFloat && blas_sgemm) || (dtype == at::kDouble && blas_dgemm)) &&
                     a.scalar_type() == dtype && b.scalar_type() == dtype && out.stride(1) == 1;
   const BlasMatrix ma = blas ? blas_matrix_of(a) : BlasMatrix{}, mb = blas ? blas_matrix_of(b) : BlasMatrix{};
@@ -877,8 +884,8 @@ torch::Tensor MoeExpertsImpl::forward(const torch::Tensor& x_sorted, const std::
   const auto gate_up = gate_up_proj.unbind(0), down = down_proj.unbind(0);
   std::vector<torch::Tensor> outputs;  // one (rows, D) per expert with rows
   for_each_expert_rows(group_sizes, [&](int64_t e, int64_t first, int64_t rows) {
-    const auto gu = F::linear(x_sorted.narrow(0, first, rows), gate_up[e]).split_with_sizes({hidden, hidden}, 1);  // (rows, F) x 2
-    outputs.push_back(F::linear(F::silu(gu[0]) * gu[1], down[e]));
+    const auto gu = model_detail::linear_gemm(x_sorted.narrow(0, first, rows), gate_up[e]).split_with_sizes({hidden, hidden}, 1);  // (rows, F) x 2
+    outputs.push_back(model_detail::linear_gemm(F::silu(gu[0]) * gu[1], down[e]));
   });
   if (outputs.empty()) return torch::zeros({0, x_sorted.size(1)}, x_sorted.options().dtype(expert_compute_dtype(x_sorted)));
   return torch::cat(outputs);

@@ -52,6 +52,10 @@ class TiledCrossEntropy : public torch::autograd::Function<TiledCrossEntropy> {
     const auto t = targets.reshape({N});                                  // (N)
     const auto w = token_weights.reshape({N}).to(accumulate);             // (N)
     const auto weight_c = head_weight.to(compute);                        // (V, D)
+    // The GEMMs' operand dtype: compute's, or fp32 for bf16 on a CPU whose LibTorch sums bf16
+    // products in bf16 (compat::cpu_bf16_gemm_via_fp32); their products are rounded to compute.
+    const auto gemm = compat::gemm_operand_dtype(weight_c);
+    const auto weight_g = weight_c.to(gemm);                              // (V, D)
     // Without gradients (evaluation) only the sums are computed.
     auto grad_hidden = need_grads ? torch::empty({N, D}, hidden.options()) : torch::Tensor();       // (N, D)
     auto grad_weight = need_grads ? torch::zeros({V, D}, head_weight.options()) : torch::Tensor();  // (V, D)
@@ -59,10 +63,10 @@ class TiledCrossEntropy : public torch::autograd::Function<TiledCrossEntropy> {
     const int64_t n_tiles = std::max<int64_t>(tiles, 1), rows = std::max<int64_t>(1, (N + n_tiles - 1) / n_tiles);
     for (int64_t first = 0; first < N; first += rows) {
       const int64_t n = std::min(rows, N - first);
-      const auto h_tile = h.narrow(0, first, n).to(compute);                          // (n, D)
+      const auto h_tile = h.narrow(0, first, n).to(compute).to(gemm);                 // (n, D)
       const auto t_tile = t.narrow(0, first, n).unsqueeze(1);                         // (n, 1)
       const auto w_tile = w.narrow(0, first, n);                                      // (n)
-      auto logits = h_tile.mm(weight_c.t()).to(accumulate);                           // (n, V)
+      auto logits = h_tile.mm(weight_g.t()).to(compute).to(accumulate);              // (n, V)
       const auto lse = torch::logsumexp(logits, -1);                                  // (n)
       const auto z_tile = z_loss_multiplier * lse.square();                           // (n)
       ce.add_((w_tile * (lse - logits.gather(1, t_tile).squeeze(1) + z_tile)).sum());
@@ -72,12 +76,12 @@ class TiledCrossEntropy : public torch::autograd::Function<TiledCrossEntropy> {
       auto& grad = logits.sub_(lse.unsqueeze(1)).exp_();                              // (n, V) softmax
       grad.mul_((w_tile * (1 + 2 * z_loss_multiplier * lse)).unsqueeze(1));
       grad.scatter_add_(1, t_tile, -w_tile.unsqueeze(1));
-      const auto grad_c = grad.to(compute);                                           // (n, V)
-      grad_hidden.narrow(0, first, n).copy_(grad_c.mm(weight_c));
-      if (compute == grad_weight.scalar_type())
+      const auto grad_c = grad.to(compute).to(gemm);                                 // (n, V)
+      grad_hidden.narrow(0, first, n).copy_(grad_c.mm(weight_g).to(compute));
+      if (compute == grad_weight.scalar_type() && gemm == compute)
         grad_weight.addmm_(grad_c.t(), h_tile);  // accumulated by the GEMM itself: no (V, D) temporary
       else
-        grad_weight.add_(grad_c.t().mm(h_tile));  // bf16 product, summed over tiles in fp32
+        grad_weight.add_(grad_c.t().mm(h_tile).to(compute));  // bf16 product, summed over tiles in fp32
     }
     if (need_grads) {
       ctx->saved_data["grad_hidden"] = grad_hidden.view(hidden.sizes());

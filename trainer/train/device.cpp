@@ -150,16 +150,6 @@ bool device_sync_errors_get(const torch::Device& device) {
 #endif
 }
 
-bool device_cpu_bf16_matmul_accumulates_in_fp32() {
-  if (TRAINER_TORCH_AT_LEAST(2, 0)) return true;
-#if defined(__x86_64__) || defined(__i386__)
-  // LibTorch 1.13's mkldnn_bf16_device_check: oneDNN's bf16 GEMM needs these three.
-  return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-#else
-  return false;
-#endif
-}
-
 void device_synchronize(const torch::Device& device) {
 #if TRAINER_WITH_CUDA
   if (device.is_cuda()) {

@@ -34,12 +34,6 @@ DeviceMemoryPeaks device_memory_peaks(const torch::Device& device);
 void device_sync_errors_set(const torch::Device& device, bool on);
 // Whether that mode is on (false on the CPU).
 bool device_sync_errors_get(const torch::Device& device);
-// Whether LibTorch's bf16 matrix products on this CPU accumulate in fp32: with LibTorch >= 2
-// (not measured otherwise), or where oneDNN serves them (AVX-512 BW, VL and DQ). LibTorch 1.13's
-// fallback elsewhere accumulates in bf16: measured on an AVX2 AMD EPYC, a (64, K) x (K, 64)
-// product off by 1.0% of its norm at K = 64, 3.7% at 1024, 10% at 8192 (fp32 accumulation of the
-// same bf16 inputs: ~0.3%).
-bool device_cpu_bf16_matmul_accumulates_in_fp32();
 // Waits until the device has finished the work queued on it (cudaDeviceSynchronize; the runtime
 // call, which the sync debug mode does not see); a no-op on the CPU.
 void device_synchronize(const torch::Device& device);

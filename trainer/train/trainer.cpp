@@ -185,6 +185,7 @@ Trainer::Trainer(Config config)
   if (config_.keep_freed_host_memory) host_memory_keep_freed();
   if (config_.host_huge_pages) host_memory_huge_pages();
   if (config_.num_threads > 0) torch::set_num_threads(static_cast<int>(config_.num_threads));
+  compat::cpu_bf16_gemm_via_fp32_set(config_.cpu_bf16_gemm == "fp32" ? 1 : config_.cpu_bf16_gemm == "native" ? 0 : -1);
   // Nothing in a step draws from the global generator today; seeding it anyway makes its state
   // (saved in checkpoints) a function of the config, so future random ops resume bit-exactly.
   torch::manual_seed(static_cast<uint64_t>(config_.init_weights_seed));
@@ -212,10 +213,12 @@ Trainer::Trainer(Config config)
   else
     spdlog::info("device {}: perf/mfu is not reported: its peak TFLOP/s is unknown (set peak_tflops_per_device)", name);
   log_attention_kernel();
-  if (device_.is_cpu() && config_.dtype == "bfloat16" && !device_cpu_bf16_matmul_accumulates_in_fp32())
-    spdlog::warn("dtype=bfloat16 on this CPU: LibTorch " TORCH_VERSION " has no fp32-accumulating bf16 matrix product "
-                 "here (no AVX-512), so every product sums in bf16 (about 1% relative error at inner size 64, 10% at "
-                 "8192; docs/training.md); dtype=float32 avoids it");
+  if (device_.is_cpu() && config_.dtype == "bfloat16" && compat::cpu_bf16_gemm_via_fp32())
+    spdlog::info("dtype=bfloat16 on this CPU: bf16 GEMMs run as fp32 GEMMs of the bf16 operands, rounded to bf16 "
+                 "(cpu_bf16_gemm={}; docs/training.md)", config_.cpu_bf16_gemm);
+  else if (device_.is_cpu() && config_.dtype == "bfloat16" && !compat::cpu_bf16_gemm_native_accumulates_in_fp32())
+    spdlog::warn("dtype=bfloat16 with cpu_bf16_gemm=native on this CPU: LibTorch " TORCH_VERSION " sums bf16 products "
+                 "in bf16 here (no AVX-512: about 1% relative error at inner size 64, 10% at 8192; docs/training.md)");
 }
 
 // Which kernel scaled_dot_product_attention picks for this model's plain causal rows (no packed

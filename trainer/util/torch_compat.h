@@ -2,6 +2,8 @@
 // 13's 2.6 (CPU, scripts/test_libtorch2.sh) and the 2.x inside the PyTorch wheel (CUDA).
 // Everything else calls these wrappers.
 #pragma once
+#include <atomic>
+
 #include <torch/torch.h>
 #include <torch/version.h>
 #include <ATen/autocast_mode.h>
@@ -295,6 +297,51 @@ inline torch::Tensor grouped_mm(const torch::Tensor& x, const torch::Tensor& w, 
   TORCH_CHECK(false, "grouped_mm needs LibTorch >= 2.8 on CUDA");
   return {};
 #endif
+}
+
+}  // namespace trainer::compat
+
+namespace trainer::compat {
+
+// bf16 matrix products on the CPU. LibTorch 1.13 serves them through oneDNN (fp32 accumulation)
+// only where the CPU has AVX-512 BW, VL and DQ. Elsewhere its fallback is scalar code that sums
+// in bf16 when neither operand is transposed (a (64, K) x (K, 64) product of bf16 inputs off by
+// 1.0% of its norm at K = 64, 3.7% at 1024, 9.8% at 8192, measured on an AVX2 AMD EPYC) and is
+// 12-60x slower than OpenBLAS's fp32 GEMM of the same operands (docs/training.md). There the trainer multiplies bf16 operands as fp32 (every product of two bf16
+// values is exact in fp32), sums in fp32 and rounds the result to bf16 once: what a GPU's bf16
+// GEMM does. LibTorch >= 2.0 accumulates in fp32 on every CPU (measured with 2.6 on the same
+// machine), so it keeps its own kernels. gemm_via_fp32_set overrides the choice (tests).
+inline std::atomic<int>& cpu_bf16_gemm_override() {
+  static std::atomic<int> mode{-1};  // -1: this CPU's need; 0 / 1: forced off / on
+  return mode;
+}
+
+inline bool cpu_bf16_gemm_native_accumulates_in_fp32() {
+  if (TRAINER_TORCH_AT_LEAST(2, 0)) return true;
+#if defined(__x86_64__) || defined(__i386__)
+  // 1.13's mkldnn_bf16_device_check: oneDNN's bf16 GEMM needs these three.
+  static const bool onednn = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                             __builtin_cpu_supports("avx512dq");
+  return onednn;
+#else
+  return false;
+#endif
+}
+
+// Whether bf16 GEMMs on the CPU run as fp32 GEMMs of the bf16 operands (see above).
+inline bool cpu_bf16_gemm_via_fp32() {
+  const int mode = cpu_bf16_gemm_override().load();
+  return mode < 0 ? !cpu_bf16_gemm_native_accumulates_in_fp32() : mode == 1;
+}
+
+inline void cpu_bf16_gemm_via_fp32_set(int mode) { cpu_bf16_gemm_override() = mode; }
+
+// The dtype a GEMM operand of this dtype and device is multiplied in: fp32 for a bf16 CPU tensor
+// where cpu_bf16_gemm_via_fp32(), else its own. Callers convert both operands with .to(it) (a
+// no-op otherwise) and round the product back to bf16, outside autocast (which would cast the fp32
+// operands back to bf16).
+inline at::ScalarType gemm_operand_dtype(const torch::Tensor& t) {
+  return t.is_cpu() && t.scalar_type() == at::kBFloat16 && cpu_bf16_gemm_via_fp32() ? at::kFloat : t.scalar_type();
 }
 
 }  // namespace trainer::compat
