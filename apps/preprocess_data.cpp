@@ -174,6 +174,10 @@ int main(int argc, char** argv) {
     if (append_eod && tokenizer->tokenizer_eod() < 0)
       throw trainer::config_error("--append-eod: --tokenizer-model " + tokenizer_model + " has no </s> (eos) piece for <eod>");
     if (std::filesystem::is_directory(input)) throw trainer::Error(trainer::kExitData, "--input " + input + " is a directory");
+    // "" or a directory ("out/") named files "_text_document.bin" with no stem, where no one looks.
+    const std::string stem = std::filesystem::path(output_prefix).filename().string();
+    if (stem.empty() || stem == "." || stem == "..")
+      throw trainer::config_error("--output-prefix '" + output_prefix + "' must end in a file name stem (e.g. out/corpus)");
     for (size_t k = 0; k < json_keys.size(); ++k) {
       // Two writers of one key shared their temporary files: the run failed after writing.
       if (std::find(json_keys.begin(), json_keys.begin() + static_cast<std::ptrdiff_t>(k), json_keys[k]) !=

@@ -40,6 +40,7 @@ struct DryRunIndex {
 };
 DryRunIndex dry_run_index(const trainer::Config& c) {
   if (c.dataset_type == "synthetic") return {};  // .bin/.idx: dataset_type megatron, or grain with mmap_npy
+  if (c.dataset_type == "megatron") trainer::megatron_dataset_path_check(c);
   DryRunIndex index;
   index.train_samples = static_cast<double>(c.steps) * static_cast<double>(c.global_batch_size);
   // The validation split's, and the test split's eval_steps global batches where `split` gives
@@ -102,7 +103,7 @@ void print_dry_run(const trainer::Config& c, const trainer::DistEnv& env) {
   // The plan for this launch's layout (world size from the launcher's variables, if any).
   const bool cuda = c.hardware == "gpu";
   const trainer::MemoryPlan plan =
-      trainer::memory_plan(c, trainer::memory_plan_context(env.world_size, env.local_world_size, cuda));
+      trainer::memory_plan(c, trainer::memory_plan_context(c, env.world_size, env.local_world_size, cuda));
   std::printf("memory plan per rank (%s, %s, %lld rank%s):\n%s", cuda ? "GPU" : "CPU", c.dtype.c_str(),
               static_cast<long long>(env.world_size), env.world_size > 1 ? "s" : "",
               trainer::memory_plan_format(plan).c_str());
@@ -130,7 +131,7 @@ void print_dry_run(const trainer::Config& c, const trainer::DistEnv& env) {
 void dry_run_check_other_rank(const trainer::Config& c, const trainer::DistEnv& env) {
   if (c.hardware == "gpu") return;
   const trainer::MemoryPlan plan =
-      trainer::memory_plan(c, trainer::memory_plan_context(env.world_size, env.local_world_size, false));
+      trainer::memory_plan(c, trainer::memory_plan_context(c, env.world_size, env.local_world_size, false));
   const double index_bytes = dry_run_index(c).bytes;
   const DryRunFit fit = dry_run_fit(plan, index_bytes, env);
   if (fit.fits()) return;
@@ -339,7 +340,10 @@ void print_samples(const trainer::Config& config, int64_t count) {
     line += "]}\n";
     errno = 0;
     if (std::fputs(line.c_str(), stdout) < 0) {
-      if (errno == EPIPE) return;  // the reader has what it wanted
+      if (errno == EPIPE) {  // the reader has what it wanted: exit 0 (stdout_check_written would see the error flag)
+        std::clearerr(stdout);
+        return;
+      }
       stdout_check_written("--dump-samples");
     }
   }

@@ -350,6 +350,25 @@ TEST_CASE("a flipped byte in model.safetensors is detected and the previous chec
                            Catch::Contains("resumed from checkpoint " + kOut + "/flip/checkpoints/2"));
 }
 
+TEST_CASE("a FIFO in place of a checkpoint file is named and the previous checkpoint used (the read blocked forever)",
+          "[checkpoint]") {
+  const std::string args = "model_name=test-tiny max_target_length=16 checkpoint_period=2 base_output_directory=" + kOut +
+                           " run_name=fifo ";
+  fs::remove_all(kOut + "/fifo");
+  REQUIRE(train_in_process(args + "steps=6") == 0);
+  for (const std::string file : {"6/manifest.json", "4/model.safetensors"}) {
+    const std::string path = kOut + "/fifo/checkpoints/" + file;
+    fs::remove(path);
+    REQUIRE(::mkfifo(path.c_str(), 0644) == 0);
+  }
+  const auto r = run_trainer(args + "steps=8", "timeout -k 5 300");  // it used to block for ever
+  INFO("trainer output:\n" << r.output);
+  CHECK(r.exit_code == 0);
+  CHECK_THAT(r.output, Catch::Contains("manifest.json is not a regular file") &&
+                           Catch::Contains("model.safetensors is not a regular file") &&
+                           Catch::Contains("resumed from checkpoint " + kOut + "/fifo/checkpoints/2"));
+}
+
 TEST_CASE("damaged checkpoints: none usable stops the run with exit 3 and overwrites none and a forged state.json is named",
           "[checkpoint]") {
   const std::string args = "model_name=test-tiny max_target_length=16 checkpoint_period=1 async_checkpointing=false "

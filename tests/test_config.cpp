@@ -157,6 +157,15 @@ TEST_CASE("config errors name the key and exit with code 2", "[config]") {
                                "metrics_file=" + run_dir + "/config.yml.jsonl"},
                               {}));
   }
+  SECTION("run_name outside one directory below base_output_directory (.. wrote into the shared folder)") {
+    for (const std::string name : {"..", ".", "a/b", "/tmp/elsewhere", "../sibling"}) {
+      INFO(name);
+      const Error e = load_error({"base_output_directory=" + test_root() + "/names", "run_name=" + name});
+      CHECK(e.exit_code() == kExitUsage);
+      CHECK_THAT(e.what(), Catch::Contains("'run_name'") && Catch::Contains("one directory below base_output_directory"));
+    }
+    CHECK(tiny_config({"run_name=..a.b"}).run_name == "..a.b");
+  }
   SECTION("metrics_file naming a directory (DIR/ was created, then failed to open as the file)") {
     for (const std::string& dir : {test_root() + "/metrics-dir/", test_root() + "/metrics-dir/.", std::string("..")}) {
       INFO(dir);
@@ -228,6 +237,9 @@ TEST_CASE("config errors name the key and exit with code 2", "[config]") {
     // Below float32's smallest a nonzero value would be 0 there (adam_eps > 0 held in double).
     CHECK_THAT(load_error({"adam_eps=1e-50"}).what(), Catch::Contains("'adam_eps'") && Catch::Contains("float32 can hold"));
     CHECK_THAT(load_error({"adam_eps=1e-320"}).what(), Catch::Contains("float32 can hold"));  // was "a finite number"
+    // strtod reads hexadecimal: learning_rate=0x10 was 16, 0x1p-8 2^-8.
+    for (const std::string hex : {"learning_rate=0x10", "learning_rate=0x1p-8", "learning_rate=0X1"})
+      CHECK_THAT(load_error({hex}).what(), Catch::Contains("'learning_rate'") && Catch::Contains("a finite decimal number"));
     CHECK_THAT(load_error({"collective_timeout_seconds=1e10"}).what(), Catch::Contains("collective_timeout_seconds must be in [0.001, 1e9]"));
     // Below a millisecond it was a 0 ms timeout: the rendezvous failed at once, exit 5.
     CHECK_THAT(load_error({"collective_timeout_seconds=0.0001"}).what(),
@@ -393,6 +405,21 @@ TEST_CASE("base_config chains, YAML syntax and malformed overrides are errors na
   CHECK_THAT(error_of(dir + "/folder.yml"), Catch::Contains("folder.yml is a directory"));
   CHECK_THAT(error_of(write("listbase.yml", "base_config: [a]\n")),
              Catch::Contains("listbase.yml") && Catch::Contains("base_config must be a file name"));
+  // Two YAML documents: the second's keys (an unknown one here) were dropped unread.
+  CHECK_THAT(error_of(write("two-docs.yml", "base_config: middle.yml\nsteps: 5\n---\nstepz: 9\n")),
+             Catch::Contains("two-docs.yml holds 2 YAML documents"));
+  // Run keys in a model file: override_model_config there allowed no overrides (yet config.yml
+  // said true), and a model_name there was dropped.
+  std::filesystem::create_directories(dir + "/models");
+  write("models/runkey.yml", "override_model_config: true\nvocab_size: 100\n");
+  write("models/named.yml", "model_name: other\nvocab_size: 100\n");
+  for (const std::string model : {"runkey", "named"})
+    CHECK_THAT(error_of(child, {"model_name=" + model, "dataset_type=synthetic", "pad_id=0"}),
+               Catch::Contains("in the model file " + dir + "/models/" + model + ".yml") &&
+                   Catch::Contains("belongs to the run"));
+  // A trailing "---" (an empty second document) is harmless.
+  CHECK(config_load(write("trailing.yml", "base_config: middle.yml\nsteps: 5\n---\n"),
+                    {"model_name=", "dataset_type=synthetic", "pad_id=0"}, {}).steps == 5);
   // On the command line the last of a repeated key wins (scripts append the user's overrides).
   CHECK(config_load(child, {"model_name=", "dataset_type=synthetic", "pad_id=0", "steps=1", "steps=2"}, {}).steps == 2);
   // Command-line overrides that are not key=value, or whose value is not a YAML scalar.

@@ -351,6 +351,13 @@ TEST_CASE("the dry run counts the validation split's index arrays, and grain's m
   const auto grain = run_trainer("dataset_type=grain grain_file_type=mmap_npy " + base);
   INFO(grain.output);
   CHECK_THAT(grain.output, Catch::Contains("at least 0.0 MiB for 80 training samples"));
+  // A malformed blend: --dry-run said "fits" for what training refuses (it needs no files to see it).
+  for (const std::string blend : {"1 a -1 b", "0.5 a 0.5", "nan a", "a b"}) {
+    const auto refused = run_trainer("dataset_type=megatron " + base + "\"dataset_path=" + blend + "\"");
+    INFO(blend << ": " << refused.output);
+    CHECK(refused.exit_code == 2);
+    CHECK_THAT(refused.output, Catch::Contains("config key 'dataset_path'"));
+  }
 }
 
 TEST_CASE("a Megatron resume with steps that change the epochs warns that the sample order changes", "[data][cli]") {
@@ -1363,6 +1370,14 @@ TEST_CASE("preprocess_data fails with exit 3 naming the line where Megatron's sc
   CHECK(overwrite.exit_code == 2);
   CHECK_THAT(overwrite.output, Catch::Contains("would overwrite the --input " + self));
   CHECK(read_file(self) == "{\"text\": \"a\"}\n");
+  // An output prefix with no file stem wrote "_text_document.*" into the working directory or the folder.
+  for (const std::string prefix : {kDir + "/", kDir + "/."}) {
+    const auto stemless = run_command(std::string(PREPROCESS_BINARY) + " --input " + self + " --output-prefix " + prefix);
+    CHECK(stemless.exit_code == 2);
+    CHECK_THAT(stemless.output, Catch::Contains("must end in a file name stem"));
+  }
+  CHECK_FALSE(fs::exists(kDir + "/_text_document.bin"));
+  CHECK_FALSE(fs::exists(kDir + "/._text_document.bin"));
   // A directory as --input (it opens as a stream that reads nothing) and a thread count out of range.
   const auto dir = run_command(std::string(PREPROCESS_BINARY) + " --input " + kDir + " --output-prefix " + kDir + "/fromdir");
   CHECK(dir.exit_code == 3);

@@ -643,7 +643,8 @@ double relative_error(const torch::Tensor& a, const torch::Tensor& b) {
 }
 // Puts compat's bf16 GEMM choice back to this CPU's own when a test that forced it ends.
 struct Bf16GemmModeRestore {
-  ~Bf16GemmModeRestore() { compat::cpu_bf16_gemm_via_fp32_set(-1); }
+  const int mode = compat::cpu_bf16_gemm_override().load();
+  ~Bf16GemmModeRestore() { compat::cpu_bf16_gemm_via_fp32_set(mode); }
 };
 }  // namespace
 

@@ -90,6 +90,9 @@ nlohmann::ordered_json manifest_entry_of_text(const std::string& text) {
 }
 
 std::string read_text(const fs::path& path) {
+  std::error_code error;
+  if (fs::exists(path, error) && !fs::is_regular_file(path, error))  // a FIFO would block forever
+    throw std::runtime_error(path.string() + " is not a regular file");
   std::ifstream in(path, std::ios::binary);
   std::stringstream ss;
   ss << in.rdbuf();
@@ -428,6 +431,9 @@ std::istream& CheckpointReader::open_file(const std::string& path) const {
   // Within the file-descriptor limit: one file makes room (the first by name, the earliest shard
   // of a model read in name order), so a read of more shards does not reopen every one each time.
   if (open_files_.size() >= kOpenFilesKept) open_files_.erase(open_files_.begin());
+  std::error_code error;
+  if (fs::exists(path, error) && !fs::is_regular_file(path, error))  // a FIFO would block forever
+    throw std::runtime_error("cannot open " + path + ": not a regular file");
   auto in = std::make_shared<std::ifstream>(path, std::ios::binary);
   if (!*in) throw std::runtime_error("cannot open " + path + ": " + std::strerror(errno));
   return *open_files_.emplace(path, std::move(in)).first->second;
@@ -487,6 +493,7 @@ std::string checkpoint_verify(const std::string& checkpoint_dir, bool weights_on
       if (!manifest.at("files").contains(file)) return "manifest does not list " + file;
       const auto& entry = manifest["files"][file];
       if (!fs::exists(dir / file)) return file + " is missing";
+      if (!fs::is_regular_file(dir / file)) return file + " is not a regular file";  // a FIFO would block the read
       uint64_t size = checksums ? 0 : fs::file_size(dir / file);
       const uint32_t crc = checksums ? crc32c_file((dir / file).string(), &size) : 0;
       if (size != entry.at("bytes").get<uint64_t>())

@@ -49,10 +49,13 @@ size_t dtype_size(const std::string& dtype) {
   throw std::runtime_error("unsupported safetensors dtype " + dtype);
 }
 
-// An ifstream opens a directory and then reads nothing ("short read"): name it instead.
+// An ifstream opens a directory and then reads nothing ("short read"), and a FIFO with no writer
+// blocks forever: name them instead.
 std::ifstream open_input(const std::string& path, std::ios::openmode mode) {
   std::error_code error;
   if (std::filesystem::is_directory(path, error)) throw std::runtime_error(path + " is a directory, not a file");
+  if (std::filesystem::exists(path, error) && !std::filesystem::is_regular_file(path, error))
+    throw std::runtime_error(path + " is not a regular file (a FIFO, socket or device)");
   std::ifstream in(path, mode);
   if (!in) io_error("cannot open", path);
   return in;

@@ -66,13 +66,21 @@ const std::map<std::string, std::string>& maxtext_key_notes() {
 YAML::Node load_yaml_file(const fs::path& path) {
   if (!fs::exists(path)) throw config_error("config file not found: " + path.string());
   if (fs::is_directory(path)) throw config_error("config file " + path.string() + " is a directory");
+  // All documents: LoadFile reads the first only, so keys after a "---" would go unchecked.
+  std::vector<YAML::Node> documents;
   try {
-    return YAML::LoadFile(path.string());
+    documents = YAML::LoadAllFromFile(path.string());
   } catch (const YAML::Exception& e) {
     throw config_error("cannot parse config file " + path.string() + ": " + e.what());
   } catch (const std::exception& e) {  // unreadable (permissions, I/O)
     throw config_error("cannot read config file " + path.string() + ": " + e.what());
   }
+  // A trailing "---" starts an empty document: harmless.
+  if (documents.size() > 1 &&
+      std::any_of(documents.begin() + 1, documents.end(), [](const YAML::Node& d) { return !d.IsNull(); }))
+    throw config_error("config file " + path.string() + " holds " + std::to_string(documents.size()) +
+                       " YAML documents (separated by '---'); the trainer reads one");
+  return documents.empty() ? YAML::Node() : documents[0];
 }
 
 // Reads a YAML file, following `base_config:` (relative to the file) first, so the file's own
@@ -459,6 +467,11 @@ void config_derive_and_validate(Config& c) {
     throw config_error("eval_steps=" + std::to_string(c.eval_steps) +
                        " x global_batch_size x (max_target_length + 1) evaluation tokens do not fit in 64 bits: lower eval_steps");
   c.global_batch_size = *batch;
+  // One directory below base_output_directory: "..", "." or a path would write a run's files into
+  // the folder shared by all runs, or anywhere.
+  if (c.run_name == "." || c.run_name == ".." || c.run_name.find('/') != std::string::npos)
+    throw config_error("config key 'run_name': '" + c.run_name +
+                       "' must name one directory below base_output_directory (no '/', not '.' or '..')");
   if (c.run_name.empty()) {
     // A new run each time: a second run started within the same second took the first one's
     // directory (and moved its metrics aside as an earlier run's). Under a launcher every rank
@@ -538,7 +551,13 @@ Config config_load(const std::string& path, const std::vector<std::string>& over
                          " (known models: " + known + "; hf: the model of the Hugging Face directory load_parameters_path)");
     }
     model_layer = load_file_layer(model_path);
-    model_layer.erase("model_name");
+    // Run choices, not the model's: override_model_config there would not allow overrides (it is
+    // read from the base, the command line and the environment), and the file's model_name is not
+    // the one that chose it.
+    for (const char* run_key : {"override_model_config", "model_name"})
+      if (model_layer.count(run_key))
+        throw config_error("config key '" + std::string(run_key) + "' in the model file " + model_path.string() +
+                           ": it belongs to the run (base config, command line or environment), not to a model file");
   }
 
   const RawValue* override_value = latest("override_model_config");

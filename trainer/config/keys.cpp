@@ -170,8 +170,10 @@ struct Codec<double> {
     errno = 0;
     char* end = nullptr;
     const double v = std::strtod(s.c_str(), &end);
-    if (end != s.c_str() + s.size() || !std::isfinite(v) || (errno == ERANGE && std::fabs(v) > 1))
-      bad_value(key, node, source, "a finite number");
+    // strtod also reads hexadecimal ("0x10" = 16, "0x1p-8"): refused, as for integer keys.
+    if (end != s.c_str() + s.size() || !std::isfinite(v) || (errno == ERANGE && std::fabs(v) > 1) ||
+        s.find_first_of("xX") != std::string::npos)
+      bad_value(key, node, source, "a finite decimal number");
     // Real-valued keys are scales, weights, rates and epsilons that meet float32 arithmetic:
     // past its largest value one would be Inf there (routed_scaling_factor=1e40 ended step 0 as a
     // numerical abort), below its smallest a nonzero one would be 0 (adam_eps=1e-50 divides by

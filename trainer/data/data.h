@@ -94,6 +94,9 @@ std::unique_ptr<SampleSource> megatron_source(const Config& config, DataSplit sp
 // for the first file where it is), or "" when every file has sequences in it. Megatron builds no
 // dataset for an empty split (and skips its evaluation: the test split's after training).
 std::string megatron_split_empty(const Config& config, DataSplit split);
+// Throws the config error (exit 2) a run would for a malformed `dataset_path` blend (odd word
+// count, a weight that is not a positive finite decimal): what --dry-run checks without the files.
+void megatron_dataset_path_check(const Config& config);
 
 // Global sample order (DESIGN section 6): micro-batch m of data-parallel rank r in step k holds
 // global samples k*GBS + m*mbs*R + r*mbs + [0, mbs).

@@ -486,6 +486,8 @@ std::unique_ptr<SampleSource> megatron_source(const Config& config, DataSplit sp
   return std::make_unique<MegatronSource>(config, split, num_samples, rank, sync, ranks_on_host);
 }
 
+void megatron_dataset_path_check(const Config& config) { (void)parse_dataset_path(config.dataset_path); }
+
 std::string megatron_split_empty(const Config& config, DataSplit split) {
   const int s = static_cast<int>(split);
   for (const auto& [weight, prefix] : parse_dataset_path(config.dataset_path).parts) {

@@ -495,6 +495,15 @@ c10::intrusive_ptr<c10d::TCPStore> tcp_store_open(const std::string& host, int p
 // the others host and port through MPI (the only use of MPI; it is finalized right after).
 Rendezvous rendezvous_via_mpi(const DistEnv& env, std::chrono::milliseconds timeout) {
 #if TRAINER_WITH_MPI
+  // MPI's calls have no deadline: a rank that never comes (stuck before its rendezvous, say on a
+  // config file that blocks) held the others in the broadcast or MPI_Finalize for ever.
+  const auto deadline = 2 * timeout + std::chrono::seconds(60);
+  std::optional<StartupWatchdog> watchdog;
+  watchdog.emplace(deadline, fmt::format("rank {}: the MPI bootstrap of the rendezvous (rank 0 telling the others its "
+                                         "store's address) did not finish in {:g} s (2 x collective_timeout_seconds + "
+                                         "60 s): one of the {} ranks did not reach it (stuck before its rendezvous, or "
+                                         "not started?)",
+                                         env.rank, static_cast<double>(deadline.count()) / 1000, env.world_size));
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (!initialized) MPI_Init(nullptr, nullptr);
@@ -512,6 +521,7 @@ Rendezvous rendezvous_via_mpi(const DistEnv& env, std::chrono::milliseconds time
   }
   MPI_Bcast(buffer, sizeof buffer, MPI_CHAR, 0, MPI_COMM_WORLD);  // the others must hear a failure too
   MPI_Finalize();
+  watchdog.reset();
   const std::string text(buffer);
   if (text.rfind('!', 0) == 0)
     throw dist_error((env.rank == 0 ? std::string("rank 0") : "rank " + std::to_string(env.rank) + ": rank 0") +

@@ -6,6 +6,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <tuple>
 
 #include "trainer/model/layers.h"
@@ -74,7 +75,8 @@ class BlockCausalAttention : public torch::autograd::Function<BlockCausalAttenti
     auto out = torch::empty({N, L * group, hv}, q3.options());  // (N, L*g, hv)
     const auto gemm = compat::gemm_operand_dtype(q3);  // q3's, or fp32 for bf16 on such CPUs
     const bool rounded = gemm != q3.scalar_type();
-    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);  // fp32 GEMMs stay fp32
+    std::optional<c10::impl::ExcludeDispatchKeyGuard> no_autocast;  // the fp32 GEMMs stay fp32
+    if (rounded) no_autocast.emplace(c10::autocast_dispatch_keyset);
     const auto qs_g = qs.to(gemm), k_g = k3.to(gemm), v_g = v3.to(gemm);  // the operands, as multiplied
     const auto& allowed = segments.allowed;
     const auto diagonal_bias =
@@ -117,7 +119,8 @@ class BlockCausalAttention : public torch::autograd::Function<BlockCausalAttenti
     const int64_t L = k3.size(1);
     const double scale = 1.0 / std::sqrt(static_cast<double>(qs.size(2)));
     const auto dtype = qs.scalar_type(), gemm = compat::gemm_operand_dtype(qs);
-    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    std::optional<c10::impl::ExcludeDispatchKeyGuard> no_autocast;
+    if (gemm != dtype) no_autocast.emplace(c10::autocast_dispatch_keyset);
     const auto qs_g = qs.to(gemm), k_g = k3.to(gemm), v_g = v3.to(gemm);
     const auto grad_out = grad_outputs[0].to(dtype).to(gemm).contiguous();  // (N, L*g, hv)
     // In the GEMMs' dtype; dqs rounded to qs's dtype block by block (bmm_out's rounding elsewhere).

@@ -294,35 +294,29 @@ torch::Tensor linear_fused(const torch::Tensor& x, std::initializer_list<torch::
 namespace {
 
 // x W^T in bf16 on a CPU whose LibTorch sums bf16 products in bf16 (compat::cpu_bf16_gemm_via_fp32):
-// the operands rounded to bf16, multiplied and summed in fp32, the result rounded to bf16 once, as
-// autocast's bf16 F::linear on a GPU computes. Backward, from dy (bf16), the same way:
+// the bf16 operands multiplied and summed in fp32, the result rounded to bf16 once, as autocast's
+// bf16 F::linear on a GPU computes. Backward, from dy (bf16), the same way:
 //   dx = round(dy W),   dW = round(dy^T x)   (over all leading dimensions of x)
-// each cast to its input's dtype (an fp32 weight takes its gradient as autocast's cast node would
-// pass it: rounded to bf16 first). Keeps the bf16 x and W, as autocast's linear does.
-class Fp32AccumulatedLinear : public torch::autograd::Function<Fp32AccumulatedLinear> {
+// Takes and keeps bf16 x and W (the casts are autograd's nodes before it, as under autocast).
+class Fp32SummedLinear : public torch::autograd::Function<Fp32SummedLinear> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& weight) {
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);  // fp32 GEMMs stay fp32
-    const auto x16 = x.to(torch::kBFloat16), w16 = weight.to(torch::kBFloat16);  // (..., in), (out, in)
-    ctx->save_for_backward({x16, w16});
-    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
-    ctx->saved_data["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
-    return F::linear(x16.to(torch::kFloat32), w16.to(torch::kFloat32)).to(torch::kBFloat16);  // (..., out)
+    ctx->save_for_backward({x, weight});                                               // (..., in), (out, in) bf16
+    return F::linear(x.to(torch::kFloat32), weight.to(torch::kFloat32)).to(torch::kBFloat16);  // (..., out)
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const auto saved = ctx->get_saved_variables();
-    const auto &x16 = saved[0], &w16 = saved[1];
-    const auto x_dtype = static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt());
-    const auto w_dtype = static_cast<at::ScalarType>(ctx->saved_data["w_dtype"].toInt());
+    const auto &x = saved[0], &weight = saved[1];
     const auto dy = grad_outputs[0].to(torch::kBFloat16).to(torch::kFloat32);  // (..., out)
     torch::Tensor dx, dw;
-    if (ctx->needs_input_grad(0)) dx = dy.matmul(w16.to(torch::kFloat32)).to(torch::kBFloat16).to(x_dtype);
+    if (ctx->needs_input_grad(0)) dx = dy.matmul(weight.to(torch::kFloat32)).to(torch::kBFloat16);
     if (ctx->needs_input_grad(1)) {
-      const auto rows = dy.reshape({-1, dy.size(-1)}), inputs = x16.reshape({-1, x16.size(-1)});  // (N, out), (N, in)
-      dw = rows.t().mm(inputs.to(torch::kFloat32)).to(torch::kBFloat16).to(w_dtype);            // (out, in)
+      const auto rows = dy.reshape({-1, dy.size(-1)}), inputs = x.reshape({-1, x.size(-1)});  // (N, out), (N, in)
+      dw = rows.t().mm(inputs.to(torch::kFloat32)).to(torch::kBFloat16);                      // (out, in)
     }
     return {dx, dw};
   }
@@ -332,14 +326,15 @@ class Fp32AccumulatedLinear : public torch::autograd::Function<Fp32AccumulatedLi
 
 torch::Tensor linear_gemm(const torch::Tensor& x, const torch::Tensor& weight) {
   if (x.is_cpu() && compat::cpu_bf16_gemm_via_fp32()) {
-    // In bf16 where F::linear would be: under CPU autocast (which leaves fp64 alone), or both bf16.
-    const auto is_autocast_input = [](const torch::Tensor& t) {
-      return t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16;
-    };
-    const bool bf16 = compat::autocast_is_enabled(false)
-                          ? is_autocast_input(x) && is_autocast_input(weight)
-                          : x.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16;
-    if (bf16) return Fp32AccumulatedLinear::apply(x, weight);
+    if (compat::autocast_is_enabled(false)) {
+      // What autocast's F::linear would do: cast fp32 (and, 1.13, fp16) operands to bf16 through
+      // its cache (a weight used twice in one forward is cast once), leave fp64 alone.
+      const auto x16 = at::autocast::cached_cast(at::kBFloat16, x, c10::DeviceType::CPU);
+      const auto w16 = at::autocast::cached_cast(at::kBFloat16, weight, c10::DeviceType::CPU);
+      if (x16.scalar_type() == at::kBFloat16 && w16.scalar_type() == at::kBFloat16) return Fp32SummedLinear::apply(x16, w16);
+    } else if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16) {
+      return Fp32SummedLinear::apply(x, weight);
+    }
   }
   return F::linear(x, weight);
 }

@@ -329,19 +329,31 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   // Tiled: one tile's fp32 logits (turned into their gradient in place) and its bf16 copy, the
   // head weight's bf16 copy, and in the backward the scaled weight gradient.
   const double tile_rows = std::ceil(s.T / static_cast<double>(std::max<int64_t>(c.num_vocab_tiling, 1)));
-  const double head_transient = tiled ? (4 + (bf16 ? 2 : 0)) * tile_rows * s.V + (bf16 ? 2 : 0) * s.V * s.D + 4 * s.V * s.D
-                                      : 2 * 4 * s.T * s.V + (bf16 ? 2 : 0) * s.T * s.V + 4 * s.V * s.D;
+  // bf16 GEMMs summed as fp32 on the CPU (cpu_bf16_gemm) add fp32 copies of their operands and
+  // products: the head weight's and its gradient's (8 V D), and the fp32 tile gradient (tiled) or
+  // the fp32 logits gradient (whole).
+  const bool fp32_sums = bf16 && ctx.cpu_bf16_fp32_sums;
+  const double head_transient = (tiled ? (4 + (bf16 ? 2 : 0)) * tile_rows * s.V + (bf16 ? 2 : 0) * s.V * s.D + 4 * s.V * s.D
+                                       : 2 * 4 * s.T * s.V + (bf16 ? 2 : 0) * s.T * s.V + 4 * s.V * s.D) +
+                                (fp32_sums ? 8 * s.V * s.D + (tiled ? 2 * tile_rows * s.V : 4 * s.T * s.V) : 0.0);
   // The explicit attention's backward holds about two more (B, H, L, L) buffers; the block-causal
   // one two fp32 (B, H, b, L) ones for the block at hand.
-  const double attention_transient = explicit_probabilities ? 2 * 4 * s.B * s.H * s.L * s.L
-                                     : ctx.attention == AttentionCore::block_causal
-                                         ? 2 * 4 * s.B * s.H * std::min(static_cast<double>(kAttentionBlock), s.L) * s.L
-                                         : 0.0;
+  // With fp32 sums, the block-causal backward also holds fp32 copies of q, k, v and the output
+  // gradient, fp32 k and v gradients, and two more fp32 block buffers.
+  const double block_rows = std::min(static_cast<double>(kAttentionBlock), s.L);
+  const double attention_transient =
+      explicit_probabilities ? 2 * 4 * s.B * s.H * s.L * s.L
+      : ctx.attention == AttentionCore::block_causal
+          ? 2 * 4 * s.B * s.H * block_rows * s.L +
+                (fp32_sums ? 4 * s.T * (2 * s.q + 4 * s.kv) + 2 * 4 * s.B * s.H * block_rows * s.L : 0.0)
+          : 0.0;
   const double transient = std::max(head_transient, attention_transient);
   add(plan, "backward transients", transient,
-      head_transient >= attention_transient ? (tiled ? "one tile of logits (num_vocab_tiling), output head weight gradient"
-                                                     : "gradients of the logits and log-probabilities, output head weight gradient")
-                                            : "attention probability gradients");
+      std::string(head_transient >= attention_transient
+                      ? (tiled ? "one tile of logits (num_vocab_tiling), output head weight gradient"
+                               : "gradients of the logits and log-probabilities, output head weight gradient")
+                      : "attention probability gradients") +
+          (fp32_sums ? ", with the fp32 operand copies of bf16 GEMMs summed in fp32 (cpu_bf16_gemm)" : ""));
 
   const double data = 2.0 * static_cast<double>(c.gradient_accumulation_steps + 2) * s.T * (5 * 8 + 4);
   add(plan, "data buffers", data, "prefetched micro-batches, host and device copies");

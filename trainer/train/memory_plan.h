@@ -24,6 +24,7 @@ struct MemoryPlanContext {
   bool cuda = false;             // the plan is of device memory (no runtime line, no OpenBLAS)
   AttentionCore attention = AttentionCore::block_causal;
   bool native_gqa = false;       // SDPA reads k and v unrepeated (compat::native_gqa_attention)
+  bool cpu_bf16_fp32_sums = false;  // bf16 GEMMs as fp32 GEMMs of bf16 operands (cpu_bf16_gemm, compat)
 };
 
 struct MemoryPlanItem {

@@ -108,7 +108,7 @@ MicroBatchLosses micro_batch_losses(Transformer& model, const MicroBatch& batch,
 // The memory plan's context for `world_size` ranks (`local_world_size` of them on this machine)
 // running this build: the attention core it runs (SDPA on LibTorch >= 2.0, else the block-causal
 // kernel) and whether SDPA reads k and v unrepeated. The dry run and the Trainer's check share it.
-MemoryPlanContext memory_plan_context(int64_t world_size, int64_t local_world_size, bool cuda);
+MemoryPlanContext memory_plan_context(const Config& config, int64_t world_size, int64_t local_world_size, bool cuda);
 
 // SIGTERM/SIGINT handling for a training run (docs/checkpoints.md), installed before the Trainer
 // is built: until train() reaches its loop a signal exits 0 at once with a line on stderr (there

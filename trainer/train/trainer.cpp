@@ -286,10 +286,12 @@ double Trainer::bytes_sent_so_far() const {
   return bytes;
 }
 
-MemoryPlanContext memory_plan_context(int64_t world_size, int64_t local_world_size, bool cuda) {
+MemoryPlanContext memory_plan_context(const Config& config, int64_t world_size, int64_t local_world_size, bool cuda) {
+  const bool fp32_sums = !cuda && (config.cpu_bf16_gemm == "fp32" || (config.cpu_bf16_gemm == "auto" &&
+                                                                      !compat::cpu_bf16_gemm_native_accumulates_in_fp32()));
   return {world_size, local_world_size, cuda,
           compat::kFusedCausalAttention ? AttentionCore::sdpa : AttentionCore::block_causal,
-          compat::native_gqa_attention(torch::Device(cuda ? torch::kCUDA : torch::kCPU))};
+          compat::native_gqa_attention(torch::Device(cuda ? torch::kCUDA : torch::kCPU)), fp32_sums};
 }
 
 // Before the first parameter is allocated: the plan (memory_plan.h) against what this rank can
@@ -298,7 +300,7 @@ MemoryPlanContext memory_plan_context(int64_t world_size, int64_t local_world_si
 // together instead of some dying in an allocation and the others timing out.
 void Trainer::check_memory_plan() {
   const Config& c = config_;
-  const MemoryPlanContext context = memory_plan_context(comm_->world_size(), dist_.local_world_size, device_.is_cuda());
+  const MemoryPlanContext context = memory_plan_context(config_, comm_->world_size(), dist_.local_world_size, device_.is_cuda());
   const MemoryPlan plan = memory_plan(c, context);
   double available = 0, resident = 0;
   std::string source;
