@@ -267,7 +267,7 @@ class ExpertThreads {
 // moe_expert_parts_set's) where the experts' GEMMs go straight to OpenBLAS and its workers can be
 // stopped meanwhile (see ExpertThreads); else 1.
 int64_t expert_threads_for(const torch::Tensor& x) {
-  const auto dtype = x.scalar_type();
+  const auto dtype = compat::gemm_operand_dtype(x);  // bf16 summed as fp32 goes to sgemm too (gemm_into)
   const bool direct_blas = x.is_cpu() && blas_set_threads && blas_get_threads && blas_stop_threads &&
                            ((dtype == at::kFloat && blas_sgemm) || (dtype == at::kDouble && blas_dgemm));
   if (!direct_blas) return 1;
