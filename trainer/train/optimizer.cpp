@@ -174,12 +174,17 @@ void Trainer::build_flat_buffers(ModelInitializer* deferred_init) {
       param_view.copy_(p);
       p.set_data(param_view);
       p.mutable_grad() = flat_grads_.narrow(0, offset, n).view(p.sizes());
-      if (std::any_of(mask.begin(), mask.end(), [&](const std::regex& r) { return std::regex_search(item.key(), r); })) {
+      bool masked = false;  // every pattern is searched: unmatched ones are warned about below
+      for (size_t i = 0; i < mask.size(); ++i) {
+        const bool match = std::regex_search(item.key(), mask[i]);
+        mask_matches[i] += match;
+        masked = masked || match;
+      }
+      if (masked) {
         if (!no_decay_segments_.empty() && no_decay_segments_.back().first + no_decay_segments_.back().second == offset)
           no_decay_segments_.back().second += n;
         else
           no_decay_segments_.emplace_back(offset, n);
-        for (size_t i = 0; i < mask.size(); ++i) mask_matches[i] += std::regex_search(item.key(), mask[i]);
         ++masked_parameters;
         masked_elements += n;
       }

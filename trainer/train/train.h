@@ -132,6 +132,8 @@ class Trainer {
   // reads the weights).
   enum class StartingFor { kTraining, kExport };
   int64_t load_initial_state(StartingFor use);
+  // Whether a run starting at start_step has training steps left (skip_train: never).
+  bool trains_from(int64_t start_step) const { return !config_.skip_train && start_step < config_.steps; }
   // The newest valid checkpoint in run_dir, the same on every rank (exit 3 when ranks differ).
   std::optional<std::string> agree_on_latest_checkpoint();
   // Runs `work` on rank 0 alone (what reads a checkpoint's every file to check its checksums:

@@ -471,7 +471,7 @@ void Trainer::eval_data_open(int64_t start_step) {
   // eval_steps changed since, the evaluations left can read past that size: the index is built
   // for them (Megatron's sampler would stop at its end).
   // Megatron's --skip-train sizes it for the one evaluation.
-  const bool trains = !c.skip_train && start_step < c.steps;
+  const bool trains = trains_from(start_step);
   const int64_t formula = c.skip_train ? per_evaluation : config_eval_samples(c, c.steps);
   const int64_t interval = std::max<int64_t>(c.eval_interval, 1);
   const int64_t evaluations_left = (trains ? c.steps / interval - start_step / interval : 0) + 1;  // and the one after training
@@ -627,7 +627,7 @@ void Trainer::train() {
   perf_startup_mark("resume");
   // As Megatron, the evaluations after training also follow an empty training loop: with
   // skip_train (--skip-train), and when a finished run is launched again with evaluation on.
-  const bool trains = !c.skip_train && start_step < c.steps;
+  const bool trains = trains_from(start_step);
   const bool evaluates = c.eval_interval > 0 || c.skip_train;
   if (!trains && !evaluates) {
     spdlog::info("{} already reached step {} (steps = {}); nothing to do", initial_state_source_, start_step, c.steps);
