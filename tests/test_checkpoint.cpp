@@ -361,12 +361,17 @@ TEST_CASE("a FIFO in place of a checkpoint file is named and the previous checkp
     fs::remove(path);
     REQUIRE(::mkfifo(path.c_str(), 0644) == 0);
   }
+  // A plain file where step 8's checkpoint goes: the save used to delete it.
+  std::ofstream(kOut + "/fifo/checkpoints/8") << "keep me\n";
   const auto r = run_trainer(args + "steps=8", "timeout -k 5 300");  // it used to block for ever
   INFO("trainer output:\n" << r.output);
   CHECK(r.exit_code == 0);
   CHECK_THAT(r.output, Catch::Contains("manifest.json is not a regular file") &&
                            Catch::Contains("model.safetensors is not a regular file") &&
-                           Catch::Contains("resumed from checkpoint " + kOut + "/fifo/checkpoints/2"));
+                           Catch::Contains("resumed from checkpoint " + kOut + "/fifo/checkpoints/2") &&
+                           Catch::Contains("was not a checkpoint directory; moved to"));
+  CHECK(read_file(kOut + "/fifo/checkpoints/8.not-a-checkpoint") == "keep me\n");
+  CHECK(fs::is_regular_file(kOut + "/fifo/checkpoints/8/manifest.json"));
 }
 
 TEST_CASE("damaged checkpoints: none usable stops the run with exit 3 and overwrites none and a forged state.json is named",

@@ -196,6 +196,14 @@ CheckpointState state_from_json(const std::string& text, const std::string& path
 void commit_directory(const fs::path& root, const fs::path& tmp, const std::string& name, int64_t keep) {
   directory_sync(tmp.string());
   const fs::path final_dir = root / name;
+  if (fs::exists(fs::symlink_status(final_dir)) && !fs::is_directory(fs::symlink_status(final_dir))) {
+    // Not a checkpoint (a file or link someone put there): kept, under another name.
+    fs::path aside = root / (name + ".not-a-checkpoint");
+    for (int n = 1; fs::exists(fs::symlink_status(aside)); ++n) aside = root / (name + ".not-a-checkpoint." + std::to_string(n));
+    fs::rename(final_dir, aside);
+    spdlog::warn("checkpoint {}: {} was not a checkpoint directory; moved to {} before saving", name, final_dir.string(),
+                 aside.string());
+  }
   fs::remove_all(final_dir);  // a re-save of the same step replaces it
   fs::rename(tmp, final_dir);
   directory_sync(root.string());
