@@ -369,7 +369,7 @@ TEST_CASE("a FIFO in place of a checkpoint file is named and the previous checkp
   CHECK_THAT(r.output, Catch::Contains("manifest.json is not a regular file") &&
                            Catch::Contains("model.safetensors is not a regular file") &&
                            Catch::Contains("resumed from checkpoint " + kOut + "/fifo/checkpoints/2") &&
-                           Catch::Contains("was not a checkpoint directory; moved to"));
+                           Catch::Contains("was not a checkpoint directory (a file or a link); moved to"));
   CHECK(read_file(kOut + "/fifo/checkpoints/8.not-a-checkpoint") == "keep me\n");
   CHECK(fs::is_regular_file(kOut + "/fifo/checkpoints/8/manifest.json"));
 }

@@ -201,7 +201,7 @@ void commit_directory(const fs::path& root, const fs::path& tmp, const std::stri
     fs::path aside = root / (name + ".not-a-checkpoint");
     for (int n = 1; fs::exists(fs::symlink_status(aside)); ++n) aside = root / (name + ".not-a-checkpoint." + std::to_string(n));
     fs::rename(final_dir, aside);
-    spdlog::warn("checkpoint {}: {} was not a checkpoint directory; moved to {} before saving", name, final_dir.string(),
+    spdlog::warn("checkpoint {}: {} was not a checkpoint directory (a file or a link); moved to {} before saving", name, final_dir.string(),
                  aside.string());
   }
   fs::remove_all(final_dir);  // a re-save of the same step replaces it

@@ -556,7 +556,7 @@ Config config_load(const std::string& path, const std::vector<std::string>& over
     // the one that chose it.
     for (const char* run_key : {"override_model_config", "model_name"})
       if (model_layer.count(run_key))
-        throw config_error("config key '" + std::string(run_key) + "' in the model file " + model_path.string() +
+        throw config_error("config key '" + std::string(run_key) + "' in the model file " + model_layer[run_key].source +
                            ": it belongs to the run (base config, command line or environment), not to a model file");
   }
 

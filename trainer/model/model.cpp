@@ -373,6 +373,7 @@ class Recompute : public torch::autograd::Function<Recompute> {
     std::vector<torch::Tensor> outputs;
     if (closure->hooks.rerun) {
       ctx->save_for_backward(inputs.vec());
+      compat::AutocastCacheOffGuard uncached;  // each weight's bf16 cast lives while the layer runs
       outputs = closure->fn(inputs.vec());  // grad mode is off inside forward: nothing recorded
     } else {
       for (const auto& input : inputs) closure->kept_inputs.push_back(input.detach().requires_grad_(input.requires_grad()));

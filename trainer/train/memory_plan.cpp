@@ -330,12 +330,13 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   // head weight's bf16 copy, and in the backward the scaled weight gradient.
   const double tile_rows = std::ceil(s.T / static_cast<double>(std::max<int64_t>(c.num_vocab_tiling, 1)));
   // bf16 GEMMs summed as fp32 on the CPU (cpu_bf16_gemm) add fp32 copies of their operands and
-  // products: the head weight's and its gradient's (8 V D), and the fp32 tile gradient (tiled) or
-  // the fp32 logits gradient (whole).
+  // products: the head weight's and its gradient's and that gradient's bf16 rounding (10 V D), and
+  // a tile's fp32 product and gradient (tiled) or the fp32 logits gradient (whole). (The MoE
+  // experts' per-thread fp32 operand copies are not counted.)
   const bool fp32_sums = bf16 && ctx.cpu_bf16_fp32_sums;
   const double head_transient = (tiled ? (4 + (bf16 ? 2 : 0)) * tile_rows * s.V + (bf16 ? 2 : 0) * s.V * s.D + 4 * s.V * s.D
                                        : 2 * 4 * s.T * s.V + (bf16 ? 2 : 0) * s.T * s.V + 4 * s.V * s.D) +
-                                (fp32_sums ? 8 * s.V * s.D + (tiled ? 2 * tile_rows * s.V : 4 * s.T * s.V) : 0.0);
+                                (fp32_sums ? 10 * s.V * s.D + (tiled ? 4 * tile_rows * s.V : 4 * s.T * s.V) : 0.0);
   // The explicit attention's backward holds about two more (B, H, L, L) buffers; the block-causal
   // one two fp32 (B, H, b, L) ones for the block at hand.
   // With fp32 sums, the block-causal backward also holds fp32 copies of q, k, v and the output

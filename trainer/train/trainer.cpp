@@ -185,7 +185,7 @@ Trainer::Trainer(Config config)
   if (config_.keep_freed_host_memory) host_memory_keep_freed();
   if (config_.host_huge_pages) host_memory_huge_pages();
   if (config_.num_threads > 0) torch::set_num_threads(static_cast<int>(config_.num_threads));
-  compat::cpu_bf16_gemm_via_fp32_set(config_.cpu_bf16_gemm == "fp32" ? 1 : config_.cpu_bf16_gemm == "native" ? 0 : -1);
+  compat::cpu_bf16_gemm_via_fp32_set(compat::cpu_bf16_gemm_mode_of(config_.cpu_bf16_gemm));
   // Nothing in a step draws from the global generator today; seeding it anyway makes its state
   // (saved in checkpoints) a function of the config, so future random ops resume bit-exactly.
   torch::manual_seed(static_cast<uint64_t>(config_.init_weights_seed));
@@ -287,8 +287,7 @@ double Trainer::bytes_sent_so_far() const {
 }
 
 MemoryPlanContext memory_plan_context(const Config& config, int64_t world_size, int64_t local_world_size, bool cuda) {
-  const bool fp32_sums = !cuda && (config.cpu_bf16_gemm == "fp32" || (config.cpu_bf16_gemm == "auto" &&
-                                                                      !compat::cpu_bf16_gemm_native_accumulates_in_fp32()));
+  const bool fp32_sums = !cuda && compat::cpu_bf16_gemm_via_fp32_in(compat::cpu_bf16_gemm_mode_of(config.cpu_bf16_gemm));
   return {world_size, local_world_size, cuda,
           compat::kFusedCausalAttention ? AttentionCore::sdpa : AttentionCore::block_causal,
           compat::native_gqa_attention(torch::Device(cuda ? torch::kCUDA : torch::kCPU)), fp32_sums};

@@ -66,6 +66,20 @@ struct AutocastGuard {
   at::ScalarType prev_dtype_ = at::kBFloat16;
 };
 
+// Autocast's cache of bf16 weight casts off for a scope. The cache keeps every cast of a leaf
+// weight until the outermost autocast region ends: around a layer's no-grad forward under
+// activation recomputation that was a bf16 copy of every layer's weights at once (and copies
+// without a grad_fn), where each layer's is needed only while it runs.
+struct AutocastCacheOffGuard {
+  AutocastCacheOffGuard() : prev_(at::autocast::is_autocast_cache_enabled()) { at::autocast::set_autocast_cache_enabled(false); }
+  ~AutocastCacheOffGuard() { at::autocast::set_autocast_cache_enabled(prev_); }
+  AutocastCacheOffGuard(const AutocastCacheOffGuard&) = delete;
+  AutocastCacheOffGuard& operator=(const AutocastCacheOffGuard&) = delete;
+
+ private:
+  bool prev_;
+};
+
 // Whether autocast is on for this thread and device type (activation recomputation reruns a
 // forward under the state it first ran with).
 inline bool autocast_is_enabled(bool cuda) {
@@ -328,11 +342,14 @@ inline bool cpu_bf16_gemm_native_accumulates_in_fp32() {
 #endif
 }
 
-// Whether bf16 GEMMs on the CPU run as fp32 GEMMs of the bf16 operands (see above).
-inline bool cpu_bf16_gemm_via_fp32() {
-  const int mode = cpu_bf16_gemm_override().load();
-  return mode < 0 ? !cpu_bf16_gemm_native_accumulates_in_fp32() : mode == 1;
-}
+// The config key cpu_bf16_gemm as a mode: auto -1, native 0, fp32 1.
+inline int cpu_bf16_gemm_mode_of(const std::string& key) { return key == "fp32" ? 1 : key == "native" ? 0 : -1; }
+
+// Whether a mode computes bf16 GEMMs on this CPU as fp32 GEMMs of the bf16 operands.
+inline bool cpu_bf16_gemm_via_fp32_in(int mode) { return mode < 0 ? !cpu_bf16_gemm_native_accumulates_in_fp32() : mode == 1; }
+
+// Whether bf16 GEMMs on the CPU run as fp32 GEMMs of the bf16 operands now (see above).
+inline bool cpu_bf16_gemm_via_fp32() { return cpu_bf16_gemm_via_fp32_in(cpu_bf16_gemm_override().load()); }
 
 inline void cpu_bf16_gemm_via_fp32_set(int mode) { cpu_bf16_gemm_override() = mode; }
 
