@@ -90,9 +90,7 @@ nlohmann::ordered_json manifest_entry_of_text(const std::string& text) {
 }
 
 std::string read_text(const fs::path& path) {
-  std::error_code error;
-  if (fs::exists(path, error) && !fs::is_regular_file(path, error))  // a FIFO would block forever
-    throw std::runtime_error(path.string() + " is not a regular file");
+  file_require_regular(path.string());
   std::ifstream in(path, std::ios::binary);
   std::stringstream ss;
   ss << in.rdbuf();
@@ -439,9 +437,7 @@ std::istream& CheckpointReader::open_file(const std::string& path) const {
   // Within the file-descriptor limit: one file makes room (the first by name, the earliest shard
   // of a model read in name order), so a read of more shards does not reopen every one each time.
   if (open_files_.size() >= kOpenFilesKept) open_files_.erase(open_files_.begin());
-  std::error_code error;
-  if (fs::exists(path, error) && !fs::is_regular_file(path, error))  // a FIFO would block forever
-    throw std::runtime_error("cannot open " + path + ": not a regular file");
+  file_require_regular(path);
   auto in = std::make_shared<std::ifstream>(path, std::ios::binary);
   if (!*in) throw std::runtime_error("cannot open " + path + ": " + std::strerror(errno));
   return *open_files_.emplace(path, std::move(in)).first->second;

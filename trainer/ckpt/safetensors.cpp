@@ -54,14 +54,19 @@ size_t dtype_size(const std::string& dtype) {
 std::ifstream open_input(const std::string& path, std::ios::openmode mode) {
   std::error_code error;
   if (std::filesystem::is_directory(path, error)) throw std::runtime_error(path + " is a directory, not a file");
-  if (std::filesystem::exists(path, error) && !std::filesystem::is_regular_file(path, error))
-    throw std::runtime_error(path + " is not a regular file (a FIFO, socket or device)");
+  file_require_regular(path);
   std::ifstream in(path, mode);
   if (!in) io_error("cannot open", path);
   return in;
 }
 
 }  // namespace
+
+void file_require_regular(const std::string& path) {
+  std::error_code error;
+  if (std::filesystem::exists(path, error) && !std::filesystem::is_regular_file(path, error))
+    throw std::runtime_error(path + " is not a regular file (a FIFO, socket or device)");
+}
 
 uint32_t crc32c_file(const std::string& path, uint64_t* size) {
   std::ifstream in = open_input(path, std::ios::binary);

@@ -84,6 +84,10 @@ std::vector<char> safetensors_read_bytes(std::istream& in, const std::string& pa
 // CRC32C of a whole file; throws std::runtime_error if it cannot be read.
 uint32_t crc32c_file(const std::string& path, uint64_t* size = nullptr);
 
+// Throws std::runtime_error "<path> is not a regular file ..." when path exists as something else
+// (a FIFO with no writer would block its reader for ever, a device never end). Missing: no throw.
+void file_require_regular(const std::string& path);
+
 // Writes `bytes` to `path` and fsyncs it (throws std::runtime_error on failure).
 void file_write_durable(const std::string& path, const std::string& bytes);
 // fsync of a directory, so a rename inside it is durable.
