@@ -188,7 +188,7 @@ TEST_CASE("gradient check: trainer gradients match finite differences of the obj
   }
 }
 
-TEST_CASE("tiled cross-entropy: sums and gradients equal autograd on the whole logits for any tiling", "[training][numerics]") {
+TEST_CASE("cross-entropy sums, whole and tiled: sums and gradients equal autograd on log_softmax for any tiling", "[training][numerics]") {
   torch::manual_seed(3);
   const int64_t B = 2, L = 7, D = 8, V = 11;
   const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
@@ -205,6 +205,20 @@ TEST_CASE("tiled cross-entropy: sums and gradients equal autograd on the whole l
     const auto ce_ref = ((nll + z * lse.square()) * token_weights).sum();
     (2.5 * ce_ref).backward();
     const double z_ref = (z * lse.square() * token_weights).sum().item<double>();
+    {  // The whole head from its logits (with z-loss LogitsCrossEntropy, without LibTorch's cross_entropy).
+      INFO("z " << z << " whole logits");
+      const auto h = hidden0.clone().requires_grad_(), w = weight0.clone().requires_grad_();
+      const auto sums = cross_entropy_sums(torch::matmul(h, w.t()), targets, token_weights, z);
+      CHECK(sums.ce.item<double>() == Approx(ce_ref.item<double>()).epsilon(1e-12));
+      CHECK(sums.z.item<double>() == Approx(z_ref).epsilon(1e-12).margin(1e-15));
+      CHECK_FALSE(sums.z.requires_grad());
+      (2.5 * sums.ce).backward();
+      CHECK(torch::allclose(h.grad(), h_ref.grad(), 1e-10, 1e-12));
+      CHECK(torch::allclose(w.grad(), w_ref.grad(), 1e-10, 1e-12));
+      torch::NoGradGuard no_grad;
+      CHECK(cross_entropy_sums(torch::matmul(h, w.t()), targets, token_weights, z).ce.item<double>() ==
+            Approx(ce_ref.item<double>()).epsilon(1e-12));
+    }
     for (const int64_t tiles : {1, 3, 5, 14, 40}) {  // 14 = one row per tile; 40 > rows
       INFO("z " << z << " tiles " << tiles);
       const auto h = hidden0.clone().requires_grad_(), w = weight0.clone().requires_grad_();
@@ -989,4 +1003,23 @@ TEST_CASE("spike guard: skip decisions on crafted losses and norms equal a hand 
   // g = {9, 11}: mean 10 + std 1.414.
   run("11.2", {{1.0, 9, false}, {2.0, 11, false}, {1.6, 40, false}});
   run("0", {{1.0, 9, false}, {2.0, 11, false}, {1.6, 40, true}});  // unclipped, 40 is a spike
+}
+
+TEST_CASE("the whole head keeps one (T, V) tensor per loss: with z-loss and with an MTP depth", "[training][memory]") {
+  // A 32K vocabulary over 1024 tokens: each fp32 (T, V) tensor is 128 MiB. F::cross_entropy keeps
+  // the log-probabilities; logsumexp + gather (how z-loss and the MTP loss were computed) kept the
+  // logits and made two more (T, V) tensors in their backward.
+  const std::string big = "model_name=test-tiny override_model_config=true vocab_size=32768 max_target_length=256 per_device_batch_size=4 steps=1 "
+                          "host_huge_pages=false base_output_directory=" + test_root() + " ";
+  const auto peak_mib = [&](const std::string& args, const std::string& run) {
+    const auto r = run_trainer(big + args + " run_name=" + run);
+    INFO(r.output);
+    REQUIRE(r.exit_code == 0);
+    return json_metric(read_lines(test_root() + "/" + run + "/metrics.jsonl").at(0), "memory/peak_rss_bytes") / (1 << 20);
+  };
+  const double plain = peak_mib("", "head-plain"), z_loss = peak_mib("z_loss_multiplier=1e-3", "head-z"),
+               mtp = peak_mib("mtp_num_layers=1", "head-mtp");
+  INFO("peak RSS MiB: plain " << plain << ", z-loss " << z_loss << ", one MTP depth " << mtp);
+  CHECK(z_loss - plain < 64);  // measured: -8 MiB (was +250 MiB)
+  CHECK(mtp - plain < 192);    // one more log-probabilities tensor, 128 MiB (was +256 MiB)
 }

@@ -1,14 +1,25 @@
 #!/usr/bin/env bash
 # The memory plan (--dry-run) against the measured peak RSS of the same run, for the benchmark
 # shapes tiny/small/medium and moe-tiny at K=1 and K=8 (fp32, CPU, checkpointing off so the
-# training peak is what is measured). Prints a markdown table for docs/benchmarks.md.
+# training peak is what is measured), and head- and expert-heavy Ling shapes (fp32 and bf16).
+# Prints a markdown table for docs/benchmarks.md.
 #   scripts/bench/memory_plan.sh                 ROWS="tiny:1 medium:8" STEPS=2 to choose
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 [ -x build/trainer ] || scripts/setup.sh
 source scripts/bench/shapes.sh
 SHAPES[moe-tiny]="model_name=moe-tiny max_target_length=128 per_device_batch_size=4"
-ROWS=${ROWS:-"tiny:1 tiny:8 small:1 small:8 moe-tiny:1 moe-tiny:8 medium:1 medium:8"}
+# The head and the loss dominating: Ling 2.0's structure with a 64K vocabulary over 2 x 1024
+# tokens (each fp32 (T, V) tensor 512 MiB), MTP on; with z-loss; in bf16.
+SHAPES[mtp-head]="model_name=ling-mini-tiny override_model_config=true vocab_size=65536 max_target_length=1024 per_device_batch_size=2"
+SHAPES[mtp-head-z]="${SHAPES[mtp-head]} z_loss_multiplier=1e-4"
+SHAPES[mtp-head-bf16]="${SHAPES[mtp-head]} dtype=bfloat16"
+# The experts dominating: 16 experts of 512 x 512 (top-4) in 3 of 4 layers, head tiled.
+SHAPES[moe-wide]="model_name=ling-mini-tiny override_model_config=true vocab_size=4096 base_emb_dim=512 base_num_query_heads=8
+  base_num_kv_heads=4 head_dim=64 base_mlp_dim=1024 base_moe_mlp_dim=512 num_experts=16 num_experts_per_tok=4 n_routing_groups=4
+  topk_routing_group=2 base_num_decoder_layers=4 max_target_length=1024 per_device_batch_size=2 num_vocab_tiling=8"
+SHAPES[moe-wide-bf16]="${SHAPES[moe-wide]} dtype=bfloat16"
+ROWS=${ROWS:-"tiny:1 tiny:8 small:1 small:8 moe-tiny:1 moe-tiny:8 medium:1 medium:8 mtp-head:1 mtp-head-z:1 mtp-head-bf16:1 moe-wide:1 moe-wide-bf16:1"}
 STEPS=${STEPS:-2}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT

@@ -7,24 +7,6 @@
 
 namespace trainer {
 
-// Without z-loss, LibTorch's cross_entropy (log_softmax + nll) computes the same lse - logit:
-// its backward keeps only the log-probabilities and makes one (B, L, V) gradient, where
-// logsumexp + gather keep the logits and make two; at a 128K vocabulary that is gigabytes.
-CrossEntropySums cross_entropy_sums(const torch::Tensor& logits, const torch::Tensor& targets,
-                                    const torch::Tensor& token_weights, double z_loss_multiplier) {
-  if (z_loss_multiplier == 0) {
-    const auto V = logits.size(-1);
-    const auto per_token = torch::nn::functional::cross_entropy(
-        logits.reshape({-1, V}), targets.reshape({-1}),
-        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));  // (B*L)
-    return {(per_token.view_as(token_weights) * token_weights).sum(), torch::zeros({}, logits.options())};
-  }
-  const auto lse = torch::logsumexp(logits, -1);                                  // (B, L)
-  const auto target_logit = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1);  // (B, L)
-  const auto z = z_loss_multiplier * lse.square();
-  return {((lse - target_logit + z) * token_weights).sum(), (z.detach() * token_weights).sum()};
-}
-
 namespace {
 
 // For one token with weight w, logits x, s = softmax(x) and lse = logsumexp(x), the loss
@@ -32,10 +14,57 @@ namespace {
 // has d f / d x = w ((1 + 2 z lse) s - onehot_t), since d lse / d x = s. With g that (rows, V)
 // gradient of a tile whose input rows are h (rows, D), and logits = h W^T:
 //   d f / d h = g W   (rows, D),     d f / d W = g^T h   (V, D), summed over the tiles.
-// Both are computed in the forward, where the tile's logits exist anyway, and kept; the backward
-// only scales them by the incoming gradient (ce enters the objective linearly). That costs no
-// extra GEMM, unlike recomputing the logits in the backward, and the (B*L, V) logits and their
-// gradient never exist whole.
+
+// One tile's sums, and (need_grad) its gradient written over its fp32 logits (n, V): w ((1 + 2 z
+// lse) softmax - onehot), as derived above. targets (n, 1) int64, weights (n) fp32.
+CrossEntropySums tile_sums_into_gradient(torch::Tensor& logits, const torch::Tensor& targets,
+                                         const torch::Tensor& weights, double z_loss_multiplier, bool need_grad) {
+  const auto lse = torch::logsumexp(logits, -1);                                  // (n)
+  const auto z_rows = z_loss_multiplier * lse.square();                           // (n)
+  CrossEntropySums sums{(weights * (lse - logits.gather(1, targets).squeeze(1) + z_rows)).sum(),
+                        (weights * z_rows).sum()};
+  if (need_grad) {
+    logits.sub_(lse.unsqueeze(1)).exp_();                                         // (n, V) softmax
+    logits.mul_((weights * (1 + 2 * z_loss_multiplier * lse)).unsqueeze(1));
+    logits.scatter_add_(1, targets, -weights.unsqueeze(1));
+  }
+  return sums;
+}
+
+// The whole head's sums with z-loss from its (B, L, V) logits. logsumexp + gather would keep the
+// logits and make four (B, L, V) tensors in their backward; this makes the gradient once, in the
+// forward, in a copy of the logits, keeps it instead of them and only scales it in the backward.
+class LogitsCrossEntropy : public torch::autograd::Function<LogitsCrossEntropy> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& logits,
+                                                const torch::Tensor& targets, const torch::Tensor& token_weights,
+                                                double z_loss_multiplier, bool need_grad) {
+    const int64_t V = logits.size(-1);
+    const auto accumulate = at::promote_types(logits.scalar_type(), torch::kFloat32);
+    auto grad = logits.reshape({-1, V}).to(accumulate, /*non_blocking=*/false, /*copy=*/true);  // (N, V)
+    const auto w = token_weights.reshape({-1}).to(accumulate);                                    // (N)
+    auto sums = tile_sums_into_gradient(grad, targets.reshape({-1, 1}), w, z_loss_multiplier, need_grad);
+    if (need_grad) ctx->saved_data["grad"] = grad.view(logits.sizes()).to(logits.scalar_type());
+    ctx->mark_non_differentiable({sums.z});
+    return {sums.ce, sums.z};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    const auto& scale = grad_outputs[0];  // 0-dim: d objective / d ce
+    torch::Tensor grad_logits;
+    if (scale.defined() && ctx->saved_data.count("grad")) {
+      const auto kept = ctx->saved_data["grad"].toTensor();
+      grad_logits = kept * scale.to(kept.scalar_type());
+    }
+    return {grad_logits, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+// The tiled head: g W and g^T h are computed in the forward, where the tile's logits exist anyway,
+// and kept; the backward only scales them by the incoming gradient (ce enters the objective
+// linearly). That costs no extra GEMM, unlike recomputing the logits in the backward, and the
+// (B*L, V) logits and their gradient never exist whole.
 class TiledCrossEntropy : public torch::autograd::Function<TiledCrossEntropy> {
  public:
   // Returns {ce, z}: ce differentiable with respect to hidden and head_weight, z not.
@@ -66,16 +95,11 @@ class TiledCrossEntropy : public torch::autograd::Function<TiledCrossEntropy> {
       const auto h_tile = h.narrow(0, first, n).to(compute).to(gemm);                 // (n, D)
       const auto t_tile = t.narrow(0, first, n).unsqueeze(1);                         // (n, 1)
       const auto w_tile = w.narrow(0, first, n);                                      // (n)
-      auto logits = h_tile.mm(weight_g.t()).to(compute).to(accumulate);              // (n, V)
-      const auto lse = torch::logsumexp(logits, -1);                                  // (n)
-      const auto z_tile = z_loss_multiplier * lse.square();                           // (n)
-      ce.add_((w_tile * (lse - logits.gather(1, t_tile).squeeze(1) + z_tile)).sum());
-      z.add_((w_tile * z_tile).sum());
+      auto grad = h_tile.mm(weight_g.t()).to(compute).to(accumulate);  // (n, V) the logits, then their gradient
+      const auto tile = tile_sums_into_gradient(grad, t_tile, w_tile, z_loss_multiplier, need_grads);
+      ce.add_(tile.ce);
+      z.add_(tile.z);
       if (!need_grads) continue;
-      // The tile's gradient, in place of its logits: w ((1 + 2 z lse) softmax - onehot).
-      auto& grad = logits.sub_(lse.unsqueeze(1)).exp_();                              // (n, V) softmax
-      grad.mul_((w_tile * (1 + 2 * z_loss_multiplier * lse)).unsqueeze(1));
-      grad.scatter_add_(1, t_tile, -w_tile.unsqueeze(1));
       const auto grad_c = grad.to(compute).to(gemm);                                 // (n, V)
       grad_hidden.narrow(0, first, n).copy_(grad_c.mm(weight_g).to(compute));
       if (compute == grad_weight.scalar_type() && gemm == compute)
@@ -106,6 +130,23 @@ class TiledCrossEntropy : public torch::autograd::Function<TiledCrossEntropy> {
 };
 
 }  // namespace
+
+// Without z-loss, LibTorch's cross_entropy (log_softmax + nll) computes lse - logit: its backward
+// keeps only the log-probabilities. With z-loss, LogitsCrossEntropy (no logsumexp + gather, whose
+// backward makes several (B, L, V) tensors; at a 128K vocabulary each is gigabytes).
+CrossEntropySums cross_entropy_sums(const torch::Tensor& logits, const torch::Tensor& targets,
+                                    const torch::Tensor& token_weights, double z_loss_multiplier) {
+  if (z_loss_multiplier == 0) {
+    const auto V = logits.size(-1);
+    const auto per_token = torch::nn::functional::cross_entropy(
+        logits.reshape({-1, V}), targets.reshape({-1}),
+        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));  // (B*L)
+    return {(per_token.view_as(token_weights) * token_weights).sum(), torch::zeros({}, logits.options())};
+  }
+  const bool need_grad = torch::GradMode::is_enabled() && logits.requires_grad();
+  const auto out = LogitsCrossEntropy::apply(logits, targets, token_weights, z_loss_multiplier, need_grad);
+  return {out[0], out[1]};
+}
 
 CrossEntropySums cross_entropy_sums_tiled(const torch::Tensor& hidden, const torch::Tensor& head_weight,
                                           const torch::Tensor& targets, const torch::Tensor& token_weights,

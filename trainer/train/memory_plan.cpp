@@ -37,15 +37,16 @@
 // expert's four SwiGLU tensors and its output. Plus the shared experts' SwiGLU and three T D sums.
 // The head: the final norm, and the log-probabilities (fp32, T V) for the loss; each MTP depth
 // adds the shifted embedding, two norms, their concatenation, one dense layer, a norm and its
-// fp32 logits (T V, kept by logsumexp).
+// fp32 log-probabilities (T V; with z-loss the main head keeps its logits' gradient instead).
 //
 // With num_vocab_tiling > 1 each head keeps the gradients of its input and weight (fp32 T D +
 // V D) instead of its (T, V) tensors.
 //
 // Transient, on top of everything saved: the backward of the head holds the gradient of the
 // log-probabilities and of the logits (2 x fp32 T V; tiled: one tile's) and the output head's
-// weight gradient (V D) before it is added into the flat buffer; the explicit attention holds about two more B Hq L L
-// buffers in its backward. The plan takes the larger.
+// weight gradient (V D) before it is added into the flat buffer; the explicit attention holds about
+// two more B Hq L L buffers in its backward; a MoE layer's backward its routed rows' gradients and
+// its experts' weight gradients. The plan takes the largest.
 #include "trainer/train/memory_plan.h"
 
 #include <sys/resource.h>
@@ -333,10 +334,16 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   // products: the head weight's and its gradient's and that gradient's bf16 rounding (10 V D), and
   // a tile's fp32 product and gradient (tiled) or the fp32 logits gradient (whole). (The MoE
   // experts' per-thread fp32 operand copies are not counted.)
+  // Whole: the peak is log_softmax's backward, holding the log-probabilities (counted above), the
+  // gradient it receives and the one it makes (2 x fp32 T V). The (T, V) tensors after it (the
+  // gradient's bf16 cast, the fp32 operand of a GEMM summed in fp32) exist once the
+  // log-probabilities are freed, so they stay below that peak (measured: the bf16 run's peak equals
+  // the fp32 one's, docs/benchmarks.md). With z-loss the whole head keeps the logits' gradient
+  // instead of the log-probabilities and scales it in the backward: one (T, V) tensor less.
   const bool fp32_sums = bf16 && ctx.cpu_bf16_fp32_sums;
   const double head_transient = (tiled ? (4 + (bf16 ? 2 : 0)) * tile_rows * s.V + (bf16 ? 2 : 0) * s.V * s.D + 4 * s.V * s.D
-                                       : 2 * 4 * s.T * s.V + (bf16 ? 2 : 0) * s.T * s.V + 4 * s.V * s.D) +
-                                (fp32_sums ? 10 * s.V * s.D + (tiled ? 4 * tile_rows * s.V : 4 * s.T * s.V) : 0.0);
+                                       : 2 * 4 * s.T * s.V + 4 * s.V * s.D) +
+                                (fp32_sums ? 10 * s.V * s.D + (tiled ? 4 * tile_rows * s.V : 0.0) : 0.0);
   // The explicit attention's backward holds about two more (B, H, L, L) buffers; the block-causal
   // one two fp32 (B, H, b, L) ones for the block at hand.
   // With fp32 sums, the block-causal backward also holds fp32 copies of q, k, v and the output
@@ -348,12 +355,23 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
           ? 2 * 4 * s.B * s.H * block_rows * s.L +
                 (fp32_sums ? 4 * s.T * (2 * s.q + 4 * s.kv) + 2 * 4 * s.B * s.H * block_rows * s.L : 0.0)
           : 0.0;
-  const double transient = std::max(head_transient, attention_transient);
+  // A MoE layer's backward (moe_dispatch=grouped) holds the row gradients dh, [dg | du] and dx of
+  // its T k routed rows in the compute dtype, and the weight gradients of all of this rank's
+  // experts, in the compute dtype and (bf16) their fp32 cast; the loop's autograd makes the
+  // stacked fp32 weight gradient (and, bf16, each expert's bf16 one).
+  const double local_experts = s.E / static_cast<double>(c.expert_parallelism);
+  const double expert_weights = local_experts * 3 * s.D * s.Fm;
+  const double moe_transient =
+      moe_layers == 0 ? 0.0
+      : grouped       ? m * s.T * s.k * (3 * s.Fm + s.D) + (m + (bf16 ? 4 : 0)) * expert_weights
+                      : (4 + (bf16 ? 2 : 0)) * expert_weights;
+  const double transient = std::max({head_transient, attention_transient, moe_transient});
   add(plan, "backward transients", transient,
-      std::string(head_transient >= attention_transient
+      std::string(transient == head_transient
                       ? (tiled ? "one tile of logits (num_vocab_tiling), output head weight gradient"
                                : "gradients of the logits and log-probabilities, output head weight gradient")
-                      : "attention probability gradients") +
+                  : transient == attention_transient ? "attention probability gradients"
+                                                     : "a MoE layer's routed-row and expert weight gradients") +
           (fp32_sums ? ", with the fp32 operand copies of bf16 GEMMs summed in fp32 (cpu_bf16_gemm)" : ""));
 
   const double data = 2.0 * static_cast<double>(c.gradient_accumulation_steps + 2) * s.T * (5 * 8 + 4);

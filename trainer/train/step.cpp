@@ -178,8 +178,7 @@ MicroBatchLosses micro_batch_losses(Transformer& model, const MicroBatch& batch,
         return cross_entropy_sums_tiled(output.mtp_head_inputs[depth], head_weight, targets, valid, 0.0,
                                         c.num_vocab_tiling, bf16).ce;
       const auto& logits = output.mtp_logits[depth];  // (B, L, V)
-      const auto ce = torch::logsumexp(logits, -1) - logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1);
-      return (ce * valid.to(logits.scalar_type())).sum();
+      return cross_entropy_sums(logits, targets, valid.to(logits.scalar_type()), 0.0).ce;
     };
     torch::Tensor pooled;
     const auto depths = mtp_depth_losses(output.mtp_head_inputs.size(), t, mtp_target_segments(t, c), depth_ce_sum, pooled);
