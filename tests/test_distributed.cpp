@@ -942,6 +942,37 @@ TEST_CASE("sharded levels (optim_grads, optim_grads_params) at R=2 and R=4, and 
   }
 }
 
+TEST_CASE("adamw_mask under optim_grads and optim_grads_params (and with expert parallelism) equals one process with the mask",
+          "[dist][cli][sharding]") {
+  // Each rank's part of a unit cuts the masked runs at its own offsets in the shard: moe-tiny's
+  // norms lie inside every unit and layer 1's stacked experts are one run that the R parts split.
+  // The weights after 3 updates are one process's with the same mask, and far from those without.
+  const std::string common = "model_name=moe-tiny max_target_length=16 per_device_batch_size=1 steps=3 warmup_steps_fraction=0 "
+                             "learning_rate=0.01 adam_eps=0.01 synthetic_min_valid_fraction=0.3 learning_rate_schedule_steps=4 "
+                             "adam_weight_decay=0.5 remat_policy=full base_output_directory=" + kOut + " ";
+  const std::string mask = "'adamw_mask=[norm, layers.1.mlp.experts]' ";
+  for (const std::string run : {"mask-r1", "nomask-r1"}) fs::remove_all(kOut + "/" + run);
+  REQUIRE(run_trainer(common + mask + "gradient_accumulation_steps=4 run_name=mask-r1").exit_code == 0);
+  REQUIRE(run_trainer(common + "gradient_accumulation_steps=4 run_name=nomask-r1").exit_code == 0);
+  const double unmasked = largest_weight_difference(checkpoint_model("mask-r1", 3), checkpoint_model("nomask-r1", 3));
+  INFO("the mask moves the weights by " << unmasked);
+  REQUIRE(unmasked > 1e-4);
+  for (const auto& [ranks, level, extra] : std::vector<std::tuple<int, std::string, std::string>>{
+           {2, "optim_grads", ""}, {2, "optim_grads_params", ""}, {4, "optim_grads_params", "expert_parallelism=2"}}) {
+    const std::string run = "mask-" + level + "-r" + std::to_string(ranks);
+    INFO(run << " " << extra);
+    fs::remove_all(kOut + "/" + run);
+    const auto result = mpirun(ranks, common + mask + extra + " data_parallel_sharding=" + level +
+                                          " gradient_accumulation_steps=" + std::to_string(4 / ranks) + " run_name=" + run);
+    INFO(result.output);
+    REQUIRE(result.exit_code == 0);
+    CHECK_THAT(result.output, Catch::Contains("without weight decay"));
+    const double worst = largest_weight_difference(checkpoint_dir(run, 3), checkpoint_model("mask-r1", 3));
+    INFO("largest weight difference " << worst);
+    CHECK(worst < 1e-6);
+  }
+}
+
 TEST_CASE("data_parallel_shard_degree that does not divide the ranks, or without a sharding level, is refused naming it",
           "[dist][cli][sharding]") {
   const std::string common = "model_name=test-tiny max_target_length=16 per_device_batch_size=1 steps=1 base_output_directory=" +

@@ -338,10 +338,6 @@ std::vector<std::string> validation_errors(const Config& c) {
       errors.push_back("config key 'adamw_mask': '" + pattern + "' is not a regular expression (ECMAScript): " + e.what());
     }
   }
-  // The sharded levels' AdamW runs on units' shards whose parameters it does not track.
-  require(c.adamw_mask.empty() || (c.data_parallel_sharding != "optim_grads" && c.data_parallel_sharding != "optim_grads_params"),
-          "adamw_mask is not implemented with data_parallel_sharding=" + c.data_parallel_sharding +
-              " (it is with none and optim)");
   require(c.gradient_clipping_threshold >= 0,
           bad_value("gradient_clipping_threshold", "must be >= 0", "0 disables clipping"));
   require(c.skip_step_scaling_factor > 0, bad_value("skip_step_scaling_factor", "must be > 0"));

@@ -107,6 +107,43 @@ std::pair<double, double> mean_and_std(const std::deque<double>& values) {
   return {mean, std::sqrt(var / std::max(1.0, n - 1))};
 }
 
+// adamw_mask (MaxText's): the parameters whose name matches a pattern (a search, as Python's
+// re.search) take no weight decay. Their runs in the parameter arena (named_parameters order),
+// (begin, length) with adjacent ones merged; a pattern that matches nothing is warned about.
+std::vector<std::pair<int64_t, int64_t>> adamw_mask_arena_runs(const Transformer& model,
+                                                               const std::vector<std::string>& patterns) {
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  if (patterns.empty()) return runs;
+  std::vector<std::regex> mask;
+  for (const auto& pattern : patterns) mask.emplace_back(pattern, std::regex::ECMAScript);
+  std::vector<int64_t> matches(mask.size(), 0);
+  int64_t masked_parameters = 0, masked_elements = 0, offset = 0;
+  for (const auto& item : model->named_parameters()) {
+    const int64_t n = item.value().numel();
+    bool masked = false;  // every pattern is searched: unmatched ones are warned about below
+    for (size_t i = 0; i < mask.size(); ++i) {
+      const bool match = std::regex_search(item.key(), mask[i]);
+      matches[i] += match;
+      masked = masked || match;
+    }
+    if (masked) {
+      if (!runs.empty() && runs.back().first + runs.back().second == offset)
+        runs.back().second += n;
+      else
+        runs.emplace_back(offset, n);
+      ++masked_parameters;
+      masked_elements += n;
+    }
+    offset += n;
+  }
+  for (size_t i = 0; i < mask.size(); ++i)
+    if (matches[i] == 0)
+      spdlog::warn("adamw_mask: '{}' matches no parameter name (names as in docs/model.md, e.g. "
+                   "model.layers.0.input_layernorm.weight)", patterns[i]);
+  spdlog::info("adamw_mask: {} parameters ({} elements) without weight decay", masked_parameters, masked_elements);
+  return runs;
+}
+
 }  // namespace
 
 // Moves every parameter into one contiguous fp32 arena and makes each .grad a view into a
@@ -160,12 +197,6 @@ void Trainer::build_flat_buffers(ModelInitializer* deferred_init) {
     flat_grads_ = torch::zeros({total}, opts);
     flat_params_ = flat_params_padded_.narrow(0, 0, total);
     torch::NoGradGuard no_grad;
-    // adamw_mask (MaxText's): parameters whose name matches a pattern (a search, as Python's
-    // re.search) take no weight decay; each run of them in the arena is updated with wd = 0.
-    std::vector<std::regex> mask;
-    for (const auto& pattern : config_.adamw_mask) mask.emplace_back(pattern, std::regex::ECMAScript);
-    std::vector<int64_t> mask_matches(mask.size(), 0);
-    int64_t masked_parameters = 0, masked_elements = 0;
     int64_t offset = 0;
     for (auto& item : model_->named_parameters()) {  // the order of parameters()
       auto& p = item.value();
@@ -174,20 +205,6 @@ void Trainer::build_flat_buffers(ModelInitializer* deferred_init) {
       param_view.copy_(p);
       p.set_data(param_view);
       p.mutable_grad() = flat_grads_.narrow(0, offset, n).view(p.sizes());
-      bool masked = false;  // every pattern is searched: unmatched ones are warned about below
-      for (size_t i = 0; i < mask.size(); ++i) {
-        const bool match = std::regex_search(item.key(), mask[i]);
-        mask_matches[i] += match;
-        masked = masked || match;
-      }
-      if (masked) {
-        if (!no_decay_segments_.empty() && no_decay_segments_.back().first + no_decay_segments_.back().second == offset)
-          no_decay_segments_.back().second += n;
-        else
-          no_decay_segments_.emplace_back(offset, n);
-        ++masked_parameters;
-        masked_elements += n;
-      }
       if (model_is_stacked_experts(item.key())) {
         if (!expert_segments_.empty() && expert_segments_.back().first + expert_segments_.back().second == offset)
           expert_segments_.back().second += n;  // a layer's gate_up_proj and down_proj: one run
@@ -196,15 +213,29 @@ void Trainer::build_flat_buffers(ModelInitializer* deferred_init) {
       }
       offset += n;
     }
-    for (size_t i = 0; i < mask.size(); ++i)
-      if (mask_matches[i] == 0)
-        spdlog::warn("adamw_mask: '{}' matches no parameter name (names as in docs/model.md, e.g. "
-                     "model.layers.0.input_layernorm.weight)", config_.adamw_mask[i]);
-    if (!mask.empty())
-      spdlog::info("adamw_mask: {} parameters ({} elements) without weight decay", masked_parameters, masked_elements);
     shard_begin_ = std::min(total, (ranks > 1 ? zero1_group().rank() : 0) * shard_chunk_);
     shard_end_ = std::min(total, shard_begin_ + shard_chunk_);
   }
+  // adamw_mask's runs where AdamW's state has them: this rank's part of each run, at its offset in
+  // the moments (the arena's [shard_begin_, shard_end_), or each unit's part in the shard), in
+  // order, adjacent ones merged.
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  for (const auto& [begin, length] : adamw_mask_arena_runs(model_, config_.adamw_mask)) {
+    const auto keep = [&, begin = begin, length = length](int64_t own_begin, int64_t own_length, int64_t state_offset) {
+      const int64_t from = std::max(begin, own_begin), to = std::min(begin + length, own_begin + own_length);
+      if (from < to) runs.emplace_back(state_offset + from - own_begin, to - from);
+    };
+    if (!sharded_state_)
+      keep(shard_begin_, shard_end_ - shard_begin_, 0);
+    else
+      for (const auto& unit : sharded_state_->units()) keep(unit.begin + unit.group_rank * unit.part, unit.own, unit.shard_offset);
+  }
+  std::sort(runs.begin(), runs.end());
+  for (const auto& run : runs)
+    if (!no_decay_runs_.empty() && no_decay_runs_.back().first + no_decay_runs_.back().second == run.first)
+      no_decay_runs_.back().second += run.second;
+    else
+      no_decay_runs_.push_back(run);
   // AdamW state for this rank's shard only: all of P without sharding, [r*chunk, (r+1)*chunk)
   // with ZeRO-1, this rank's part of every unit above it.
   adam_m_ = torch::zeros({shard_end_ - shard_begin_}, opts);
@@ -297,11 +328,11 @@ void Trainer::optimizer_update(StepOutput& out) {
       const int64_t n = params.numel();
       const auto grads = sharded_state_ ? sharded_state_->grad_shard.narrow(0, offset, n) : flat_grads_.narrow(0, shard_begin_, n);
       auto m = adam_m_.narrow(0, offset, n), v = adam_v_.narrow(0, offset, n);
-      // adamw_mask's runs (arena offsets; only without sharded_state_, config.cpp: the one segment
-      // starts at shard_begin_) with wd = 0, the elements between them with adam_weight_decay.
+      // adamw_mask's runs (offsets in the moments, as the segment's) with wd = 0, the elements
+      // between them with adam_weight_decay.
       int64_t done = 0;
-      for (const auto& [begin, length] : no_decay_segments_) {
-        const int64_t from = std::max(begin - shard_begin_, done), to = std::min(begin + length - shard_begin_, n);
+      for (const auto& [begin, length] : no_decay_runs_) {
+        const int64_t from = std::max(begin - offset, done), to = std::min(begin + length - offset, n);
         if (from >= to) continue;
         adamw(params, grads, m, v, done, from, c.adam_weight_decay);
         adamw(params, grads, m, v, from, to, 0.0);

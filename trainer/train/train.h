@@ -291,7 +291,7 @@ class Trainer {
   std::unique_ptr<Communicator> expert_group_, expert_replicas_;
   int64_t expert_rank_ = 0;  // this rank's position in its expert-parallel group
   std::vector<std::pair<int64_t, int64_t>> expert_segments_;  // (offset, numel) of the stacked expert tensors in the arena
-  std::vector<std::pair<int64_t, int64_t>> no_decay_segments_;  // (offset, numel) in the arena of adamw_mask's parameters, in order
+  std::vector<std::pair<int64_t, int64_t>> no_decay_runs_;  // (offset, numel) in the AdamW moments of adamw_mask's parameters, in order
   Transformer model_{nullptr};
   std::unique_ptr<ShardedModelState> sharded_state_;  // data_parallel_sharding optim_grads | optim_grads_params
   // HSDP (data_parallel_shard_degree D < R): the D consecutive ranks the model state is sharded
