@@ -1504,3 +1504,37 @@ TEST_CASE("Hugging Face directories: config.json round trips the model keys, and
   // An existing export is never overwritten.
   CHECK_THROWS_WITH(source.export_hf(dir, 64 << 10, torch::kFloat32), Catch::Contains("exists and is not an empty directory"));
 }
+
+TEST_CASE("a bf16 Hugging Face export keeps the routers' expert_bias in fp32, bit for bit the checkpoint's", "[checkpoint][cli]") {
+  // The bias moves by routed_bias_update_rate per update: after a few updates its values are not
+  // all representable in bf16, so a rounded copy would route nearly tied tokens differently.
+  const std::string out = kOut + "/export-bias";
+  fs::remove_all(out);
+  const std::string common = "model_name=ling-mini-tiny max_target_length=16 override_model_config=true "
+                             "routed_bias_update_rate=0.003 base_output_directory=" + out + " run_name=src ";
+  REQUIRE(run_trainer(common + "steps=3").exit_code == 0);
+  const auto exported = run_trainer(common + "--export-hf " + out + "/hf --export-hf-dtype bfloat16");
+  INFO(exported.output);
+  REQUIRE(exported.exit_code == 0);
+  const auto hf = safetensors_read(out + "/hf/model.safetensors");
+  const auto checkpoint = safetensors_read(out + "/src/checkpoints/3/model.safetensors");
+  int biases = 0, changed_by_bf16 = 0;
+  for (const auto& [name, stored] : hf.tensors) {
+    INFO(name);
+    if (name.size() < 12 || name.substr(name.size() - 12) != ".expert_bias") {
+      CHECK(stored.dtype == "BF16");
+      continue;
+    }
+    ++biases;
+    CHECK(stored.dtype == "F32");
+    // The checkpoint names it as DeepSeek-V3's HF code does (docs/checkpoints.md).
+    const auto& original = checkpoint.tensors.at(name.substr(0, name.size() - 12) + ".e_score_correction_bias");
+    REQUIRE(original.nbytes == stored.nbytes);
+    CHECK(std::memcmp(hf.data.data() + stored.offset, checkpoint.data.data() + original.offset, stored.nbytes) == 0);
+    const auto values = torch::from_blob(const_cast<char*>(checkpoint.data.data() + original.offset),
+                                         {static_cast<int64_t>(original.nbytes / 4)}, torch::kFloat32);
+    changed_by_bf16 += !torch::equal(values, values.to(torch::kBFloat16).to(torch::kFloat32));
+  }
+  CHECK(biases == 3);  // ling-mini-tiny: 2 MoE layers and the MoE MTP block
+  CHECK(changed_by_bf16 > 0);
+}

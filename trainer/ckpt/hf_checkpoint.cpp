@@ -249,6 +249,20 @@ NamedTensors hf_read_directory(const std::string& dir) {
   return out;
 }
 
+namespace {
+
+// The dtype a tensor is stored in: the export's, except the routers' expert_bias, kept fp32. Its
+// updates (routed_bias_update_rate, 1e-3) are finer than bf16's spacing at its typical size, and
+// vLLM and SGLang keep it fp32 (transformers casts it with the rest when loading in bf16): a bf16
+// copy would route some tokens of nearly tied experts differently from the trained model.
+torch::ScalarType hf_stored_dtype(const std::string& name, torch::ScalarType dtype) {
+  const std::string bias = ".expert_bias";
+  const bool routing_bias = name.size() >= bias.size() && name.compare(name.size() - bias.size(), bias.size(), bias) == 0;
+  return routing_bias ? torch::kFloat32 : dtype;
+}
+
+}  // namespace
+
 HfDirectoryWriter::HfDirectoryWriter(const std::string& dir, const std::string& config_json, const NamedTensors& plan,
                                      int64_t max_shard_bytes, torch::ScalarType dtype)
     : dir_(dir), target_(fs::absolute(dir)), dtype_(dtype) {
@@ -256,11 +270,11 @@ HfDirectoryWriter::HfDirectoryWriter(const std::string& dir, const std::string& 
     throw config_error("--export-hf " + dir + ": the path exists and is not an empty directory; remove it or choose another");
   if (max_shard_bytes <= 0) throw config_error("--export-hf-max-shard-mb must be > 0");
   // Files in plan order: a new file when the next tensor would overflow this one.
-  const std::string type = dtype == torch::kBFloat16 ? "BF16" : "F32";
-  const auto element = static_cast<int64_t>(torch::elementSize(dtype));
   int64_t file_bytes = 0;
   for (const auto& [name, tensor] : plan) {
-    const int64_t bytes = tensor.numel() * element;
+    const auto stored = hf_stored_dtype(name, dtype);
+    const std::string type = stored == torch::kBFloat16 ? "BF16" : "F32";
+    const int64_t bytes = tensor.numel() * static_cast<int64_t>(torch::elementSize(stored));
     if (files_.empty() || (!files_.back().entries.empty() && file_bytes + bytes > max_shard_bytes)) {
       files_.emplace_back();
       file_bytes = 0;
@@ -311,7 +325,7 @@ void HfDirectoryWriter::append(const NamedTensors& tensors) {
                                                             files_[file_].entries,
                                                             std::map<std::string, std::string>{{"format", "pt"}});
       }
-      const auto converted = tensor.to(torch::kCPU).to(dtype_).contiguous();
+      const auto converted = tensor.to(torch::kCPU).to(hf_stored_dtype(name, dtype_)).contiguous();
       writer_->append(name, converted.data_ptr(), converted.nbytes());
     }
   } catch (const Error&) {
