@@ -796,6 +796,16 @@ TEST_CASE("a run whose memory plan exceeds the machine exits 2 with the plan and
   CHECK_THAT(suggested.output, Catch::Contains("(RLIMIT_AS (ulimit -v)): fits"));
   const auto dry = run_trainer(big + " --dry-run", limit);
   CHECK_THAT(dry.output, Catch::Contains("does NOT fit") && Catch::Contains("memory plan per rank"));
+  // One sequence whose head does not fit whole (a 256K vocabulary: 1 GiB per fp32 (L, V) tensor):
+  // no smaller batch exists, and the fewest tiles that fit are suggested, and fit.
+  const std::string head = "model_name=test-tiny override_model_config=true vocab_size=262144 per_device_batch_size=1 "
+                           "max_target_length=1024 steps=1 base_output_directory=" + test_root() + " run_name=memory-plan-head ";
+  const auto whole_head = run_trainer(head, limit);
+  CHECK(whole_head.exit_code == 2);
+  CHECK_THAT(whole_head.output, !Catch::Contains("per_device_batch_size=") && Catch::Contains(" (no whole (B, L, V) logits)"));
+  REQUIRE(std::regex_search(whole_head.output, m, std::regex("(num_vocab_tiling=[0-9]+) \\(no whole")));
+  const auto tiled = run_trainer(head + m[1].str() + " --dry-run", limit);
+  CHECK_THAT(tiled.output, Catch::Contains("(RLIMIT_AS (ulimit -v)): fits"));
   // Another rank of a launch prints no plan, but names itself when its own machine does not fit
   // (another node may have less memory than rank 0's), and says nothing when it does.
   const std::string rank_one = "OMPI_COMM_WORLD_RANK=1 OMPI_COMM_WORLD_SIZE=2 OMPI_COMM_WORLD_LOCAL_RANK=0 "

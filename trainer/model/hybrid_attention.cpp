@@ -211,7 +211,9 @@ torch::Tensor model_gla_attention_chunked(const torch::Tensor& q_in, const torch
   const auto updates = torch::matmul(written.transpose(-1, -2), v);                           // (B, H, chunks, dk, dv)
   const auto q_read = q * read_decay;                                                         // (B, H, chunks, C, dk)
   std::vector<torch::Tensor> inter{torch::zeros({B, H, C, dv}, opts)};
-  auto state = updates.select(2, 0);  // (B, H, dk, dv): S_1
+  // S_1 (B, H, dk, dv). A copy: the read products below keep each state for backward, and a view
+  // would keep all chunks' updates alive with it (as many bytes as the states themselves).
+  auto state = updates.select(2, 0).clone();
   for (int64_t c = 1; c < chunks; ++c) {
     auto read = torch::matmul(q_read.select(2, c), state);  // (B, H, C, dv)
     auto carry = carry_decay;

@@ -55,6 +55,7 @@ class LogitsCrossEntropy : public torch::autograd::Function<LogitsCrossEntropy> 
     torch::Tensor grad_logits;
     if (scale.defined() && ctx->saved_data.count("grad")) {
       const auto kept = ctx->saved_data["grad"].toTensor();
+      ctx->saved_data.erase("grad");  // saved_data lives as long as the graph: free the (N, V) tensor now
       grad_logits = kept * scale.to(kept.scalar_type());
     }
     return {grad_logits, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
@@ -121,6 +122,7 @@ class TiledCrossEntropy : public torch::autograd::Function<TiledCrossEntropy> {
     torch::Tensor grad_hidden, grad_weight;
     if (scale.defined() && ctx->saved_data.count("grad_hidden")) {
       const auto kept_hidden = ctx->saved_data["grad_hidden"].toTensor(), kept_weight = ctx->saved_data["grad_weight"].toTensor();
+      ctx->saved_data.clear();  // it lives as long as the graph: free the (N, D) and (V, D) tensors now
       grad_hidden = kept_hidden * scale.to(kept_hidden.scalar_type());
       grad_weight = kept_weight * scale.to(kept_weight.scalar_type());
     }

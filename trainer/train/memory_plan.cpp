@@ -355,16 +355,18 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
           ? 2 * 4 * s.B * s.H * block_rows * s.L +
                 (fp32_sums ? 4 * s.T * (2 * s.q + 4 * s.kv) + 2 * 4 * s.B * s.H * block_rows * s.L : 0.0)
           : 0.0;
-  // A MoE layer's backward (moe_dispatch=grouped) holds the row gradients dh, [dg | du] and dx of
-  // its T k routed rows in the compute dtype, and the weight gradients of all of this rank's
-  // experts, in the compute dtype and (bf16) their fp32 cast; the loop's autograd makes the
-  // stacked fp32 weight gradient (and, bf16, each expert's bf16 one).
+  // A MoE layer's backward (moe_dispatch=grouped) holds, for its T k routed rows in the compute
+  // dtype, the incoming gradient, the recomputed h and the row gradients dh, [dg | du] and dx, and
+  // the weight gradients of all of this rank's experts, in the compute dtype and (bf16) their
+  // fp32 cast; the loop's autograd holds every expert's fp32 weight gradient while it stacks them
+  // into another (and, bf16, each expert's bf16 one).
   const double local_experts = s.E / static_cast<double>(c.expert_parallelism);
   const double expert_weights = local_experts * 3 * s.D * s.Fm;
+  const bool moe_blocks = moe_layers > 0 || (c.mtp_num_layers > 0 && c.mtp_moe_mlp);
   const double moe_transient =
-      moe_layers == 0 ? 0.0
-      : grouped       ? m * s.T * s.k * (3 * s.Fm + s.D) + (m + (bf16 ? 4 : 0)) * expert_weights
-                      : (4 + (bf16 ? 2 : 0)) * expert_weights;
+      !moe_blocks ? 0.0
+      : grouped   ? m * s.T * s.k * (4 * s.Fm + 2 * s.D) + (m + (bf16 ? 4 : 0)) * expert_weights
+                  : (8 + (bf16 ? 2 : 0)) * expert_weights;
   const double transient = std::max({head_transient, attention_transient, moe_transient});
   add(plan, "backward transients", transient,
       std::string(transient == head_transient
@@ -506,6 +508,21 @@ std::vector<std::string> memory_plan_suggestions(const Config& config, const Mem
     c.remat_policy = "full";
     try_config(c, "data_parallel_sharding=optim_grads_params remat_policy=full (ZeRO-3 over " +
                       std::to_string(context.world_size) + " ranks)");
+  }
+  if (config.remat_policy != "full") {
+    Config c = config;
+    c.remat_policy = "full";
+    try_config(c, "remat_policy=full (each decoder layer keeps its input only and is rerun in backward)");
+  }
+  if (config.num_vocab_tiling == 1) {  // the fewest tiles that fit: each tile is one more pass over the head's weight
+    for (const int64_t tiles : {4, 16, 64}) {
+      Config c = config;
+      c.num_vocab_tiling = tiles;
+      if (fits(c)) {
+        out.push_back("num_vocab_tiling=" + std::to_string(tiles) + " (no whole (B, L, V) logits)");
+        break;
+      }
+    }
   }
   if (config.dtype == "float32") {
     Config c = config;

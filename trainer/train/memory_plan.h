@@ -58,8 +58,8 @@ HostMemory host_memory_available(int64_t ranks_on_host = 1);
 
 // Overrides that would make the plan fit in `available_bytes` (per rank), as "key=value ..."
 // strings, smallest change first: a smaller per_device_batch_size with gradient_accumulation_steps
-// raised to keep the global batch, ZeRO-1 over the data-parallel ranks, bf16 activations. Empty
-// when none does.
+// raised to keep the global batch, ZeRO-1 or ZeRO-3 over the data-parallel ranks, full
+// recomputation, a tiled head, bf16 activations, synchronous saves. Empty when none does.
 std::vector<std::string> memory_plan_suggestions(const Config& config, const MemoryPlanContext& context,
                                                  double available_bytes, double already_resident_bytes);
 

@@ -329,7 +329,8 @@ void Trainer::check_memory_plan() {
                         source + ").\nmemory plan per rank:\n" + memory_plan_format(plan);
   const auto suggestions = memory_plan_suggestions(c, context, available, resident);
   if (suggestions.empty())
-    message += "nothing the plan knows of fits (smaller per_device_batch_size, ZeRO-1, bf16, synchronous saves); the "
+    message += "nothing the plan knows of fits (smaller per_device_batch_size, ZeRO-1 or -3, remat_policy=full, "
+               "num_vocab_tiling, bf16, synchronous saves); the "
                "weights, gradients and optimizer state alone need " + memory_bytes_text(plan.model_state_bytes) +
                ": use a machine with more memory, more ranks, or a smaller model.\n";
   for (size_t i = 0; i < suggestions.size(); ++i) message += (i == 0 ? "would fit: " : "       or: ") + suggestions[i] + "\n";
