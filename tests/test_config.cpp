@@ -245,6 +245,12 @@ TEST_CASE("config errors name the key and exit with code 2", "[config]") {
     CHECK_THAT(load_error({"collective_timeout_seconds=0.0001"}).what(),
                Catch::Contains("collective_timeout_seconds must be in [0.001, 1e9] (whole milliseconds; 1e9 s is 31 years; got 0.0001)"));
     CHECK_NOTHROW(config_load(source_path("configs/base.yml"), {"pad_id=0", "collective_timeout_seconds=0.001"}, {}));
+    // The debug_* step and rank keys take -1 for never: -5 was accepted and meant never too.
+    for (const std::string key : {"debug_inject_nonfinite_step", "debug_block_checkpoint_shard_rank", "debug_pause_checkpoint_save_step",
+                                  "debug_kill_rank_before_parameter_gather", "debug_kill_rank_in_expert_dispatch"}) {
+      CHECK_THAT(load_error({key + "=-5"}).what(), Catch::Contains(key + " must be >= -1 (-1 = never; got -5)"));
+      CHECK_NOTHROW(config_load(source_path("configs/base.yml"), {"pad_id=0", key + "=-1"}, {}));
+    }
     // Its size in elements overflowed: an internal error at level optim, a 1-element bucket (a
     // step of minutes) at optim_grads.
     CHECK_THAT(load_error({"gradient_bucket_size_mb=9223372036854775807"}).what(),

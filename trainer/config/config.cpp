@@ -288,6 +288,13 @@ std::vector<std::string> validation_errors(const Config& c) {
   require(c.collective_timeout_seconds >= 0.001 && c.collective_timeout_seconds <= 1e9,
           bad_value("collective_timeout_seconds", "must be in [0.001, 1e9]", "whole milliseconds; 1e9 s is 31 years"));
   require(c.dist_backend != "nccl" || c.hardware == "gpu", "dist_backend=nccl needs hardware=gpu (NCCL reduces CUDA tensors)");
+  for (const auto& [key, value] : std::vector<std::pair<const char*, int64_t>>{
+           {"debug_inject_nonfinite_step", c.debug_inject_nonfinite_step},
+           {"debug_block_checkpoint_shard_rank", c.debug_block_checkpoint_shard_rank},
+           {"debug_pause_checkpoint_save_step", c.debug_pause_checkpoint_save_step},
+           {"debug_kill_rank_before_parameter_gather", c.debug_kill_rank_before_parameter_gather},
+           {"debug_kill_rank_in_expert_dispatch", c.debug_kill_rank_in_expert_dispatch}})
+    require(value >= -1, bad_value(key, "must be >= -1", "-1 = never"));
   require(!c.debug_cuda_sync_check || c.hardware == "gpu",
           "debug_cuda_sync_check needs hardware=gpu (it uses CUDA's synchronization debug mode)");
   // Bounded so that its size in elements cannot overflow (a bucket past the model is one bucket).
