@@ -350,6 +350,22 @@ TEST_CASE("a flipped byte in model.safetensors is detected and the previous chec
                            Catch::Contains("resumed from checkpoint " + kOut + "/flip/checkpoints/2"));
 }
 
+TEST_CASE("a manifest byte count that is not a whole number is named and the previous checkpoint used", "[checkpoint]") {
+  const std::string args = "model_name=test-tiny max_target_length=16 checkpoint_period=2 base_output_directory=" + kOut +
+                           " run_name=bytes ";
+  fs::remove_all(kOut + "/bytes");
+  REQUIRE(train_in_process(args + "steps=4") == 0);
+  const std::string manifest_path = kOut + "/bytes/checkpoints/4/manifest.json";
+  auto manifest = nlohmann::json::parse(read_file(manifest_path));
+  manifest["files"]["model.safetensors"]["bytes"] = 1e23;  // was read as 0: "manifest says 0"
+  std::ofstream(manifest_path) << manifest.dump();
+  const auto r = run_trainer(args + "steps=6");
+  INFO("trainer output:\n" << r.output);
+  CHECK(r.exit_code == 0);
+  CHECK_THAT(r.output, Catch::Contains("manifest bytes of model.safetensors is not a byte count: 9.99") &&
+                           Catch::Contains("resumed from checkpoint " + kOut + "/bytes/checkpoints/2"));
+}
+
 TEST_CASE("a FIFO in place of a checkpoint file is named and the previous checkpoint used (the read blocked forever)",
           "[checkpoint]") {
   const std::string args = "model_name=test-tiny max_target_length=16 checkpoint_period=2 base_output_directory=" + kOut +

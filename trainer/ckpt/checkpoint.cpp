@@ -498,6 +498,10 @@ std::string checkpoint_verify(const std::string& checkpoint_dir, bool weights_on
       const auto& entry = manifest["files"][file];
       if (!fs::exists(dir / file)) return file + " is missing";
       if (!fs::is_regular_file(dir / file)) return file + " is not a regular file";  // a FIFO would block the read
+      // A float or negative count would be read as 0 or wrapped: name what the manifest holds.
+      if (!entry.is_object() || !entry.contains("bytes") || !entry["bytes"].is_number_unsigned())
+        return "manifest bytes of " + file + " is not a byte count: " +
+               (entry.is_object() && entry.contains("bytes") ? entry["bytes"].dump() : std::string("missing"));
       uint64_t size = checksums ? 0 : fs::file_size(dir / file);
       const uint32_t crc = checksums ? crc32c_file((dir / file).string(), &size) : 0;
       if (size != entry.at("bytes").get<uint64_t>())
