@@ -22,9 +22,8 @@
 //              and the probabilities of the computed blocks (b = kAttentionBlock positions):
 //              m B Hq sum_i b min(L, (i+1) b), about m B Hq L (L + b) / 2
 //   attention, LibTorch >= 2.0 (SDPA): k and v repeated to the query heads (Hq > Hkv) 2 m T q
-//              (none with native GQA: CUDA, >= 2.5), then with segment masks the explicit
-//              softmax probabilities (fp32, B Hq L L) plus their bf16 copy, else the fused
-//              causal kernel's output + logsumexp
+//              (none with native GQA: CUDA, >= 2.5, no segment masks), the fused kernel's
+//              output + logsumexp, and with segment masks the mask it converts (m B L L)
 //   attention output, transposed for o_proj                  m T q
 //   residual after attention                                 r T D
 //   post-attention RMSNorm                                   r T D
@@ -44,9 +43,9 @@
 //
 // Transient, on top of everything saved: the backward of the head holds the gradient of the
 // log-probabilities and of the logits (2 x fp32 T V; tiled: one tile's) and the output head's
-// weight gradient (V D) before it is added into the flat buffer; the explicit attention holds about
-// two more B Hq L L buffers in its backward; a MoE layer's backward its routed rows' gradients and
-// its experts' weight gradients. The plan takes the largest.
+// weight gradient (V D) before it is added into the flat buffer; the block-causal attention two
+// block-sized buffers in its backward; a MoE layer's backward its routed rows' gradients and its
+// experts' weight gradients. The plan takes the largest.
 #include "trainer/train/memory_plan.h"
 
 #include <sys/resource.h>
@@ -91,10 +90,12 @@ struct Shapes {
 // The attention core's own saved tensors (after RoPE, before o_proj's input), in bytes.
 // block_causal: contiguous q, k and v in its layout, and the probabilities of the computed blocks:
 // query block i (b positions, H heads) against keys [0, min(L, (i+1) b)), in the matmul dtype.
-// sdpa: repeated k and v unless read natively, then the fused kernel's output and logsumexp for
-// plain causal rows, or (with segment masks) the explicit probabilities (+ their bf16 copy).
-double attention_saved_bytes(const Shapes& s, double m, double cast, AttentionCore core, bool segment_masks,
-                             bool native_gqa) {
+// sdpa: repeated k and v unless read natively, then the fused kernel's output and logsumexp, and
+// with segment masks the (B, 1, L, L) mask each call converts to the query's dtype and keeps: the
+// fused kernels take masks (measured on LibTorch 2.6's CPU: flash attention, 12.7 MiB kept per
+// layer at B 2, H 8, L 1024, d 64 = output + logsumexp + fp32 mask; on CUDA the memory-efficient
+// kernel takes them: not measured here).
+double attention_saved_bytes(const Shapes& s, double m, AttentionCore core, bool segment_masks, bool native_gqa) {
   if (core == AttentionCore::block_causal) {
     const double b = std::min(static_cast<double>(kAttentionBlock), s.L);
     double kept_columns = 0;  // sum over query positions of the keys their block computes
@@ -102,8 +103,8 @@ double attention_saved_bytes(const Shapes& s, double m, double cast, AttentionCo
     return m * s.T * (s.q + 2 * s.kv) + m * s.B * s.H * kept_columns;
   }
   // Repeated k and v, unless read natively: only without segment masks (see causal_attention).
-  double bytes = (s.q > s.kv && !(native_gqa && !segment_masks)) ? 2 * m * s.T * s.q : 0.0;
-  return bytes + (segment_masks ? (4 + cast) * s.B * s.H * s.L * s.L : m * s.T * s.q + 4 * s.B * s.H * s.L);
+  const double repeated = (s.q > s.kv && !(native_gqa && !segment_masks)) ? 2 * m * s.T * s.q : 0.0;
+  return repeated + m * s.T * s.q + 4 * s.B * s.H * s.L + (segment_masks ? m * s.B * s.L * s.L : 0.0);
 }
 
 double layer_saved_bytes(const Shapes& s, bool moe, double r, double m, bool bf16, const MemoryPlanContext& ctx,
@@ -118,7 +119,7 @@ double layer_saved_bytes(const Shapes& s, bool moe, double r, double m, bool bf1
   bytes += m * s.T * (s.q + 2 * s.kv);                     // q/k/v GEMM output
   if (qk_norm) bytes += m * s.T * (s.q + s.kv);  // q/k norm outputs (RoPE's inputs; their inputs are q/k/v views)
   bytes += m * s.T * (s.q + s.kv) * (2 * s.f + (s.f < 1 ? 1 : 0));  // RoPE
-  bytes += attention_saved_bytes(s, m, cast, ctx.attention, segment_masks, ctx.native_gqa);
+  bytes += attention_saved_bytes(s, m, ctx.attention, segment_masks, ctx.native_gqa);
   bytes += m * s.T * s.q;                          // attention output for o_proj
   bytes += r * s.T * s.D;                          // residual
   bytes += norm * r * s.T * s.D + cast * s.T * s.D;  // post-attention norm
@@ -179,7 +180,6 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   const int64_t dense_layers = layers - moe_layers;
   // Packed documents (reset_attention_mask) need (B, 1, L, L) segment masks; plain causal rows none.
   const bool segment_masks = c.reset_attention_mask;
-  const bool explicit_probabilities = ctx.attention == AttentionCore::sdpa && segment_masks;
 
   MemoryPlan plan;
   const std::string params = "P = " + count_text(P) + (c.expert_parallelism > 1 ? " (this rank's share of the experts)" : "");
@@ -320,9 +320,9 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   if (ctx.attention == AttentionCore::block_causal)
     detail += " (block-causal attention, blocks of " + std::to_string(kAttentionBlock) + " positions)";
   else
-    detail += explicit_probabilities ? " (incl. attention probabilities B x H x L x L: " +
-                                           memory_bytes_text((4 + (bf16 ? 2 : 0)) * s.B * s.H * s.L * s.L) + ")"
-                                     : " (fused causal attention)";
+    detail += segment_masks ? " (fused attention, each layer keeping its B x 1 x L x L mask: " +
+                                  memory_bytes_text(m * s.B * s.L * s.L) + ")"
+                            : " (fused causal attention)";
   detail += tiled ? ", head input and weight gradients kept by the tiled loss: " + memory_bytes_text(head_loss)
                   : ", head log-probabilities B x L x V: " + memory_bytes_text(4 * s.T * s.V);
   add(plan, "activations saved for backward (one micro-batch)", activations, detail);
@@ -344,14 +344,13 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   const double head_transient = (tiled ? (4 + (bf16 ? 2 : 0)) * tile_rows * s.V + (bf16 ? 2 : 0) * s.V * s.D + 4 * s.V * s.D
                                        : 2 * 4 * s.T * s.V + 4 * s.V * s.D) +
                                 (fp32_sums ? 10 * s.V * s.D + (tiled ? 4 * tile_rows * s.V : 0.0) : 0.0);
-  // The explicit attention's backward holds about two more (B, H, L, L) buffers; the block-causal
-  // one two fp32 (B, H, b, L) ones for the block at hand.
+  // The block-causal attention's backward holds two fp32 (B, H, b, L) buffers for the block at
+  // hand (the fused kernels' backward works in tiles).
   // With fp32 sums, the block-causal backward also holds fp32 copies of q, k, v and the output
   // gradient, fp32 k and v gradients, and two more fp32 block buffers.
   const double block_rows = std::min(static_cast<double>(kAttentionBlock), s.L);
   const double attention_transient =
-      explicit_probabilities ? 2 * 4 * s.B * s.H * s.L * s.L
-      : ctx.attention == AttentionCore::block_causal
+      ctx.attention == AttentionCore::block_causal
           ? 2 * 4 * s.B * s.H * block_rows * s.L +
                 (fp32_sums ? 4 * s.T * (2 * s.q + 4 * s.kv) + 2 * 4 * s.B * s.H * block_rows * s.L : 0.0)
           : 0.0;
@@ -372,7 +371,7 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
       std::string(transient == head_transient
                       ? (tiled ? "one tile of logits (num_vocab_tiling), output head weight gradient"
                                : "gradients of the logits and log-probabilities, output head weight gradient")
-                  : transient == attention_transient ? "attention probability gradients"
+                  : transient == attention_transient ? "attention block gradients"
                                                      : "a MoE layer's routed-row and expert weight gradients") +
           (fp32_sums ? ", with the fp32 operand copies of bf16 GEMMs summed in fp32 (cpu_bf16_gemm)" : ""));
 
