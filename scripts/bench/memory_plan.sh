@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The memory plan (--dry-run) against the measured peak RSS of the same run, for the benchmark
 # shapes tiny/small/medium and moe-tiny at K=1 and K=8 (fp32, CPU, checkpointing off so the
-# training peak is what is measured), and head- and expert-heavy Ling shapes (fp32 and bf16).
+# training peak is what is measured), and head-, expert- and GLA-heavy Ling shapes (fp32 and bf16).
 # Prints a markdown table for docs/benchmarks.md.
 #   scripts/bench/memory_plan.sh                 ROWS="tiny:1 medium:8" STEPS=2 to choose
 set -euo pipefail
@@ -19,7 +19,12 @@ SHAPES[moe-wide]="model_name=ling-mini-tiny override_model_config=true vocab_siz
   base_num_kv_heads=4 head_dim=64 base_mlp_dim=1024 base_moe_mlp_dim=512 num_experts=16 num_experts_per_tok=4 n_routing_groups=4
   topk_routing_group=2 base_num_decoder_layers=4 max_target_length=1024 per_device_batch_size=2 num_vocab_tiling=8"
 SHAPES[moe-wide-bf16]="${SHAPES[moe-wide]} dtype=bfloat16"
-ROWS=${ROWS:-"tiny:1 tiny:8 small:1 small:8 moe-tiny:1 moe-tiny:8 medium:1 medium:8 mtp-head:1 mtp-head-z:1 mtp-head-bf16:1 moe-wide:1 moe-wide-bf16:1"}
+# The Ling2 hybrid (4 GLA + 1 MLA layers) at width 512 over 2 x 2048 tokens, GLA chunks of 16.
+SHAPES[hybrid]="model_name=ling2-tiny override_model_config=true vocab_size=4096 base_emb_dim=512 base_num_query_heads=8
+  base_num_kv_heads=8 head_dim=64 base_mlp_dim=1024 q_lora_rank=128 kv_lora_rank=128 qk_nope_head_dim=64 qk_rope_head_dim=32
+  v_head_dim=64 gla_chunk_size=16 max_target_length=2048 per_device_batch_size=2"
+SHAPES[hybrid-bf16]="${SHAPES[hybrid]} dtype=bfloat16"
+ROWS=${ROWS:-"tiny:1 tiny:8 small:1 small:8 moe-tiny:1 moe-tiny:8 medium:1 medium:8 mtp-head:1 mtp-head-z:1 mtp-head-bf16:1 moe-wide:1 moe-wide-bf16:1 hybrid:1 hybrid-bf16:1"}
 STEPS=${STEPS:-2}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT

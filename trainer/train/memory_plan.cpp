@@ -293,8 +293,8 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   const double head = 2 * r * s.T * s.D + (bf16 ? 2 : 0) * s.T * s.D + head_loss;
   const double mtp_depth = r * s.T * s.D + 4 * r * s.T * s.D + 2 * r * s.T * s.D + (bf16 ? 4 : 0) * s.T * s.D + (c.mtp_moe_mlp ? moe : dense) +
                            2 * r * s.T * s.D + head_loss;
-  // A GLA layer (docs/model.md) is counted as the GQA layer above plus its chunked core's own
-  // tensors: fp32 copies of q, k, v and the scaled, decay-weighted q and k (6 T H hd), the
+  // A GLA layer (docs/model.md) is counted as the GQA layer above without its softmax core (no
+  // (L, L) probabilities or blocks) and with its chunked core's own tensors: fp32 copies of q, k, v and the scaled, decay-weighted q and k (6 T H hd), the
   // within-chunk scores before and after the decay mask (2 B H L C), the state entering each chunk
   // (B H hd^2 per chunk), and the fp32 GroupRMSNorm input and output, gate and product (4 T H hd).
   // MLA layers are counted as GQA layers of the same heads (an estimate).
@@ -304,16 +304,20 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   const double gla_extra = gla_layers == 0 ? 0.0
                                            : 4 * (10 * s.T * s.H * hd + 2 * s.B * s.H * s.L * chunk +
                                                   s.B * s.H * hd * hd * std::ceil(s.L / chunk));
+  // What a GLA layer keeps beyond the GQA layer it is counted as (negative at long sequences).
+  const double gla_delta = gla_layers == 0 ? 0.0 : gla_extra - attention_saved_bytes(s, m, ctx.attention, segment_masks, ctx.native_gqa);
   const double decoder_layers =
-      full ? static_cast<double>(layers) * r * s.T * s.D + std::max(dense_layers > 0 ? dense : 0.0, moe) + gla_extra
+      full ? static_cast<double>(layers) * r * s.T * s.D + std::max(dense_layers > 0 ? dense : 0.0, moe) + std::max(0.0, gla_delta)
            : static_cast<double>(dense_layers) * dense + static_cast<double>(moe_layers) * moe +
-                 static_cast<double>(gla_layers) * gla_extra;
+                 static_cast<double>(gla_layers) * gla_delta;
   const double activations = embedding + mask + decoder_layers + head + mtp * mtp_depth;
   plan.activation_bytes = activations;
   std::string detail = "B " + count_text(s.B) + " x L " + count_text(s.L) + ": " + memory_bytes_text(dense) +
                        " per dense layer";
   if (moe_layers > 0) detail += ", " + memory_bytes_text(moe) + " per MoE layer";
-  if (gla_layers > 0) detail += ", +" + memory_bytes_text(gla_extra) + " per GLA layer (its chunked core)";
+  if (gla_layers > 0)
+    detail += ", " + std::string(gla_delta < 0 ? "-" : "+") + memory_bytes_text(std::abs(gla_delta)) +
+              " per GLA layer (its chunked core instead of softmax attention's)";
   if (full) detail += " (remat_policy=full: each layer keeps its input, " + memory_bytes_text(r * s.T * s.D) +
                       ", and one layer at a time is rerun in backward)";
   if (minimal) detail += " (remat_policy=minimal: norms and SwiGLU recomputed, keeping what none keeps)";
