@@ -750,6 +750,24 @@ TEST_CASE("memory plan: activations scale with the micro-batch, not with K", "[t
   CHECK(bf16 > 0.5 * base);
 }
 
+TEST_CASE("memory plan: a GLA layer keeps no (L, L) attention, so the hybrid's activations grow nearly linearly in L", "[training][memory]") {
+  // ling2-tiny: 4 GLA layers and 1 MLA layer (softmax). From L to 2L the all-softmax stack's
+  // attention grows ~4x; the hybrid's only in its one MLA layer (and the MTP block). Charging the
+  // GLA layers a softmax core on top of their own (as the plan did) made the growth the same.
+  const auto growth = [](const std::vector<std::string>& more) {
+    const auto activations = [&](int64_t L) {
+      std::vector<std::string> overrides = {"model_name=ling2-tiny", "override_model_config=true", "per_device_batch_size=1",
+                                            "mtp_num_layers=0", "mtp_moe_mlp=false", "max_target_length=" + std::to_string(L)};
+      overrides.insert(overrides.end(), more.begin(), more.end());
+      return memory_plan(tiny_config(overrides), {}).activation_bytes;
+    };
+    return activations(4096) - activations(2048);
+  };
+  const double hybrid = growth({}), softmax = growth({"attention_type=global", "inhomogeneous_layer_cycle_interval=0"});
+  INFO("activation growth from L 2048 to 4096: hybrid " << hybrid << " B, all softmax " << softmax << " B");
+  CHECK(hybrid < 0.5 * softmax);  // measured 0.34 (one softmax layer of five, and the GLA cores' linear terms)
+}
+
 TEST_CASE("memory plan: remat_policy full keeps one (B, L, D) input per layer and minimal keeps what none keeps", "[training][memory][remat]") {
   const auto activations = [](const std::string& policy, int layers, std::vector<std::string> more = {}) {
     std::vector<std::string> overrides = {"model_name=default", "override_model_config=true", "per_device_batch_size=2",
