@@ -102,10 +102,11 @@ void print_dry_run(const trainer::Config& c, const trainer::DistEnv& env) {
               static_cast<long long>(c.max_target_length));
   // The plan for this launch's layout (world size from the launcher's variables, if any).
   const bool cuda = c.hardware == "gpu";
-  const trainer::MemoryPlan plan =
-      trainer::memory_plan(c, trainer::memory_plan_context(c, env.world_size, env.local_world_size, cuda));
-  std::printf("memory plan per rank (%s, %s, %lld rank%s):\n%s", cuda ? "GPU" : "CPU", c.dtype.c_str(),
+  const auto context = trainer::memory_plan_context(c, env.world_size, env.local_world_size, cuda);
+  const trainer::MemoryPlan plan = trainer::memory_plan(c, context);
+  std::printf("memory plan per rank (%s, %s, %lld rank%s%s):\n%s", cuda ? "GPU" : "CPU", c.dtype.c_str(),
               static_cast<long long>(env.world_size), env.world_size > 1 ? "s" : "",
+              context.assumed_build.empty() ? "" : ("; " + context.assumed_build).c_str(),
               trainer::memory_plan_format(plan).c_str());
   const DryRunIndex index = dry_run_index(c);
   const double index_bytes = index.bytes;

@@ -768,6 +768,19 @@ TEST_CASE("memory plan: a GLA layer keeps no (L, L) attention, so the hybrid's a
   CHECK(hybrid < 0.5 * softmax);  // measured 0.34 (one softmax layer of five, and the GLA cores' linear terms)
 }
 
+TEST_CASE("a hardware=gpu --dry-run from a build without CUDA plans for the CUDA build's attention, and says so", "[training][memory][cli]") {
+  // It planned the 1.13 CPU build's block-causal attention (its (L, L) blocks) for a GPU run.
+  const auto r = run_trainer("model_name=test-tiny hardware=gpu max_target_length=512 --dry-run");
+  INFO(r.output);
+  CHECK(r.exit_code == 0);
+  if (at::hasCUDA()) {
+    CHECK_THAT(r.output, !Catch::Contains("this build has no CUDA"));
+  } else {
+    CHECK_THAT(r.output, Catch::Contains("(GPU, float32, 1 rank; planned for a CUDA build of LibTorch >= 2.5 (this build has no CUDA)):") &&
+                             Catch::Contains("(fused causal attention)") && !Catch::Contains("block-causal"));
+  }
+}
+
 TEST_CASE("memory plan: remat_policy full keeps one (B, L, D) input per layer and minimal keeps what none keeps", "[training][memory][remat]") {
   const auto activations = [](const std::string& policy, int layers, std::vector<std::string> more = {}) {
     std::vector<std::string> overrides = {"model_name=default", "override_model_config=true", "per_device_batch_size=2",

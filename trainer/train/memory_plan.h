@@ -25,6 +25,7 @@ struct MemoryPlanContext {
   AttentionCore attention = AttentionCore::block_causal;
   bool native_gqa = false;       // SDPA reads k and v unrepeated (compat::native_gqa_attention)
   bool cpu_bf16_fp32_sums = false;  // bf16 GEMMs as fp32 GEMMs of bf16 operands (cpu_bf16_gemm, compat)
+  std::string assumed_build;        // non-empty when the plan is for another build than this one (says which)
 };
 
 struct MemoryPlanItem {

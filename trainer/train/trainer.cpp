@@ -288,9 +288,14 @@ double Trainer::bytes_sent_so_far() const {
 
 MemoryPlanContext memory_plan_context(const Config& config, int64_t world_size, int64_t local_world_size, bool cuda) {
   const bool fp32_sums = !cuda && compat::cpu_bf16_gemm_via_fp32_in(compat::cpu_bf16_gemm_mode_of(config.cpu_bf16_gemm));
+  // A GPU plan from a build without CUDA (--dry-run hardware=gpu on a CPU machine) is planned for
+  // the build that would run it: a CUDA LibTorch >= 2.5 (SDPA reading grouped heads natively).
+  if (cuda && !at::hasCUDA())
+    return {world_size, local_world_size, cuda, AttentionCore::sdpa, true, false,
+            "planned for a CUDA build of LibTorch >= 2.5 (this build has no CUDA)"};
   return {world_size, local_world_size, cuda,
           compat::kFusedCausalAttention ? AttentionCore::sdpa : AttentionCore::block_causal,
-          compat::native_gqa_attention(torch::Device(cuda ? torch::kCUDA : torch::kCPU)), fp32_sums};
+          compat::native_gqa_attention(torch::Device(cuda ? torch::kCUDA : torch::kCPU)), fp32_sums, ""};
 }
 
 // Before the first parameter is allocated: the plan (memory_plan.h) against what this rank can
