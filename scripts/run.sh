@@ -5,12 +5,15 @@
 # Example: scripts/run.sh steps=100 gradient_accumulation_steps=4
 set -euo pipefail
 cd -- "$(dirname -- "$(readlink -f -- "$0")")/.."  # also when run through a link
+source scripts/build_lock.sh
+build_lock  # released before training: only the build waits for a running test.sh
 if [ ! -x build/trainer ]; then
-  scripts/setup.sh
-elif ! build_log=$(cmake --build build -j 2 --target trainer preprocess_data 2>&1); then  # after a git pull: not the previous build
+  scripts/setup.sh 9>&-
+elif ! build_log=$(cmake --build build -j 2 --target trainer preprocess_data 2>&1 9>&-); then  # after a git pull: not the previous build
   echo "$build_log" >&2
   exit 1
 fi
+build_unlock
 # The default corpus, when the run reads it (a built tree whose data/ was deleted exited 3). The
 # trainer's own precedence: base.yml, then the arguments, then M_<KEY> variables.
 dataset_type=megatron dataset_path=data/fortunes_text_document reads_data=true

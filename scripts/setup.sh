@@ -31,6 +31,8 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
+source scripts/build_lock.sh
+build_lock
 JOBS=${JOBS:-2}
 cmake -S . -B build -DCMAKE_BUILD_TYPE="${BUILD_TYPE:-Release}" > build.cmake.log 2>&1 \
   || { cat build.cmake.log >&2; exit 1; }
