@@ -6,6 +6,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
+#include <functional>
 #include <regex>
 #include <limits>
 #include <filesystem>
@@ -205,10 +206,11 @@ TEST_CASE("cross-entropy sums, whole and tiled: sums and gradients equal autogra
     const auto ce_ref = ((nll + z * lse.square()) * token_weights).sum();
     (2.5 * ce_ref).backward();
     const double z_ref = (z * lse.square() * token_weights).sum().item<double>();
-    {  // The whole head from its logits (with z-loss LogitsCrossEntropy, without LibTorch's cross_entropy).
-      INFO("z " << z << " whole logits");
+    // One path (sums from the head's input and weight) against the reference: sums, gradients,
+    // and the sums again without gradients (evaluation).
+    const auto check_path = [&](const std::function<CrossEntropySums(const torch::Tensor&, const torch::Tensor&)>& sums_of) {
       const auto h = hidden0.clone().requires_grad_(), w = weight0.clone().requires_grad_();
-      const auto sums = cross_entropy_sums(torch::matmul(h, w.t()), targets, token_weights, z);
+      const auto sums = sums_of(h, w);
       CHECK(sums.ce.item<double>() == Approx(ce_ref.item<double>()).epsilon(1e-12));
       CHECK(sums.z.item<double>() == Approx(z_ref).epsilon(1e-12).margin(1e-15));
       CHECK_FALSE(sums.z.requires_grad());
@@ -216,22 +218,19 @@ TEST_CASE("cross-entropy sums, whole and tiled: sums and gradients equal autogra
       CHECK(torch::allclose(h.grad(), h_ref.grad(), 1e-10, 1e-12));
       CHECK(torch::allclose(w.grad(), w_ref.grad(), 1e-10, 1e-12));
       torch::NoGradGuard no_grad;
-      CHECK(cross_entropy_sums(torch::matmul(h, w.t()), targets, token_weights, z).ce.item<double>() ==
-            Approx(ce_ref.item<double>()).epsilon(1e-12));
+      CHECK(sums_of(h, w).ce.item<double>() == Approx(ce_ref.item<double>()).epsilon(1e-12));
+    };
+    {  // The whole head from its logits (with z-loss LogitsCrossEntropy, without LibTorch's cross_entropy).
+      INFO("z " << z << " whole logits");
+      check_path([&](const torch::Tensor& h, const torch::Tensor& w) {
+        return cross_entropy_sums(torch::matmul(h, w.t()), targets, token_weights, z);
+      });
     }
     for (const int64_t tiles : {1, 3, 5, 14, 40}) {  // 14 = one row per tile; 40 > rows
       INFO("z " << z << " tiles " << tiles);
-      const auto h = hidden0.clone().requires_grad_(), w = weight0.clone().requires_grad_();
-      const auto sums = cross_entropy_sums_tiled(h, w, targets, token_weights, z, tiles, /*bf16_compute=*/false);
-      CHECK(sums.ce.item<double>() == Approx(ce_ref.item<double>()).epsilon(1e-12));
-      CHECK(sums.z.item<double>() == Approx(z_ref).epsilon(1e-12).margin(1e-15));
-      CHECK_FALSE(sums.z.requires_grad());
-      (2.5 * sums.ce).backward();
-      CHECK(torch::allclose(h.grad(), h_ref.grad(), 1e-10, 1e-12));
-      CHECK(torch::allclose(w.grad(), w_ref.grad(), 1e-10, 1e-12));
-      torch::NoGradGuard no_grad;  // evaluation: the sums alone
-      CHECK(cross_entropy_sums_tiled(h, w, targets, token_weights, z, tiles, false).ce.item<double>() ==
-            Approx(ce_ref.item<double>()).epsilon(1e-12));
+      check_path([&](const torch::Tensor& h, const torch::Tensor& w) {
+        return cross_entropy_sums_tiled(h, w, targets, token_weights, z, tiles, /*bf16_compute=*/false);
+      });
     }
   }
   // bf16 compute: the GEMMs as autocast runs them (logits rounded to bf16). Against the fp32
