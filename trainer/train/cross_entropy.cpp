@@ -53,7 +53,8 @@ class LogitsCrossEntropy : public torch::autograd::Function<LogitsCrossEntropy> 
                                                  torch::autograd::variable_list grad_outputs) {
     const auto& scale = grad_outputs[0];  // 0-dim: d objective / d ce
     torch::Tensor grad_logits;
-    if (scale.defined() && ctx->saved_data.count("grad")) {
+    if (scale.defined()) {
+      TORCH_CHECK(ctx->saved_data.count("grad"), "LogitsCrossEntropy: backward ran twice (its kept gradient is freed after the first)");
       const auto kept = ctx->saved_data["grad"].toTensor();
       ctx->saved_data.erase("grad");  // saved_data lives as long as the graph: free the (N, V) tensor now
       grad_logits = kept * scale.to(kept.scalar_type());
@@ -120,9 +121,11 @@ class TiledCrossEntropy : public torch::autograd::Function<TiledCrossEntropy> {
                                                  torch::autograd::variable_list grad_outputs) {
     const auto& scale = grad_outputs[0];  // 0-dim: d objective / d ce
     torch::Tensor grad_hidden, grad_weight;
-    if (scale.defined() && ctx->saved_data.count("grad_hidden")) {
+    if (scale.defined()) {
+      TORCH_CHECK(ctx->saved_data.count("grad_hidden"), "TiledCrossEntropy: backward ran twice (its kept gradients are freed after the first)");
       const auto kept_hidden = ctx->saved_data["grad_hidden"].toTensor(), kept_weight = ctx->saved_data["grad_weight"].toTensor();
-      ctx->saved_data.clear();  // it lives as long as the graph: free the (N, D) and (V, D) tensors now
+      ctx->saved_data.erase("grad_hidden");  // saved_data lives as long as the graph: free the (N, D)
+      ctx->saved_data.erase("grad_weight");  // and (V, D) tensors now
       grad_hidden = kept_hidden * scale.to(kept_hidden.scalar_type());
       grad_weight = kept_weight * scale.to(kept_weight.scalar_type());
     }
