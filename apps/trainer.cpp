@@ -125,6 +125,12 @@ void print_dry_run(const trainer::Config& c, const trainer::DistEnv& env) {
   std::printf("this machine: %s available per rank (%s): %s%s\n", trainer::memory_bytes_text(fit.host.available_bytes).c_str(),
               fit.host.source.c_str(), fit.fits() ? "fits" : "does NOT fit",
               index_bytes > 0 ? " (the plan and the data index arrays)" : "");
+  if (fit.fits()) return;
+  // What training would suggest when it refuses, here before it is started.
+  const auto suggestions =
+      trainer::memory_plan_suggestions(c, context, fit.host.available_bytes - index_bytes, fit.host.resident_bytes);
+  for (size_t i = 0; i < suggestions.size(); ++i)
+    std::printf("%s%s\n", i == 0 ? "would fit: " : "       or: ", suggestions[i].c_str());
 }
 
 // The other ranks of a launch print nothing on stdout, but each checks its own machine (another

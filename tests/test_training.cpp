@@ -825,7 +825,8 @@ TEST_CASE("a run whose memory plan exceeds the machine exits 2 with the plan and
   CHECK(suggested.exit_code == 0);
   CHECK_THAT(suggested.output, Catch::Contains("(RLIMIT_AS (ulimit -v)): fits"));
   const auto dry = run_trainer(big + " --dry-run", limit);
-  CHECK_THAT(dry.output, Catch::Contains("does NOT fit") && Catch::Contains("memory plan per rank"));
+  CHECK_THAT(dry.output, Catch::Contains("does NOT fit") && Catch::Contains("memory plan per rank") &&
+                            Catch::Contains("would fit: " + m[1].str()));  // the same suggestion as training's
   // One sequence whose head does not fit whole (a 256K vocabulary: 1 GiB per fp32 (L, V) tensor):
   // no smaller batch exists, and the fewest tiles that fit are suggested, and fit.
   const std::string head = "model_name=test-tiny override_model_config=true vocab_size=262144 per_device_batch_size=1 "
