@@ -217,6 +217,10 @@ TEST_CASE("cross-entropy sums, whole and tiled: sums and gradients equal autogra
       (2.5 * sums.ce).backward();
       CHECK(torch::allclose(h.grad(), h_ref.grad(), 1e-10, 1e-12));
       CHECK(torch::allclose(w.grad(), w_ref.grad(), 1e-10, 1e-12));
+      // Its kept gradient is freed by the backward: a second one is an error (ours, or LibTorch's
+      // for its own cross_entropy), not a zero gradient.
+      CHECK_THROWS_WITH((2.5 * sums.ce).backward(),
+                        Catch::Contains("backward ran twice") || Catch::Contains("backward through the graph a second time"));
       torch::NoGradGuard no_grad;
       CHECK(sums_of(h, w).ce.item<double>() == Approx(ce_ref.item<double>()).epsilon(1e-12));
     };
