@@ -32,7 +32,7 @@ CrossEntropySums tile_sums_into_gradient(torch::Tensor& logits, const torch::Ten
 }
 
 // The whole head's sums with z-loss from its (B, L, V) logits. logsumexp + gather would keep the
-// logits and make four (B, L, V) tensors in their backward; this makes the gradient once, in the
+// logits and make two more (B, L, V) tensors in their backward; this makes the gradient once, in the
 // forward, in a copy of the logits, keeps it instead of them and only scales it in the backward.
 class LogitsCrossEntropy : public torch::autograd::Function<LogitsCrossEntropy> {
  public:

@@ -294,7 +294,8 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   const double mtp_depth = r * s.T * s.D + 4 * r * s.T * s.D + 2 * r * s.T * s.D + (bf16 ? 4 : 0) * s.T * s.D + (c.mtp_moe_mlp ? moe : dense) +
                            2 * r * s.T * s.D + head_loss;
   // A GLA layer (docs/model.md) is counted as the GQA layer above without its softmax core (no
-  // (L, L) probabilities or blocks) and with its chunked core's own tensors: fp32 copies of q, k, v and the scaled, decay-weighted q and k (6 T H hd), the
+  // (L, L) probabilities or blocks) and with its chunked core's own tensors: fp32 copies of q, k,
+  // v and the scaled, decay-weighted q and k (6 T H hd), the
   // within-chunk scores before and after the decay mask (2 B H L C), the state entering each chunk
   // (B H hd^2 per chunk), and the fp32 GroupRMSNorm input and output, gate and product (4 T H hd).
   // MLA layers are counted as GQA layers of the same heads (an estimate).

@@ -107,6 +107,14 @@ std::pair<double, double> mean_and_std(const std::deque<double>& values) {
   return {mean, std::sqrt(var / std::max(1.0, n - 1))};
 }
 
+// Appends [begin, begin + length) to runs kept in order, merged into the last one when adjacent.
+void append_run(std::vector<std::pair<int64_t, int64_t>>& runs, int64_t begin, int64_t length) {
+  if (!runs.empty() && runs.back().first + runs.back().second == begin)
+    runs.back().second += length;
+  else
+    runs.emplace_back(begin, length);
+}
+
 // adamw_mask (MaxText's): the parameters whose name matches a pattern (a search, as Python's
 // re.search) take no weight decay. Their runs in the parameter arena (named_parameters order),
 // (begin, length) with adjacent ones merged; a pattern that matches nothing is warned about.
@@ -127,10 +135,7 @@ std::vector<std::pair<int64_t, int64_t>> adamw_mask_arena_runs(const Transformer
       masked = masked || match;
     }
     if (masked) {
-      if (!runs.empty() && runs.back().first + runs.back().second == offset)
-        runs.back().second += n;
-      else
-        runs.emplace_back(offset, n);
+      append_run(runs, offset, n);
       ++masked_parameters;
       masked_elements += n;
     }
@@ -205,12 +210,7 @@ void Trainer::build_flat_buffers(ModelInitializer* deferred_init) {
       param_view.copy_(p);
       p.set_data(param_view);
       p.mutable_grad() = flat_grads_.narrow(0, offset, n).view(p.sizes());
-      if (model_is_stacked_experts(item.key())) {
-        if (!expert_segments_.empty() && expert_segments_.back().first + expert_segments_.back().second == offset)
-          expert_segments_.back().second += n;  // a layer's gate_up_proj and down_proj: one run
-        else
-          expert_segments_.emplace_back(offset, n);
-      }
+      if (model_is_stacked_experts(item.key())) append_run(expert_segments_, offset, n);  // a layer's gate_up_proj and down_proj: one run
       offset += n;
     }
     shard_begin_ = std::min(total, (ranks > 1 ? zero1_group().rank() : 0) * shard_chunk_);
@@ -231,11 +231,7 @@ void Trainer::build_flat_buffers(ModelInitializer* deferred_init) {
       for (const auto& unit : sharded_state_->units()) keep(unit.begin + unit.group_rank * unit.part, unit.own, unit.shard_offset);
   }
   std::sort(runs.begin(), runs.end());
-  for (const auto& run : runs)
-    if (!no_decay_runs_.empty() && no_decay_runs_.back().first + no_decay_runs_.back().second == run.first)
-      no_decay_runs_.back().second += run.second;
-    else
-      no_decay_runs_.push_back(run);
+  for (const auto& [begin, length] : runs) append_run(no_decay_runs_, begin, length);
   // AdamW state for this rank's shard only: all of P without sharding, [r*chunk, (r+1)*chunk)
   // with ZeRO-1, this rank's part of every unit above it.
   adam_m_ = torch::zeros({shard_end_ - shard_begin_}, opts);
