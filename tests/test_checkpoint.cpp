@@ -869,6 +869,42 @@ TEST_CASE("an unwritable checkpoint directory: sync saves stop with exit 1, asyn
   }
 }
 
+TEST_CASE("a failed save leaves no partial checkpoint behind, and an interrupted re-save puts the earlier one back", "[checkpoint]") {
+  // Every save fails (debug_block_checkpoint_shard_rank=0: a directory where model.safetensors
+  // goes); async saves keep training and the final one stops the run. Each attempt's .tmp-<step>
+  // used to stay until the next start: a full disk filled with partial checkpoints.
+  const std::string common = "model_name=test-tiny max_target_length=16 base_output_directory=" + kOut;
+  fs::remove_all(kOut + "/blocked-saves");
+  const auto blocked = run_trainer(common + " run_name=blocked-saves steps=3 checkpoint_period=1 debug_block_checkpoint_shard_rank=0");
+  INFO(blocked.output);
+  CHECK(blocked.exit_code == 1);
+  CHECK_THAT(blocked.output, Catch::Contains("saving checkpoint 1 under " + kOut + "/blocked-saves/checkpoints failed"));
+  CHECK(read_lines(kOut + "/blocked-saves/metrics.jsonl").size() == 3u);
+  std::set<std::string> left;
+  for (const auto& entry : fs::directory_iterator(kOut + "/blocked-saves/checkpoints")) left.insert(entry.path().filename());
+  CHECK(left.empty());
+
+  // A re-save of step 2 moves the old checkpoint to .replaced-2 before the new one takes its
+  // place: killed between the two renames, the next start moves it back and resumes from it.
+  fs::remove_all(kOut + "/resave");
+  REQUIRE(run_trainer(common + " run_name=resave steps=2 checkpoint_period=2").exit_code == 0);
+  const std::string dir = kOut + "/resave/checkpoints";
+  fs::rename(dir + "/2", dir + "/.replaced-2");
+  fs::create_directories(dir + "/.tmp-2");
+  std::ofstream(dir + "/.tmp-2/model.safetensors") << "partial";
+  const auto resumed = run_trainer(common + " run_name=resave steps=4 checkpoint_period=2");
+  INFO(resumed.output);
+  CHECK(resumed.exit_code == 0);
+  CHECK_THAT(resumed.output, Catch::Contains("checkpoint 2: a re-save of it was interrupted; the earlier one is back in place") &&
+                                 Catch::Contains("resumed from checkpoint " + dir + "/2"));
+  // Where the new one made it into place, the old one is simply deleted.
+  fs::create_directories(dir + "/.replaced-4/stale");
+  CHECK(run_trainer(common + " run_name=resave steps=4").exit_code == 0);
+  std::set<std::string> names;
+  for (const auto& entry : fs::directory_iterator(dir)) names.insert(entry.path().filename());
+  CHECK(names == std::set<std::string>{"2", "4", "latest"});
+}
+
 TEST_CASE("load_parameters_path starts from exported weights with a fresh optimizer", "[checkpoint]") {
   fs::remove_all(kOut + "/weights-src");
   fs::remove_all(kOut + "/weights-dst");

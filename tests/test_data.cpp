@@ -426,6 +426,28 @@ TEST_CASE("a Megatron resume with steps that change the epochs warns that the sa
   CHECK(eval_longer.exit_code == 0);
   CHECK_THAT(eval_longer.output, Catch::Contains("steps changed from 2 to 4, and the validation index built for 15 samples") &&
                                      Catch::Contains("(9 samples)") && !Catch::Contains("the data index built for"));
+
+  // load_full_state_path of a run with another global batch: checkpoint 1 of a batch of 3 has read
+  // 3 validation samples, and the evaluations continue at the next whole batch of 2 (samples 4-5,
+  // 6-7, then 8-9 after training): the index must hold 10 samples, not 3 + 3 x 2.
+  fs::remove_all(kDir + "/resume-eval-gbs3");
+  fs::remove_all(kDir + "/resume-eval-gbs2");
+  const std::string gbs_args = "dataset_type=megatron dataset_path=" + kDir + "/resume-eval split=50,50,0 model_name=test-tiny "
+                               "pad_id=-1 eod_id=-1 max_target_length=8 eval_interval=1 eval_steps=1 async_checkpointing=false "
+                               "base_output_directory=" + kDir + " data_cache_path=" + kDir + "/cache-resume-eval-gbs ";
+  const auto gbs3 = run_trainer(gbs_args + "run_name=resume-eval-gbs3 per_device_batch_size=3 steps=2 checkpoint_period=1");
+  INFO(gbs3.output);
+  REQUIRE(gbs3.exit_code == 0);
+  CHECK_THAT(read_file(kDir + "/resume-eval-gbs3/checkpoints/1/state.json"), Catch::Contains("\"consumed_valid_samples\": 3,"));
+  const auto gbs2 = run_trainer(gbs_args + "run_name=resume-eval-gbs2 per_device_batch_size=2 steps=3 load_full_state_path=" + kDir +
+                                "/resume-eval-gbs3/checkpoints/1");
+  INFO(gbs2.output);
+  CHECK(gbs2.exit_code == 0);
+  const auto evals = read_lines(kDir + "/resume-eval-gbs2/metrics.jsonl");
+  std::vector<double> consumed;
+  for (const auto& line : evals)
+    if (line.find("eval/lm_loss") != std::string::npos) consumed.push_back(json_metric(line, "eval/consumed_samples"));
+  CHECK(consumed == std::vector<double>{6, 8, 10});
 }
 
 TEST_CASE("GPTDataset samples equal the numpy reference (epochs, separate final epoch, splits)", "[data]") {

@@ -1231,6 +1231,7 @@ TEST_CASE("sharded checkpoints: bit-exact resume at the same R, a corrupt shard 
   CHECK(fail.exit_code == 1);
   CHECK_THAT(fail.output, Catch::Contains("checkpoint 2 was not saved: rank(s) 1 could not write their shard"));
   CHECK_FALSE(fs::exists(checkpoint_dir("shardckpt-fail", 2)));
+  CHECK_FALSE(fs::exists(kOut + "/shardckpt-fail/checkpoints/.tmp-2"));  // deleted once both ranks' writes ended
 }
 
 TEST_CASE("exports stream unit by unit: R=4 optim_grads_params, R=2 expert_parallelism=2 and both write the bytes of one process",

@@ -202,12 +202,27 @@ void commit_directory(const fs::path& root, const fs::path& tmp, const std::stri
     spdlog::warn("checkpoint {}: {} was not a checkpoint directory (a file or a link); moved to {} before saving", name, final_dir.string(),
                  aside.string());
   }
-  fs::remove_all(final_dir);  // a re-save of the same step replaces it
-  fs::rename(tmp, final_dir);
+  // A re-save of the same step (a resume from it with save_checkpoint_on_start, or after a
+  // fallback past a damaged newer one) replaces it: the old one is moved aside first and deleted
+  // only once the new one is in place, so a kill between the renames leaves a whole checkpoint
+  // (checkpoint_remove_unfinished moves it back).
+  const fs::path replaced = root / (".replaced-" + name);
+  const bool resave = fs::exists(fs::symlink_status(final_dir));
+  if (resave) {
+    fs::remove_all(replaced);
+    fs::rename(final_dir, replaced);
+  }
+  try {
+    fs::rename(tmp, final_dir);
+  } catch (...) {
+    if (resave) fs::rename(replaced, final_dir);
+    throw;
+  }
   directory_sync(root.string());
   file_write_durable((root / ".latest.tmp").string(), name + "\n");
   fs::rename(root / ".latest.tmp", root / "latest");
   directory_sync(root.string());
+  if (resave) fs::remove_all(replaced);
 
   // The saved step and the keep - 1 newest before it stay. Steps after it (a run that resumed from
   // an earlier checkpoint because a newer one was damaged, or with fewer steps) are not this
@@ -234,7 +249,7 @@ void pause_if_asked(const fs::path& tmp, int64_t step, int64_t pause_at_step) {
 
 // One writer (shard_count 1): every file, the manifest last, then the commit.
 void write_checkpoint(const std::string& checkpoints_dir, const CheckpointContents& c, int64_t keep,
-                      int64_t pause_at_step) {
+                      int64_t pause_at_step, int64_t block_shard_rank) {
   const fs::path root(checkpoints_dir);
   fs::create_directories(root);
   const std::string name = std::to_string(c.state.step);
@@ -245,6 +260,7 @@ void write_checkpoint(const std::string& checkpoints_dir, const CheckpointConten
   nlohmann::ordered_json manifest;
   manifest["format_version"] = kCheckpointFormatVersion;
   auto record = [&](const std::string& file, uint32_t crc) { manifest["files"][file] = manifest_entry(fs::file_size(tmp / file), crc); };
+  if (block_shard_rank == 0) fs::create_directories(tmp / "model.safetensors" / "blocked");
   record("model.safetensors", checkpoint_write_tensors((tmp / "model.safetensors").string(), c.model));
   pause_if_asked(tmp, c.state.step, pause_at_step);
   record("optimizer.safetensors", checkpoint_write_tensors((tmp / "optimizer.safetensors").string(), c.optimizer));
@@ -271,8 +287,9 @@ std::string shard_record_name(int64_t rank, int64_t count) {
 // config.yml). The temporary directory is shared, so no rank clears it; rank 0's commit
 // (checkpoint_commit_shards) turns the records into the manifest.
 // `block_shard_rank` (testing, debug_block_checkpoint_shard_rank): that rank first makes a
-// directory where its model shard goes, so its write fails as on a broken filesystem. (A test
-// cannot plant it beforehand: the run deletes leftover .tmp- directories when it starts.)
+// directory where its model shard goes, so its write fails as on a broken filesystem (rank 0 does
+// the same in a one-writer save). (A test cannot plant it beforehand: the run deletes leftover
+// .tmp- directories when it starts.)
 void write_checkpoint_shard(const std::string& checkpoints_dir, const CheckpointContents& c, int64_t pause_at_step,
                             int64_t block_shard_rank) {
   const fs::path tmp = fs::path(checkpoints_dir) / (".tmp-" + std::to_string(c.state.step));
@@ -607,15 +624,29 @@ std::vector<std::string> checkpoint_remove_unfinished(const std::string& checkpo
   std::vector<std::string> removed;
   std::error_code ec;
   if (!fs::is_directory(checkpoints_dir, ec)) return removed;
-  for (const auto& entry : fs::directory_iterator(checkpoints_dir)) {
-    // Only the names a save writes: .tmp-<step in canonical decimal>/ and the file .latest.tmp.
-    const std::string name = entry.path().filename().string();
-    const bool save_dir =
-        entry.is_directory() && name.rfind(".tmp-", 0) == 0 && checkpoint_step_of(name.substr(5)) >= 0;
-    if (!save_dir && !(name == ".latest.tmp" && entry.is_regular_file())) continue;
-    fs::remove_all(entry.path(), ec);
+  std::vector<fs::path> entries;
+  for (const auto& entry : fs::directory_iterator(checkpoints_dir)) entries.push_back(entry.path());
+  for (const auto& path : entries) {
+    // Only the names a save writes: .tmp-<step in canonical decimal>/, the file .latest.tmp, and
+    // .replaced-<step>/ (a re-saved step's old checkpoint, moved aside until the new one is in
+    // place: it goes back where it was if a kill came between the two renames).
+    const std::string name = path.filename().string();
+    const bool replaced = name.rfind(".replaced-", 0) == 0 && checkpoint_step_of(name.substr(10)) >= 0 &&
+                          fs::is_directory(fs::symlink_status(path));
+    if (replaced && !fs::exists(fs::symlink_status(path.parent_path() / name.substr(10)))) {
+      fs::rename(path, path.parent_path() / name.substr(10), ec);
+      if (ec)
+        spdlog::warn("cannot move {} back to {}: {}", path.string(), name.substr(10), ec.message());
+      else
+        spdlog::warn("checkpoint {}: a re-save of it was interrupted; the earlier one is back in place", name.substr(10));
+      continue;
+    }
+    const bool save_dir = fs::is_directory(fs::symlink_status(path)) && name.rfind(".tmp-", 0) == 0 &&
+                          checkpoint_step_of(name.substr(5)) >= 0;
+    if (!save_dir && !replaced && !(name == ".latest.tmp" && fs::is_regular_file(fs::symlink_status(path)))) continue;
+    fs::remove_all(path, ec);
     if (ec)
-      spdlog::warn("cannot delete {} left by an interrupted save: {}", entry.path().string(), ec.message());
+      spdlog::warn("cannot delete {} left by an interrupted save: {}", path.string(), ec.message());
     else
       removed.push_back(name);
   }
@@ -659,8 +690,12 @@ void Checkpointer::save(CheckpointContents contents, bool async) {
       if (sharded)
         write_checkpoint_shard(checkpoints_dir_, c, pause_at_step_, block_shard_rank_);
       else
-        write_checkpoint(checkpoints_dir_, c, keep_, pause_at_step_);
+        write_checkpoint(checkpoints_dir_, c, keep_, pause_at_step_, block_shard_rank_);
     } catch (const std::exception& e) {
+      // A failed save's partial files go at once (a sharded one's when the ranks have agreed it
+      // failed: abandon_shards): a run that keeps failing to save, a full disk, must not also fill
+      // it with one partial checkpoint per attempt.
+      if (!sharded) remove_unfinished_save(step);
       throw Error(kExitFailure, std::string(sharded ? "writing this rank's shard of checkpoint " : "saving checkpoint ") +
                                     std::to_string(step) + " under " + checkpoints_dir_ + " failed: " + e.what() +
                                     " (earlier checkpoints are intact)");
@@ -693,6 +728,19 @@ void Checkpointer::save(CheckpointContents contents, bool async) {
     }
     writing_ = false;
   });
+}
+
+void Checkpointer::remove_unfinished_save(int64_t step) const {
+  const fs::path tmp = fs::path(checkpoints_dir_) / (".tmp-" + std::to_string(step));
+  std::error_code ec;
+  fs::remove_all(tmp, ec);
+  if (ec) spdlog::warn("cannot delete {} left by the failed save: {}", tmp.string(), ec.message());
+}
+
+void Checkpointer::abandon_shards(bool writer) {
+  const int64_t step = uncommitted_.first;
+  uncommitted_ = {-1, 0};
+  if (writer && step >= 0) remove_unfinished_save(step);
 }
 
 void Checkpointer::commit_shards(bool writer) {
@@ -732,6 +780,7 @@ void Checkpointer::commit_shards(bool writer) {
     file_write_durable((tmp / "manifest.json").string(), manifest.dump(2) + "\n");
     commit_directory(root, tmp, name, keep_);
   } catch (const std::exception& e) {
+    remove_unfinished_save(step);
     throw Error(kExitFailure, "committing checkpoint " + name + " under " + checkpoints_dir_ + " failed: " + e.what() +
                                   " (earlier checkpoints are intact)");
   }

@@ -53,7 +53,8 @@ struct CheckpointContents {
 };
 
 // Deletes what interrupted saves left under `checkpoints_dir` (.tmp-<step>/ directories and
-// .latest.tmp: a kill or second signal mid-save) and returns their names. Only while no save can
+// .latest.tmp: a kill or second signal mid-save) and returns their names; a re-saved step's old
+// checkpoint (.replaced-<step>/) is moved back to <step>/ where the kill left none there. Only while no save can
 // be running: the caller holds the run directory's lock, before its first step.
 std::vector<std::string> checkpoint_remove_unfinished(const std::string& checkpoints_dir);
 
@@ -77,8 +78,13 @@ class Checkpointer {
   // manifest (with the model index) and moves the directory into place. Throws trainer::Error
   // (exit code 1) if that fails.
   void commit_shards(bool writer);
+  // Forgets the uncommitted save after a rank failed to write its shard; the writer (rank 0)
+  // deletes its temporary directory (every rank's writes have ended).
+  void abandon_shards(bool writer);
 
  private:
+  void remove_unfinished_save(int64_t step) const;  // checkpoints/.tmp-<step>/, best effort
+
   std::string checkpoints_dir_;
   int64_t keep_;
   int64_t pause_at_step_ = -1;  // debug_pause_checkpoint_save_step

@@ -205,7 +205,7 @@ void Trainer::checkpoint_commit(bool block, bool fatal) {
     if (counts[R + r] > 0) failed += (failed.empty() ? "" : ", ") + std::to_string(r);
   std::string problem;
   if (!failed.empty()) {
-    checkpointer_->commit_shards(/*writer=*/false);  // abandoned: its .tmp- directory is never read
+    checkpointer_->abandon_shards(/*writer=*/rank == 0);
     problem = "checkpoint " + std::to_string(step) + " was not saved: rank(s) " + failed +
               " could not write their shard (their log says why); earlier checkpoints are intact";
   } else {

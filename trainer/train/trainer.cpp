@@ -480,9 +480,14 @@ void Trainer::eval_data_open(int64_t start_step) {
   const int64_t formula = c.skip_train ? per_evaluation : config_eval_samples(c, c.steps);
   const int64_t interval = std::max<int64_t>(c.eval_interval, 1);
   const int64_t evaluations_left = (trains ? c.steps / interval - start_step / interval : 0) + 1;  // and the one after training
-  int64_t needed = 0;
-  if (__builtin_mul_overflow(evaluations_left, per_evaluation, &needed) ||
-      __builtin_add_overflow(needed, eval_consumed_samples_, &needed))
+  // The evaluations start at the next whole global batch (take_validation_batches in train()): a
+  // checkpoint of a run with another global batch can leave consumed_valid_samples between two.
+  const int64_t first_batch = eval_consumed_samples_ / c.global_batch_size +
+                              (eval_consumed_samples_ % c.global_batch_size != 0);
+  int64_t first_sample = 0, needed = 0;
+  if (__builtin_mul_overflow(first_batch, c.global_batch_size, &first_sample) ||
+      __builtin_mul_overflow(evaluations_left, per_evaluation, &needed) ||
+      __builtin_add_overflow(needed, first_sample, &needed))
     throw Error(kExitData, "the checkpoint's consumed_valid_samples (" + std::to_string(eval_consumed_samples_) +
                                ") and this run's evaluations left do not fit in 64 bits");
   const int64_t samples = std::max(formula, needed);
