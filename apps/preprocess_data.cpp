@@ -74,8 +74,29 @@ trainer::IndexedDocument encode_document(const nlohmann::json& value, const std:
 // Python's json.loads (Megatron's reader) also takes the bare words NaN, Infinity and -Infinity
 // (json.dumps writes them for float scores) and numbers beyond double's range (read as inf),
 // which nlohmann refuses. For a line the strict parse refused: outside strings those words become
-// null and every number 0 (no field this tool tokenizes can be a number: a number or null there
+// null and every number of JSON's grammar 0 (no field this tool tokenizes can be a number: a number or null there
 // is refused as not a string, as Megatron's tokenizer refuses it).
+// Whether `run` is one number of JSON's grammar, -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)?: what
+// Python takes (it reads 01, 1. and a lone - as errors; so must we).
+bool json_number_grammar(const std::string& run) {
+  size_t i = 0;
+  const auto digits = [&] {
+    const size_t start = i;
+    while (i < run.size() && run[i] >= '0' && run[i] <= '9') ++i;
+    return i > start;
+  };
+  if (i < run.size() && run[i] == '-') ++i;
+  if (i < run.size() && run[i] == '0') ++i;
+  else if (!digits()) return false;
+  if (i < run.size() && run[i] == '.' && (++i, !digits())) return false;
+  if (i < run.size() && (run[i] == 'e' || run[i] == 'E')) {
+    ++i;
+    if (i < run.size() && (run[i] == '+' || run[i] == '-')) ++i;
+    if (!digits()) return false;
+  }
+  return i == run.size();
+}
+
 std::string json_relaxed_as_python(const std::string& line) {
   std::string out;
   out.reserve(line.size());
@@ -93,11 +114,16 @@ std::string json_relaxed_as_python(const std::string& line) {
       in_string = true;
       out += c;
     } else if (word("-Infinity") || word("Infinity") || word("NaN")) {
-      i += word("NaN") ? 2 : word("Infinity") ? 7 : 8;
-      out += "null";
+      const size_t length = word("NaN") ? 3 : word("Infinity") ? 8 : 9;
+      i += length - 1;
+      out += length == 3 ? "null" : "null" + std::string(length - 4, ' ');
     } else if (c == '-' || (c >= '0' && c <= '9')) {
+      const size_t start = i;
       while (i + 1 < line.size() && std::strchr("0123456789+-.eE", line[i + 1]) != nullptr) ++i;
-      out += '0';
+      const std::string run = line.substr(start, i - start + 1);
+      // Not a number: left for the parser to refuse. A number becomes 0 padded with spaces, so
+      // that the parser's columns still point into the line as written (NaN's null adds one).
+      out += json_number_grammar(run) ? "0" + std::string(run.size() - 1, ' ') : run;
     } else {
       out += c;
     }
@@ -108,6 +134,10 @@ std::string json_relaxed_as_python(const std::string& line) {
 nlohmann::json json_parse_as_python(const std::string& line) {
   try {
     return nlohmann::json::parse(line);
+  } catch (const nlohmann::json::out_of_range&) {
+    // A number past double's range, which Python reads: the line's error, if any, is elsewhere,
+    // and the relaxed parse names it (its columns are the line's, but for one per NaN before it).
+    return nlohmann::json::parse(json_relaxed_as_python(line));
   } catch (const nlohmann::json::exception&) {
     try {
       return nlohmann::json::parse(json_relaxed_as_python(line));

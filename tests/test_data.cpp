@@ -312,6 +312,14 @@ TEST_CASE("dataset_path weights that are infinite, hexadecimal or sum past a dou
     CHECK(r.exit_code == 2);
     CHECK_THAT(r.output, Catch::Contains("config key 'dataset_path'"));
   }
+  // The blend's per-sample dataset index is int16 (as Megatron's): 32767 datasets would wrap.
+  std::string blend;
+  for (int i = 0; i < 32767; ++i) blend += "1 p" + std::to_string(i) + " ";
+  Config c = tiny_config();
+  c.dataset_path = blend;
+  CHECK_THROWS_WITH(megatron_dataset_path_check(c), Catch::Contains("a blend of 32767 datasets; at most 32766"));
+  c.dataset_path = blend.substr(0, blend.rfind("1 p32766"));
+  CHECK_NOTHROW(megatron_dataset_path_check(c));
 }
 
 TEST_CASE("a run whose data index arrays cannot fit in host memory exits 2 at once naming them", "[data][cli]") {
@@ -1099,6 +1107,14 @@ TEST_CASE("preprocess_data as Megatron: NaN, Infinity and numbers past double's 
   const auto broken = preprocess("broken", "{\"text\": \"a\", NaN}\n", "");
   CHECK(broken.first == 3);
   CHECK_THAT(broken.second, Catch::Contains("line 1: ") && Catch::Contains("parse error"));
+  // What is not a JSON number stays an error beside a value json.loads takes only from Python
+  // (1e400): 01, 1., a lone -, .5, 1e and 1e+ are refused by json.loads too (they read as 0).
+  for (const std::string bad : {"01", "1.", "-", ".5", "1e", "1e+", "--1", "1.2.3"}) {
+    const auto r = preprocess("bad-number", "{\"text\": \"a\", \"big\": 1e400, \"id\": " + bad + "}\n", "");
+    INFO(bad << ": " << r.second);
+    CHECK(r.first == 3);
+    CHECK_THAT(r.second, Catch::Contains("line 1: ") && Catch::Contains("parse error"));
+  }
 }
 
 TEST_CASE("merge_datasets as Megatron: a directory's pairs in sorted order equal preprocess_data of their lines concatenated", "[data][cli]") {

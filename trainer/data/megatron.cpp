@@ -56,6 +56,11 @@ DatasetBlend parse_dataset_path(const std::string& text) {
   }
   if (!std::isfinite(total))  // each weight is divided by the sum: infinity would zero them all
     throw config_error("config key 'dataset_path': the weights in '" + text + "' sum past the largest double; scale them down");
+  // The blend's per-sample dataset index is int16, as Megatron's (whose BlendedDataset asserts
+  // fewer than 32767 datasets): more would wrap negative and read outside the list.
+  if (out.size() >= 32767)
+    throw config_error("config key 'dataset_path': a blend of " + std::to_string(out.size()) +
+                       " datasets; at most 32766 (Megatron's limit); merge some first (merge_datasets)");
   return {out, true};
 }
 

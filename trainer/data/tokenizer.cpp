@@ -63,7 +63,8 @@ std::unique_ptr<Tokenizer> tokenizer_create(const std::string& type, const std::
                          "', which has no model; add --tokenizer-type sentencepiece");
     return std::make_unique<ByteTokenizer>();
   }
-  // Megatron's three SentencePiece types encode alike (encode_as_ids, no BOS, eod = eos_id()).
+  // Megatron's three SentencePiece types encode alike (megatron/core/tokenizers: one wrapper,
+  // encode_as_ids, no BOS, eod = eos_id(); the pre-2025 megatron/training/tokenizer classes differed).
   if (type == "sentencepiece" || type == "SentencePieceTokenizer" || type == "GPTSentencePieceTokenizer" ||
       type == "Llama2Tokenizer") {
     if (model.empty()) throw config_error("--tokenizer-type sentencepiece needs --tokenizer-model");
