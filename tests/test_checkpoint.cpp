@@ -108,7 +108,9 @@ TEST_CASE("bit-exact resume: N steps straight == N/2 + resume + N/2 (both modes,
   }
 }
 
-TEST_CASE("a run directory that cannot be made is refused with exit 1 naming the blocking path, before the model is built", "[checkpoint][cli]") {
+TEST_CASE("a run directory that cannot be made is refused with exit 2 naming the blocking path, before the model is built", "[checkpoint][cli]") {
+  // Exit 2 (a config value that cannot be used), as preprocess_data's missing output directory
+  // and a run directory another run holds.
   const std::string blocker = kOut + "/run-dir-blocker";
   fs::create_directories(kOut);
   fs::remove_all(blocker);
@@ -117,7 +119,7 @@ TEST_CASE("a run directory that cannot be made is refused with exit 1 naming the
   for (const std::string& base : {blocker, blocker + "/below"}) {
     const auto r = run_trainer("model_name=test-tiny max_target_length=16 steps=1 base_output_directory=" + base + " run_name=r");
     INFO(r.output);
-    CHECK(r.exit_code == 1);
+    CHECK(r.exit_code == 2);
     CHECK_THAT(r.output, Catch::Contains("cannot write the run directory " + base + "/r (base_output_directory/run_name): " +
                                          blocker + " is not a directory"));
     CHECK_THAT(r.output, !Catch::Contains("parameters ("));  // the run's opening line: the model was never built
@@ -1251,6 +1253,8 @@ TEST_CASE("Hugging Face config.json: fields left out take their config class's d
   CHECK(k["num_experts"] == "1");        // null: dense (no MoE block in any layer)
   k = keys_of("bailing-no-shared", bailing + R"(, "num_shared_experts": null})");
   CHECK(k["shared_experts"] == "0");
+  k = keys_of("bailing-zero-shared", bailing + R"(, "num_shared_experts": 0})");
+  CHECK(k["shared_experts"] == "0");
   k = keys_of("qwen3-absent", R"({"architectures": ["Qwen3ForCausalLM"], )" + core + "}");
   CHECK(k["base_num_kv_heads"] == "32");  // Qwen3Config: num_key_value_heads=32, head_dim=128
   CHECK(k["head_dim"] == "128");
@@ -1274,6 +1278,17 @@ TEST_CASE("Hugging Face config.json: fields left out take their config class's d
   CHECK(ling["norm_topk_prob"] == true);
   CHECK(ling["use_rmsnorm"] == true);
   CHECK(ling["router_dtype"] == "fp32");
+  CHECK(ling["num_shared_experts"] == 1);
+  // No shared expert: 0, which vLLM and SGLang read (null makes their `> 0` raise).
+  const std::string unshared_dir = kOut + "/hf-export-fields-unshared";
+  fs::remove_all(unshared_dir);
+  Trainer(tiny_config({"model_name=ling-mini-tiny", "run_name=hf-export-fields-unshared", "override_model_config=true",
+                       "shared_experts=0"}))
+      .export_hf(unshared_dir, 1 << 30, torch::kFloat32);
+  const auto unshared = nlohmann::json::parse(read_file(unshared_dir + "/config.json"));
+  CHECK(unshared["num_shared_experts"] == 0);
+  for (const auto& entry : hf_config_model_keys(unshared_dir))  // and it reads back as none
+    if (entry.key == "shared_experts") CHECK(entry.text == "0");
   const std::string llama_dir = kOut + "/hf-export-fields-llama";
   fs::remove_all(llama_dir);
   Trainer(tiny_config({"run_name=hf-export-fields-llama", "eod_id=5", "pad_id=7"})).export_hf(llama_dir, 1 << 30, torch::kFloat32);

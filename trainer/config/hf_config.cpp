@@ -350,7 +350,10 @@ std::string hf_config_json(const Config& c, const std::string& torch_dtype) {
     j["num_experts"] = c.num_experts;
     j["num_experts_per_tok"] = c.num_experts_per_tok;
     j["moe_intermediate_size"] = c.base_moe_mlp_dim;
-    j["num_shared_experts"] = c.shared_experts > 0 ? json(c.shared_experts) : json(nullptr);
+    // 0, not null, for none: vLLM's BailingMoE builds its layers with `num_shared_experts > 0`
+    // (None raises there) and SGLang's runs that test in every forward; the HF code's `is not
+    // None` builds a zero-width shared MLP that adds exactly 0.
+    j["num_shared_experts"] = c.shared_experts;
     j["first_k_dense_replace"] = c.first_num_dense_layers;
     j["score_function"] = "sigmoid";  // informational: the modeling code always routes by sigmoid
     j["routed_scaling_factor"] = c.routed_scaling_factor;

@@ -6,6 +6,7 @@
 #endif
 
 #include <filesystem>
+#include <stdexcept>
 
 #include "trainer/util/error.h"
 
@@ -42,7 +43,9 @@ class SentencePieceTokenizer : public Tokenizer {
   }
   std::vector<int64_t> tokenizer_encode(const std::string& text) const override {
     std::vector<int> ids;
-    processor_.Encode(text, &ids);
+    // A failed Encode leaves ids empty: unchecked, the document would vanish from the output.
+    const auto status = processor_.Encode(text, &ids);
+    if (!status.ok()) throw std::runtime_error("SentencePiece cannot encode it: " + status.ToString());
     return std::vector<int64_t>(ids.begin(), ids.end());
   }
   int64_t tokenizer_vocab_size() const override { return processor_.GetPieceSize(); }

@@ -31,6 +31,18 @@ CrossEntropySums tile_sums_into_gradient(torch::Tensor& logits, const torch::Ten
   return sums;
 }
 
+// Both nodes below compute their input gradients in the forward (ce enters the objective
+// linearly); the backward takes each kept gradient out of the node (saved_data lives as long as
+// the graph: a (N, V) or (V, D) tensor is freed now, not with the graph) and scales it by
+// d objective / d ce, a 0-dim tensor.
+torch::Tensor take_kept_gradient_scaled(torch::autograd::AutogradContext* ctx, const std::string& key,
+                                        const torch::Tensor& scale, const char* node) {
+  TORCH_CHECK(ctx->saved_data.count(key), node, ": backward ran twice (its kept gradients are freed after the first)");
+  const auto kept = ctx->saved_data[key].toTensor();
+  ctx->saved_data.erase(key);
+  return kept * scale.to(kept.scalar_type());
+}
+
 // The whole head's sums with z-loss from its (B, L, V) logits. logsumexp + gather would keep the
 // logits and make two more (B, L, V) tensors in their backward; this makes the gradient once, in the
 // forward, in a copy of the logits, keeps it instead of them and only scales it in the backward.
@@ -53,12 +65,7 @@ class LogitsCrossEntropy : public torch::autograd::Function<LogitsCrossEntropy> 
                                                  torch::autograd::variable_list grad_outputs) {
     const auto& scale = grad_outputs[0];  // 0-dim: d objective / d ce
     torch::Tensor grad_logits;
-    if (scale.defined()) {
-      TORCH_CHECK(ctx->saved_data.count("grad"), "LogitsCrossEntropy: backward ran twice (its kept gradient is freed after the first)");
-      const auto kept = ctx->saved_data["grad"].toTensor();
-      ctx->saved_data.erase("grad");  // saved_data lives as long as the graph: free the (N, V) tensor now
-      grad_logits = kept * scale.to(kept.scalar_type());
-    }
+    if (scale.defined()) grad_logits = take_kept_gradient_scaled(ctx, "grad", scale, "LogitsCrossEntropy");
     return {grad_logits, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
@@ -122,12 +129,8 @@ class TiledCrossEntropy : public torch::autograd::Function<TiledCrossEntropy> {
     const auto& scale = grad_outputs[0];  // 0-dim: d objective / d ce
     torch::Tensor grad_hidden, grad_weight;
     if (scale.defined()) {
-      TORCH_CHECK(ctx->saved_data.count("grad_hidden"), "TiledCrossEntropy: backward ran twice (its kept gradients are freed after the first)");
-      const auto kept_hidden = ctx->saved_data["grad_hidden"].toTensor(), kept_weight = ctx->saved_data["grad_weight"].toTensor();
-      ctx->saved_data.erase("grad_hidden");  // saved_data lives as long as the graph: free the (N, D)
-      ctx->saved_data.erase("grad_weight");  // and (V, D) tensors now
-      grad_hidden = kept_hidden * scale.to(kept_hidden.scalar_type());
-      grad_weight = kept_weight * scale.to(kept_weight.scalar_type());
+      grad_hidden = take_kept_gradient_scaled(ctx, "grad_hidden", scale, "TiledCrossEntropy");
+      grad_weight = take_kept_gradient_scaled(ctx, "grad_weight", scale, "TiledCrossEntropy");
     }
     return {grad_hidden, grad_weight, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(),
             torch::Tensor()};

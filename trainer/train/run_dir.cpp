@@ -25,7 +25,7 @@ void run_dir_check_writable(const std::string& run_dir) {
     existing = existing.parent_path();
   const bool is_dir = fs::is_directory(existing, ec);
   if (!is_dir || ::access(existing.c_str(), W_OK | X_OK) != 0)
-    throw Error(kExitFailure, "cannot write the run directory " + run_dir + " (base_output_directory/run_name): " +
+    throw config_error("cannot write the run directory " + run_dir + " (base_output_directory/run_name): " +
                                   existing.string() + (is_dir ? " is not writable" : " is not a directory"));
 }
 
