@@ -905,7 +905,7 @@ TEST_CASE("sharded levels (optim_grads, optim_grads_params) at R=2 and R=4, and 
     for (const std::string level : {"optim_grads", "optim_grads_params"}) {
       // HSDP (data_parallel_shard_degree=2 at R=4): two sharding groups of two ranks, each
       // holding a sharded copy; the gradient shard is summed over the two replicas once per step.
-      // The reduce-scatter path (NCCL's; Gloo has none) is taken once more, emulated, in buckets of
+      // The reduce-scatter path (NCCL's; Gloo's sends no fewer bytes, dist.cpp) is taken once more, emulated, in buckets of
       // 1000 elements per part (every unit of moe-tiny takes several).
       for (const auto& [ranks, K, degree, emulate] : std::vector<std::tuple<int, int, int, bool>>{
                {2, 2, -1, false}, {4, 1, -1, false}, {4, 1, 2, false}, {4, 1, -1, true}}) {

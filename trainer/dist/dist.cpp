@@ -156,6 +156,18 @@ class C10dPending : public PendingCollective {
   std::vector<at::Tensor> inputs_;
 };
 
+// Whether a group's own reduce_scatter sends fewer bytes than an all-reduce of the same parts.
+// Gloo's (LibTorch >= 2.8; 1.13 and 2.6 refuse the call) is one all-reduce per rank's part: as
+// many bytes as the all-reduce the sharded state falls back to, in R calls instead of one, so it
+// is not taken. (With it, LibTorch 2.14's Gloo gave the same losses, norms and weights as one
+// process in the sharding tests.)
+template <class Group>
+constexpr bool kReduceScatterSavesBytes = true;
+#if TRAINER_WITH_GLOO
+template <>
+constexpr bool kReduceScatterSavesBytes<c10d::ProcessGroupGloo> = false;
+#endif
+
 // A c10d process group (ProcessGroupGloo or ProcessGroupNCCL) over a TCPStore. Both groups
 // share the allreduce/wait interface in LibTorch 1.13 and 2.x, so one template serves both.
 template <class Group>
@@ -247,7 +259,9 @@ class C10dCommunicator : public Communicator {
   }
   bool has_reduce_scatter() override {
     if (reduce_scatter_known_) return reduce_scatter_;
-    // Gloo (LibTorch 1.13 and 2.6) refuses the call itself ("does not support reduce_scatter"), on every
+    reduce_scatter_known_ = true;
+    if (!kReduceScatterSavesBytes<Group>) return reduce_scatter_ = false;
+    // A backend without one refuses the call itself ("does not support reduce_scatter"), on every
     // rank alike, before any exchange; a backend that has it runs this one-element probe.
     std::vector<at::Tensor> outputs{torch::zeros({1}, torch::TensorOptions().device(device_))};
     std::vector<std::vector<at::Tensor>> inputs{std::vector<at::Tensor>(static_cast<size_t>(world_), torch::ones({1}, outputs[0].options()))};
@@ -260,7 +274,6 @@ class C10dCommunicator : public Communicator {
         throw dist_error(who() + ": the reduce_scatter probe failed (a peer rank died or hung): " + first_line(e.what()));
       reduce_scatter_ = false;
     }
-    reduce_scatter_known_ = true;
     return reduce_scatter_;
   }
   std::unique_ptr<PendingCollective> all_gather_start(std::vector<torch::Tensor>& parts, const std::string& what) override {

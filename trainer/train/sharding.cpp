@@ -153,7 +153,7 @@ ShardedModelState::ShardedModelState(Transformer model, ShardingGroups groups, c
     reduce_scatter_buffer_ = torch::empty({std::max<int64_t>(1, std::min(bucket_elements_, shard))}, opts);
   const int64_t R = dense_.comm->world_size();
   const auto how = [](const Group& g) {
-    return !g.reduce_scatter ? "all-reduce (this backend has no reduce-scatter)"
+    return !g.reduce_scatter ? "all-reduce (this backend has no reduce-scatter that sends fewer bytes)"
            : g.emulated      ? "reduce-scatter, emulated (debug_emulate_reduce_scatter)"
                              : "reduce-scatter";
   };
@@ -251,7 +251,7 @@ std::vector<std::unique_ptr<PendingCollective>> ShardedModelState::gather_unit_s
   return started;
 }
 
-// A reduce-scatter (NCCL; Gloo has none, in 1.13 or 2.6) sums the R parts bucket by bucket, each rank
+// A reduce-scatter (NCCL; Gloo's is R all-reduces, dist.cpp) sums the R parts bucket by bucket, each rank
 // receiving its own: (R-1)/R x 4 R part bytes sent. Without one (Gloo) the unit
 // is all-reduced bucket by bucket and each rank keeps its part: twice those bytes.
 void ShardedModelState::reduce_unit(const ShardUnit& unit, torch::Tensor padded) {
