@@ -4,8 +4,8 @@
 # LibTorch Debian has, 2.14 on 2026-12-07; not part of scripts/test.sh, since unstable moves).
 # This compiles and runs the 2.x side of trainer/util/torch_compat.h (fused attention, the 2.x
 # autocast API, the TCPStore backend switch, the allocator interface) on machines without a GPU;
-# only the CUDA-specific code is left to scripts/gpu/. Needs root (debootstrap, chroot, mounts; re-runs itself with sudo) and Debian's
-# package mirror. The chroot is kept between runs (about 3 GB; the first run takes ~13 minutes in CI,
+# only the CUDA-specific code is left to scripts/gpu/. Needs root (debootstrap, chroot, mounts;
+# re-runs itself with sudo) and Debian's package mirror. The chroot is kept between runs (about 3 GB; the first run takes ~13 minutes in CI,
 # 3 of them for the chroot) and refreshed from the working tree each time.
 #   scripts/test_libtorch2.sh [ctest args]      TRAINER_TORCH2_ROOT picks the chroot's folder
 #   TRAINER_TORCH2_SUITE=sid scripts/test_libtorch2.sh -R checkpoint       (own chroot, /var/tmp/trainer-sid)

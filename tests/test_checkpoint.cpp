@@ -1287,8 +1287,10 @@ TEST_CASE("Hugging Face config.json: fields left out take their config class's d
       .export_hf(unshared_dir, 1 << 30, torch::kFloat32);
   const auto unshared = nlohmann::json::parse(read_file(unshared_dir + "/config.json"));
   CHECK(unshared["num_shared_experts"] == 0);
-  for (const auto& entry : hf_config_model_keys(unshared_dir))  // and it reads back as none
-    if (entry.key == "shared_experts") CHECK(entry.text == "0");
+  std::map<std::string, std::string> read_back;  // and it reads back as none
+  for (const auto& entry : hf_config_model_keys(unshared_dir)) read_back[entry.key] = entry.text;
+  REQUIRE(read_back.count("shared_experts") == 1);
+  CHECK(read_back["shared_experts"] == "0");
   const std::string llama_dir = kOut + "/hf-export-fields-llama";
   fs::remove_all(llama_dir);
   Trainer(tiny_config({"run_name=hf-export-fields-llama", "eod_id=5", "pad_id=7"})).export_hf(llama_dir, 1 << 30, torch::kFloat32);
