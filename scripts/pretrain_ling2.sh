@@ -118,6 +118,9 @@ EOD_ID=${EOD_ID:-156892}
 if [ "$DATASET_TYPE" = synthetic ]; then PAD_ID=${PAD_ID:-156892}; else PAD_ID=${PAD_ID:--1}; fi
 SPLIT=${SPLIT:-"969,30,1"}
 DATA_SEED=${DATA_SEED:-1234}
+# Documents packed into a row see each other (attention, the GLA state, MTP targets), as in
+# Megatron's default; pass reset_attention_mask=true to keep each document alone in every layer
+# (the MaxText fork's default; docs/model.md, docs/moe.md).
 
 # ============================================================================
 # 5. Training hyperparameters
