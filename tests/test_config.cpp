@@ -434,6 +434,32 @@ TEST_CASE("base_config chains, YAML syntax and malformed overrides are errors na
   CHECK_THAT(error_of(child, {"model_name=", "=5"}), Catch::Contains("'=5' is not of the form key=value"));
 }
 
+TEST_CASE("the resolved config is logged at start-up (log_config), the same YAML as --print-config", "[config][cli]") {
+  const std::string args = "model_name=test-tiny max_target_length=16 steps=1 base_output_directory=" + test_root() +
+                           "/log-config run_name=";
+  const auto printed = run_trainer("--print-config " + args + "on", "M_LOG_PERIOD=3");
+  REQUIRE(printed.exit_code == 0);
+  REQUIRE_THAT(printed.output, Catch::Contains("log_period: 3") && Catch::Contains("log_config: true"));
+  const auto on = run_trainer(args + "on", "M_LOG_PERIOD=3");
+  INFO(on.output);
+  REQUIRE(on.exit_code == 0);
+  const std::string header = "resolved config (--print-config prints it, <run_dir>/config.yml keeps it):\n";
+  const auto at = on.output.find(header);
+  REQUIRE(at != std::string::npos);
+  // The logged block is --print-config's output whole (the environment override included), before
+  // anything else is logged, and is what config.yml keeps.
+  const std::string logged = on.output.substr(at + header.size(), printed.output.size());
+  CHECK(logged == printed.output);
+  CHECK(on.output.rfind("] [", at) == on.output.find("] ["));  // the first log line
+  std::ifstream kept(test_root() + "/log-config/on/config.yml");
+  std::stringstream kept_text;
+  kept_text << kept.rdbuf();
+  CHECK(kept_text.str() == printed.output);
+  const auto off = run_trainer(args + "off log_config=false");
+  CHECK(off.exit_code == 0);
+  CHECK_THAT(off.output, !Catch::Contains("resolved config") && Catch::Contains("completed step: 0"));
+}
+
 TEST_CASE("the binary exits 2 on config errors and 0 on --print-config / --dry-run", "[config][cli]") {
   auto r = run_trainer("stepz=3");
   CHECK(r.exit_code == 2);

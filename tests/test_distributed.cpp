@@ -199,6 +199,10 @@ TEST_CASE("R=2 under mpirun equals R=1 on the same samples, in both normalizatio
     INFO(two.output);
     REQUIRE(two.exit_code == 0);
     CHECK_THAT(two.output, Catch::Contains("data parallel: rank 0 of 2"));
+    // The resolved config (log_config) is logged once, by rank 0.
+    const auto logged = two.output.find("resolved config (");
+    CHECK(logged != std::string::npos);
+    CHECK(two.output.find("resolved config (", logged + 1) == std::string::npos);
     REQUIRE(run_trainer(common + "gradient_accumulation_steps=4 run_name=r1-" + mode).exit_code == 0);
     const auto a = metrics_of("r2-" + mode), b = metrics_of("r1-" + mode);
     REQUIRE(a.size() == 3);

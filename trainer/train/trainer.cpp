@@ -58,7 +58,13 @@ const Config& agree_on_config(Config& c, const DistEnv& env, Communicator& comm)
   if (env.world_size != c.data_parallel_size)
     throw config_error("the config was resolved for " + std::to_string(c.data_parallel_size) + " ranks, but " +
                        env.launcher + " started " + std::to_string(env.world_size));
-  if (comm.world_size() == 1) return c;
+  // The whole config at the top of the log (MaxText's log_config, Megatron's arguments block):
+  // a job log alone says what ran, also when the run dies before config.yml is written.
+  const auto log_resolved = [&c]() -> const Config& {
+    if (c.log_config) spdlog::info("resolved config (--print-config prints it, <run_dir>/config.yml keeps it):\n{}", config_to_yaml(c));
+    return c;
+  };
+  if (comm.world_size() == 1) return log_resolved();
   c.run_name = comm.broadcast_string("run_name", c.run_name);
   c.metrics_file = comm.broadcast_string("metrics_file", c.metrics_file);
   c.run_dir = comm.broadcast_string("run_dir", c.run_dir);
@@ -80,7 +86,7 @@ const Config& agree_on_config(Config& c, const DistEnv& env, Communicator& comm)
     spdlog::set_level(spdlog::level::warn);  // only rank 0 reports progress
     spdlog::set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%l] [rank " + std::to_string(env.rank) + "] %v");
   }
-  return c;
+  return log_resolved();  // rank 0's (every rank's is the same by now)
 }
 
 // "0-7, 16-23": sample indices as ranges, for error messages.
