@@ -188,6 +188,35 @@ TEST_CASE("the launcher environment is resolved in one place", "[dist]") {
   }
 }
 
+TEST_CASE("log_all_ranks: every rank logs and writes its own metrics, which a resume continues", "[dist][cli]") {
+  const std::string common = "model_name=test-tiny max_target_length=16 per_device_batch_size=1 log_period=1 "
+                             "checkpoint_period=2 log_all_ranks=true base_output_directory=" + kOut + " run_name=all-ranks ";
+  fs::remove_all(kOut + "/all-ranks");
+  for (const int steps : {3, 5}) {  // then resumed from step 3
+    const auto r = mpirun(2, common + "steps=" + std::to_string(steps));
+    INFO(r.output);
+    REQUIRE(r.exit_code == 0);
+    CHECK_THAT(r.output, Catch::Contains("] [rank 1] completed step: " + std::to_string(steps - 1) + ","));
+    const auto logged = r.output.find("resolved config (");  // still once: rank 0's
+    CHECK(logged != std::string::npos);
+    CHECK(r.output.find("resolved config (", logged + 1) == std::string::npos);
+    const auto rank0 = metrics_of("all-ranks");
+    std::vector<nlohmann::json> rank1;
+    for (const auto& line : read_lines(kOut + "/all-ranks/metrics.rank1.jsonl")) rank1.push_back(nlohmann::json::parse(line));
+    REQUIRE(rank0.size() == static_cast<size_t>(steps));
+    REQUIRE(rank1.size() == rank0.size());
+    for (size_t i = 0; i < rank1.size(); ++i) {
+      INFO("step " << i);
+      CHECK(rank1[i]["step"] == static_cast<int64_t>(i));
+      // The reduced values are rank 0's, bit for bit; the timing is the rank's own.
+      for (const char* name : {"learning/loss", "learning/lm_loss", "learning/raw_grad_norm", "learning/total_weights"})
+        CHECK(rank1[i][name] == rank0[i][name]);
+      CHECK(rank1[i]["perf/step_time_seconds"].get<double>() > 0);
+    }
+  }
+  CHECK_FALSE(fs::exists(kOut + "/all-ranks/tensorboard"));
+}
+
 TEST_CASE("R=2 under mpirun equals R=1 on the same samples, in both normalization modes", "[dist][cli]") {
   for (const std::string mode : {"true", "false"}) {
     const std::string common = "model_name=test-tiny max_target_length=16 per_device_batch_size=1 steps=3 "
@@ -203,6 +232,9 @@ TEST_CASE("R=2 under mpirun equals R=1 on the same samples, in both normalizatio
     const auto logged = two.output.find("resolved config (");
     CHECK(logged != std::string::npos);
     CHECK(two.output.find("resolved config (", logged + 1) == std::string::npos);
+    // Rank 1 reports nothing and writes no metrics (log_all_ranks is off).
+    CHECK_THAT(two.output, !Catch::Contains("[rank 1] completed step"));
+    CHECK_FALSE(fs::exists(kOut + "/r2-" + mode + "/metrics.rank1.jsonl"));
     REQUIRE(run_trainer(common + "gradient_accumulation_steps=4 run_name=r1-" + mode).exit_code == 0);
     const auto a = metrics_of("r2-" + mode), b = metrics_of("r1-" + mode);
     REQUIRE(a.size() == 3);

@@ -28,6 +28,7 @@ using StringList = std::vector<std::string>;
   X(std::string, log_format)                      \
   X(bool, enable_tensorboard)                     \
   X(bool, log_config)                             \
+  X(bool, log_all_ranks)                          \
   X(bool, log_num_zeros_in_grad)                  \
   X(int64_t, debug_pause_checkpoint_save_step)    \
   X(bool, allow_memory_overcommit)                \

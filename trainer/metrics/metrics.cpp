@@ -35,6 +35,10 @@ std::string json_number(double v) {
 }
 }  // namespace
 
+std::string metrics_file_of_rank(const std::string& run_dir, int64_t rank) {
+  return (std::filesystem::path(run_dir) / ("metrics.rank" + std::to_string(rank) + ".jsonl")).string();
+}
+
 std::string metrics_to_json(int64_t step, const MetricValues& values) {
   std::string out = "{\"step\": " + std::to_string(step);
   for (const auto& [name, value] : values) out += ", \"" + name + "\": " + json_number(value);

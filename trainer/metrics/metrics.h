@@ -22,6 +22,9 @@ double metric_get(const MetricValues& values, const std::string& name);  // thro
 // (round-trippable); NaN and infinities as NaN / Infinity / -Infinity (Python's json reads them).
 std::string metrics_to_json(int64_t step, const MetricValues& values);
 
+// Where rank `rank` > 0 writes its metrics with log_all_ranks: <run_dir>/metrics.rank<rank>.jsonl.
+std::string metrics_file_of_rank(const std::string& run_dir, int64_t rank);
+
 using MetricHistory = std::deque<std::pair<int64_t, MetricValues>>;  // (step, values), oldest first
 
 // What Megatron-LM's training_log accumulates between two log lines: the steps since the last

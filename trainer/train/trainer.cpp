@@ -60,8 +60,8 @@ const Config& agree_on_config(Config& c, const DistEnv& env, Communicator& comm)
                        env.launcher + " started " + std::to_string(env.world_size));
   // The whole config at the top of the log (MaxText's log_config, Megatron's arguments block):
   // a job log alone says what ran, also when the run dies before config.yml is written.
-  const auto log_resolved = [&c]() -> const Config& {
-    if (c.log_config) spdlog::info("resolved config (--print-config prints it, <run_dir>/config.yml keeps it):\n{}", config_to_yaml(c));
+  const auto log_resolved = [&c, &env]() -> const Config& {
+    if (c.log_config && env.rank == 0) spdlog::info("resolved config (--print-config prints it, <run_dir>/config.yml keeps it):\n{}", config_to_yaml(c));
     return c;
   };
   if (comm.world_size() == 1) return log_resolved();
@@ -83,7 +83,7 @@ const Config& agree_on_config(Config& c, const DistEnv& env, Communicator& comm)
     throw config_error("rank " + std::to_string(env.rank) + ": " + std::to_string(differing) +
                        " rank(s) have a different config than rank 0 (their messages name the key)");
   if (env.rank > 0) {
-    spdlog::set_level(spdlog::level::warn);  // only rank 0 reports progress
+    if (!c.log_all_ranks) spdlog::set_level(spdlog::level::warn);  // only rank 0 reports progress
     spdlog::set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%l] [rank " + std::to_string(env.rank) + "] %v");
   }
   return log_resolved();  // rank 0's (every rank's is the same by now)
@@ -659,6 +659,15 @@ void Trainer::train() {
     }
     logger_ = std::make_unique<MetricsLogger>(c, start_step, /*evaluation_only=*/!trains);
   });
+  if (c.log_all_ranks) {  // every rank's own metrics (its step time and memory differ); a collective
+    ranks_share_failure(*comm_, "opening the ranks' own metrics files (log_all_ranks)", [&] {
+      if (writer) return;
+      Config own = c;
+      own.metrics_file = metrics_file_of_rank(c.run_dir, dist_.rank);
+      own.enable_tensorboard = false;
+      logger_ = std::make_unique<MetricsLogger>(own, start_step, /*evaluation_only=*/!trains);
+    });
+  }
   // At the start, not at the first evaluation: a split that leaves the validation set empty
   // would otherwise end the run after eval_interval steps, and every resume again.
   if (evaluates) eval_data_open(start_step);
