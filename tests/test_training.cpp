@@ -707,6 +707,20 @@ TEST_CASE("memory plan: sharded levels count the shard and one unit's buffers, a
   }
 }
 
+TEST_CASE("memory plan: under expert parallelism the activations name the unbalanced worst case", "[training][memory]") {
+  // moe-tiny: 8 experts, top-2. At N = 2 a rank holds 4 experts: every token of both ranks may pick
+  // 2 of them, 2x a balanced rank's T k rows; at N = 8 a rank holds 1: each token picks it at most
+  // once, 8 x 1 / 2 = 4x.
+  const auto detail_of = [](const std::string& ep, int64_t ranks) {
+    for (const auto& item : memory_plan(tiny_config({"model_name=moe-tiny", "expert_parallelism=" + ep}), {ranks, 1, false}).items)
+      if (item.name.rfind("activations", 0) == 0) return item.detail;
+    return std::string();
+  };
+  CHECK_THAT(detail_of("2", 2), Catch::Contains("computes up to 2x that, no capacity limit"));
+  CHECK_THAT(detail_of("8", 8), Catch::Contains("computes up to 4x that, no capacity limit"));
+  CHECK_THAT(detail_of("1", 1), !Catch::Contains("capacity"));
+}
+
 TEST_CASE("memory plan: a save's snapshot under expert parallelism counts every expert gathered to host", "[training][memory]") {
   // With one writer every rank copies its share (P_rank: weights, m, v) and gathers all experts of
   // the three (Trainer::with_all_experts): 12 (P_rank + E_all) bytes. The plan counted 12 P_rank

@@ -319,6 +319,16 @@ MemoryPlan memory_plan(const Config& c, const MemoryPlanContext& ctx) {
   if (gla_layers > 0)
     detail += ", " + std::string(gla_delta < 0 ? "-" : "+") + memory_bytes_text(std::abs(gla_delta)) +
               " per GLA layer (its chunked core instead of softmax attention's)";
+  if (moe_layers > 0 && c.expert_parallelism > 1) {
+    // Dropless: a rank computes the rows the router sends its experts, T k in a balanced step. At
+    // most every token of the N ranks picks min(k, E/N) of its experts.
+    const double local = s.E / static_cast<double>(c.expert_parallelism);
+    const double worst = static_cast<double>(c.expert_parallelism) * std::min(s.k, local) / s.k;
+    char factor[32];
+    std::snprintf(factor, sizeof factor, "%.3g", worst);
+    detail += " (MoE rows: T k per rank as a balanced router sends; a rank whose experts every token picks computes up to " +
+              std::string(factor) + "x that, no capacity limit)";
+  }
   if (full) detail += " (remat_policy=full: each layer keeps its input, " + memory_bytes_text(r * s.T * s.D) +
                       ", and one layer at a time is rerun in backward)";
   if (minimal) detail += " (remat_policy=minimal: norms and SwiGLU recomputed, keeping what none keeps)";
