@@ -224,6 +224,53 @@ TEST_CASE("MLA equals attention computed per head from the expanded low-rank mat
   }
 }
 
+TEST_CASE("MLA's narrower value heads are zero-padded where that turns the math path into a fused kernel",
+          "[model][hybrid]") {
+  // q/k head dim 24, v 16 (ling2-tiny's). On LibTorch 2.x the CPU dispatcher runs flash attention
+  // only for equal head dims, else the math path with its (B, H, L, L) probabilities (MLA layers
+  // kept 3.5 GB where the plan said 1.9). The padded call, narrowed, must equal the unpadded one.
+  torch::manual_seed(3);
+  const auto q = torch::randn({2, 3, 40, 24}, torch::kFloat64), k = torch::randn({2, 3, 40, 24}, torch::kFloat64);
+  const auto v = torch::randn({2, 3, 40, 16}, torch::kFloat64);
+  for (const bool masked : {false, true}) {
+    INFO("segment mask: " << masked);
+    torch::Tensor allowed;  // (B, 1, L, L): two documents per row, causal within each
+    if (masked) {
+      const auto position = torch::arange(40), segment = (position >= 17).to(torch::kInt64);
+      allowed = (segment.view({40, 1}) == segment.view({1, 40})).logical_and(position.view({40, 1}) >= position.view({1, 40}));
+      allowed = allowed.view({1, 1, 40, 40}).expand({2, 1, 40, 40}).contiguous();
+    }
+    const auto q32 = q.to(torch::kFloat32), k32 = k.to(torch::kFloat32), v32 = v.to(torch::kFloat32);
+    const bool pads = compat::attention_pads_value(q32, k32, v32, allowed);
+    if (!compat::kFusedCausalAttention) {
+      CHECK_FALSE(pads);  // 1.13: the model's block-causal kernel takes any value width
+      continue;
+    }
+    CHECK(pads);
+    CHECK_FALSE(compat::attention_pads_value(q32, k32, torch::randn({2, 3, 40, 24}), allowed));  // equal widths
+    const auto padded = compat::masked_attention(q32, k32, torch::nn::functional::pad(v32, torch::nn::functional::PadFuncOptions({0, 8})), allowed);
+    CHECK(padded.narrow(-1, 16, 8).abs().max().item<double>() == 0.0);
+    // The reference: the explicit softmax in float64.
+    auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(24.0);
+    const auto keep = masked ? allowed : torch::ones({40, 40}, torch::kBool).tril();
+    scores = scores.masked_fill(keep.logical_not(), -std::numeric_limits<double>::infinity());
+    const auto reference = torch::matmul(torch::softmax(scores, -1), v);
+    CHECK((padded.narrow(-1, 0, 16).to(torch::kFloat64) - reference).abs().max().item<double>() < 1e-5);
+  }
+}
+
+TEST_CASE("the start-up log names the MLA layers' attention kernel and the value padding", "[model][hybrid][cli]") {
+  const auto r = run_trainer("model_name=ling2-tiny steps=1 enable_checkpointing=false base_output_directory=" + test_root() +
+                             "/mla-kernel run_name=log");
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  if (compat::kFusedCausalAttention)
+    CHECK_THAT(r.output, Catch::Contains("MLA attention: flash kernel for plain causal rows (q/k head dim 24, v 16, v "
+                                         "zero-padded to 24: flash takes equal head dims)"));
+  else
+    CHECK_THAT(r.output, Catch::Contains("MLA attention: block-causal kernel, query blocks of 64 positions (q/k head dim 24, v 16)"));
+}
+
 TEST_CASE("the layer pattern: every 5th layer and the MTP layer use attention_type, the rest GLA", "[model][hybrid]") {
   const Config ling2 = config_load(source_path("configs/base.yml"), {"model_name=ling2"}, {});
   std::string pattern;

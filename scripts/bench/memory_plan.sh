@@ -26,6 +26,9 @@ SHAPES[hybrid]="model_name=ling2-tiny override_model_config=true vocab_size=4096
   base_num_kv_heads=8 head_dim=64 base_mlp_dim=1024 q_lora_rank=128 kv_lora_rank=128 qk_nope_head_dim=64 qk_rope_head_dim=32
   v_head_dim=64 gla_chunk_size=16 max_target_length=2048 per_device_batch_size=2"
 SHAPES[hybrid-bf16]="${SHAPES[hybrid]} dtype=bfloat16"
+# Every layer MLA (the hybrid's widths, 5 layers, no GLA): what the plan counts as GQA layers.
+SHAPES[mla]="${SHAPES[hybrid]} inhomogeneous_layer_cycle_interval=0"
+SHAPES[mla-bf16]="${SHAPES[mla]} dtype=bfloat16"
 # Attention-heavy over documents: small's layers at 2 x 1024 tokens (a layer's fp32 (B, H, L, L)
 # probabilities would be 64 MiB), with and without the per-segment masks. "@DATA@" is the
 # fortunes corpus preprocessed below (eod_id 256, pad_id 257: the byte tokenizer's).

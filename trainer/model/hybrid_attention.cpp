@@ -93,7 +93,12 @@ torch::Tensor MlaAttentionImpl::forward(const torch::Tensor& x, const RopeTables
   if (std::abs(extra - 1.0) > 1e-12) query = query * extra;
   const auto key = torch::cat({kv.narrow(-1, 0, nope_dim_), k_pe.expand({B, H, L, rope_dim_})}, -1);  // (B, H, L, nope + rope)
   const auto value = kv.narrow(-1, nope_dim_, v_dim_);                                                 // (B, H, L, v)
-  const auto out = model_detail::causal_attention(query, key, value.contiguous(), allowed);            // (B, H, L, v)
+  // The fused kernels take v as wide as q and k (compat::attention_pads_value): zero columns
+  // added, and the output's matching zero columns dropped.
+  const bool pad = compat::kFusedCausalAttention && compat::attention_pads_value(query, key, value, allowed);
+  const auto out = pad ? model_detail::causal_attention(query, key, F::pad(value, F::PadFuncOptions({0, qk_dim - v_dim_})), allowed)
+                             .narrow(-1, 0, v_dim_)
+                       : model_detail::causal_attention(query, key, value.contiguous(), allowed);  // (B, H, L, v)
   return o_proj(out.transpose(1, 2).reshape({B, L, H * v_dim_}));
 }
 

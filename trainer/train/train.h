@@ -209,8 +209,9 @@ class Trainer {
   int64_t updates_applied() const { return updates_applied_; }
 
  private:
-  void check_memory_plan();
-  void log_attention_kernel() const;  // exit 2 before allocating when the plan exceeds this rank's memory
+  void check_memory_plan();  // exit 2 before allocating when the plan exceeds this rank's memory
+  void log_attention_kernel() const;      // which fused kernel serves the GQA layers
+  void log_mla_attention_kernel() const;  // and the MLA layers
   void build_flat_buffers(ModelInitializer* deferred_init);  // non-null: draw the weights unit by unit (optim_grads_params)
   bool spike_guard_rejects(double loss, double grad_norm);
   void restore(const CheckpointContents& contents, bool full_state, const std::string& source);

@@ -232,6 +232,7 @@ Trainer::Trainer(Config config)
 // flash or cuDNN attention serve it, and whether grouped kv heads are read unrepeated.
 void Trainer::log_attention_kernel() const {
   const Config& c = config_;
+  if (c.attention_type == "mla") log_mla_attention_kernel();
   if (c.attention_type != "global" || c.inhomogeneous_layer_cycle_interval > 0) return;  // GQA layers only
   const int64_t Hq = c.base_num_query_heads, Hkv = c.base_num_kv_heads, L = c.max_target_length, hd = c.head_dim;
   if (!compat::kFusedCausalAttention) {  // 1.13: the model's own kernel (model_detail::block_causal_attention)
@@ -246,6 +247,24 @@ void Trainer::log_attention_kernel() const {
                Hq == Hkv  ? ""
                : native   ? fmt::format(" ({} kv heads read unrepeated by {} query heads)", Hkv, Hq)
                           : fmt::format(" ({} kv heads repeated to {} query heads)", Hkv, Hq));
+}
+
+// The same for MLA layers, whose value heads may be narrower than their query/key heads: the
+// kernel, and whether v is zero-padded to reach it (compat::attention_pads_value).
+void Trainer::log_mla_attention_kernel() const {
+  const Config& c = config_;
+  const int64_t H = c.base_num_query_heads, L = c.max_target_length, qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
+  const std::string dims = fmt::format("q/k head dim {}, v {}", qk, c.v_head_dim);
+  if (!compat::kFusedCausalAttention) {
+    spdlog::info("MLA attention: block-causal kernel, query blocks of {} positions ({})", kAttentionBlock, dims);
+    return;
+  }
+  const auto options = torch::TensorOptions().device(device_).dtype(c.dtype == "bfloat16" ? torch::kBFloat16 : torch::kFloat32);
+  const auto q = torch::empty({1, H, L, qk}, options), v = torch::empty({1, H, L, c.v_head_dim}, options);
+  const bool pad = compat::attention_pads_value(q, q, v, {});
+  const auto kernel = compat::attention_kernel_name(q, q, pad ? torch::empty({1, H, L, qk}, options) : v, {}, false);
+  spdlog::info("MLA attention: {} kernel for plain causal rows ({}{})", kernel, dims,
+               pad ? fmt::format(", v zero-padded to {}: {} takes equal head dims", qk, kernel) : "");
 }
 
 Trainer::~Trainer() = default;

@@ -173,6 +173,29 @@ inline torch::Tensor grouped_attention(const torch::Tensor& q, const torch::Tens
   return masked_attention(q, repeat(k), repeat(v), allowed);
 }
 
+// Whether scaled_dot_product_attention would take its math path for q, k (.., hd) and a narrower
+// v (.., hv < hd), keeping the (B, H, L, L) probabilities for backward, but a fused kernel once v is
+// zero-padded to hd: flash attention takes only equal head dims (2.6's CPU dispatcher then falls
+// back to math: MLA's 96 / 64 at width 512 kept 3.5 GB where the plan said 1.9). The padded
+// columns of the output are zero and the others unchanged, so the caller pads and narrows back.
+// Asked of _fused_sdp_choice with a zero-stride stand-in for the padded v (nothing allocated).
+inline bool attention_pads_value(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                 const torch::Tensor& allowed) {
+#if TRAINER_TORCH_AT_LEAST(2, 5)
+  const int64_t hd = q.size(-1);
+  if (v.size(-1) >= hd) return false;
+  const auto choice = [&](const torch::Tensor& value) {
+    return allowed.defined() ? at::_fused_sdp_choice(q, k, value, allowed, 0.0, false)
+                             : at::_fused_sdp_choice(q, k, value, {}, 0.0, true);
+  };
+  const auto padded = v.new_empty({1, 1, 1, hd}).expand({v.size(0), v.size(1), v.size(2), hd});
+  return choice(v) == 0 && choice(padded) != 0;  // sdp::SDPBackend::math is 0
+#else
+  (void)q, (void)k, (void)v, (void)allowed;
+  return false;
+#endif
+}
+
 // The kernel scaled_dot_product_attention picks for these inputs (what the trainer logs at
 // start-up): "flash", "efficient", "cudnn", "math", or on 1.13 "explicit softmax".
 inline std::string attention_kernel_name(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
