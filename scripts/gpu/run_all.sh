@@ -50,10 +50,10 @@ fi
 [[ $part == 1 ]] && finish "part 1"
 phase "benchmark"
 timeout "${BENCH_SECONDS:-240}" python3 scripts/gpu/bench.py "$@" 2>&1 | tee "$log/bench.log" || failures+=(benchmark)
-phase "one GLA layer against one SDPA (GQA) layer at 4096 tokens, bf16 (issue 17; docs/benchmarks.md)"
+phase "one GLA layer against one SDPA (GQA) layer and one MLA layer at 4096 tokens, bf16 (issue 17; docs/benchmarks.md)"
 # ling2's layer shape (D 2048, 16 heads of 128), one decoder layer with a dense MLP, byte vocabulary:
 # the attention is what differs. Tokens/s is the median over steps 4-11.
-for kind in global gla; do
+for kind in global gla mla; do  # mla: its layer at ling2's dims (q/k 192, v 128), and the kernel CUDA picks for it
   timeout 120 build-gpu/trainer configs/base.yml hardware=gpu dtype=bfloat16 model_name=ling2 override_model_config=true \
     attention_type=$kind inhomogeneous_layer_cycle_interval=0 base_num_decoder_layers=1 num_experts=1 shared_experts=0 \
     routed_bias=false n_routing_groups=-1 topk_routing_group=-1 moe_shared_expert_dim=0 mtp_num_layers=0 mtp_moe_mlp=false \
@@ -62,6 +62,7 @@ for kind in global gla; do
     || { echo "$kind: failed"; tail -5 "$log/gla_$kind.log"; failures+=("gla-$kind"); continue; }
   python3 -c 'import json,statistics,sys; r=[json.loads(l) for l in open(sys.argv[1])][4:]; print("%s layer: %.0f tokens/s (median step %.4f s)" % (sys.argv[2], statistics.median(x["perf/per_device_tokens_per_sec"] for x in r), statistics.median(x["perf/step_time_seconds"] for x in r)))' \
     "/tmp/trainer-gpu-gla/$kind/metrics.jsonl" "$kind" | tee -a "$log/gla_vs_sdpa.log"
+  grep -h "attention:" "$log/gla_$kind.log" | tee -a "$log/gla_vs_sdpa.log"
 done
 phase "memory plan against the CUDA allocator's peak (docs/memory.md)"
 for K in 1 8; do
