@@ -262,7 +262,7 @@ void Trainer::log_mla_attention_kernel() const {
   const auto options = torch::TensorOptions().device(device_).dtype(c.dtype == "bfloat16" ? torch::kBFloat16 : torch::kFloat32);
   const auto q = torch::empty({1, H, L, qk}, options), v = torch::empty({1, H, L, c.v_head_dim}, options);
   const bool pad = compat::attention_pads_value(q, q, v, {});
-  const auto kernel = compat::attention_kernel_name(q, q, pad ? torch::empty({1, H, L, qk}, options) : v, {}, false);
+  const auto kernel = compat::attention_kernel_name(q, q, pad ? q : v, {}, false);  // q: the padded v's shape
   spdlog::info("MLA attention: {} kernel for plain causal rows ({}{})", kernel, dims,
                pad ? fmt::format(", v zero-padded to {}: {} takes equal head dims", qk, kernel) : "");
 }

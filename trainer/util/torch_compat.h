@@ -178,18 +178,17 @@ inline torch::Tensor grouped_attention(const torch::Tensor& q, const torch::Tens
 // zero-padded to hd: flash attention takes only equal head dims (2.6's CPU dispatcher then falls
 // back to math: MLA's 96 / 64 at width 512 kept 3.5 GB where the plan said 1.9). The padded
 // columns of the output are zero and the others unchanged, so the caller pads and narrows back.
-// Asked of _fused_sdp_choice with a zero-stride stand-in for the padded v (nothing allocated).
+// Asked of _fused_sdp_choice (shapes and dtypes only), with q standing in for the padded v (same
+// batch, heads, length and width: MLA's; otherwise no padding), nothing allocated on the step's path.
 inline bool attention_pads_value(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                  const torch::Tensor& allowed) {
 #if TRAINER_TORCH_AT_LEAST(2, 5)
-  const int64_t hd = q.size(-1);
-  if (v.size(-1) >= hd) return false;
+  if (v.size(-1) >= q.size(-1) || v.size(0) != q.size(0) || v.size(1) != q.size(1) || v.size(2) != q.size(2)) return false;
   const auto choice = [&](const torch::Tensor& value) {
     return allowed.defined() ? at::_fused_sdp_choice(q, k, value, allowed, 0.0, false)
                              : at::_fused_sdp_choice(q, k, value, {}, 0.0, true);
   };
-  const auto padded = v.new_empty({1, 1, 1, hd}).expand({v.size(0), v.size(1), v.size(2), hd});
-  return choice(v) == 0 && choice(padded) != 0;  // sdp::SDPBackend::math is 0
+  return choice(v) == 0 && choice(q) != 0;  // sdp::SDPBackend::math is 0
 #else
   (void)q, (void)k, (void)v, (void)allowed;
   return false;
