@@ -15,6 +15,7 @@ Cases (each run by ctest; every one creates and removes its own temporary direct
                             (sharded, with model.safetensors.index.json; llama in bf16), loaded by
                             the trainer with model_name=hf: its logits (and MTP logits) must equal
                             the reference to 1e-5.
+  llama3                    llama with Llama 3.1+'s RoPE scaling (rope_scaling rope_type "llama3").
   round_trip_<model>        the trainer trains <model> for 3 steps, exports --export-hf, loads the
                             export with model_name=hf: identical logits; the reference on the
                             export agrees to 1e-5.
@@ -85,7 +86,15 @@ def read_hf_directory(directory):
 
 
 # ---- tiny random checkpoints --------------------------------------------------------------------
+# Llama 3.1+'s RoPE scaling at the tiny head (8 dims, theta 10000: wavelengths 6.3, 63, 628, 6283):
+# an original context of 128 keeps the first, blends the second and divides the last two.
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 128}
+
+
 def tiny_config(arch):
+    if arch == "llama3":
+        return dict(tiny_config("llama"), rope_scaling=LLAMA3_SCALING, max_position_embeddings=1024)
     common = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4,
               "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "hidden_act": "silu", "rope_scaling": None}
     if arch == "llama":
@@ -182,6 +191,17 @@ class Reference:
     def rope(self, length):
         dim = int(self.hd * self.c.get("partial_rotary_factor", 1.0) if self.bailing else self.hd)
         inv_freq = 1.0 / (self.c["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        scaling = self.c.get("rope_scaling") or {"rope_type": "default"}
+        if scaling["rope_type"] == "llama3":  # transformers' _compute_llama3_parameters
+            factor, old = scaling["factor"], scaling["original_max_position_embeddings"]
+            low_wavelen, high_wavelen = old / scaling["low_freq_factor"], old / scaling["high_freq_factor"]
+            wavelen = 2 * math.pi / inv_freq
+            scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+            smooth = (old / wavelen - scaling["low_freq_factor"]) / (scaling["high_freq_factor"] - scaling["low_freq_factor"])
+            medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+            inv_freq = torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+        else:
+            assert scaling["rope_type"] == "default", scaling
         freqs = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
@@ -312,12 +332,18 @@ def case_random(args, work, arch):
     cfg = tiny_config(arch)
     weights = random_weights(cfg, torch.Generator().manual_seed(1234))
     directory = os.path.join(work, "hf")
-    write_hf_directory(directory, cfg, weights, "BF16" if arch == "llama" else "F32")
+    write_hf_directory(directory, cfg, weights, "BF16" if arch in ("llama", "llama3") else "F32")
     # The reference sees exactly what the file holds (bf16 rounding included).
     reference = Reference(cfg, read_hf_directory(directory))
     want = reference.forward(TOKENS)
     got = trainer_logits(args, work, "import", "model_name=hf", "load_parameters_path=" + directory)
     ok = compare(arch, got, want)
+    if cfg["rope_scaling"]:
+        # The case must exercise what it checks: logits that the scaling moves.
+        unscaled = Reference(dict(cfg, rope_scaling=None), read_hf_directory(directory)).forward(TOKENS)["logits"]
+        moved = (unscaled - want["logits"]).abs().max().item()
+        print("%s: the scaling moves the reference's logits by up to %.3g" % (arch, moved))
+        ok &= moved > 1e-3
     if arch == "bailing":
         # The case must exercise what it checks: selections that the groups and the bias change.
         print("bailing: tokens whose experts group-limited routing changed: %d, the expert bias changed: %d" %
@@ -336,6 +362,9 @@ def case_round_trip(args, work, model_args):
     ok = sorted(before) == sorted(after) and all(torch.equal(before[n], after[n]) for n in before)
     print("round trip (export, import): logits %s" % ("identical" if ok else "DIFFER"))
     cfg = json.load(open(os.path.join(directory, "config.json")))
+    if any(a.startswith("rope_type=") for a in model_args):  # what the export says of its RoPE
+        print("export: rope_scaling %s, max_position_embeddings %s" % (cfg["rope_scaling"], cfg["max_position_embeddings"]))
+        ok &= cfg["rope_scaling"] == EXPORTED_SCALING and cfg["max_position_embeddings"] == 4096
     return compare("export", after, Reference(cfg, read_hf_directory(directory)).forward(TOKENS)) and ok
 
 
@@ -343,18 +372,24 @@ ROUND_TRIPS = {
     "round_trip_ling_mini_tiny": ["model_name=ling-mini-tiny"],
     "round_trip_qwen3": ["override_model_config=true", "use_qk_norm=true", "logits_via_embedding=true"],
     "round_trip_llama": [],
+    # The default model's 32-dim heads at theta 10000 have wavelengths 6.3 .. 4.4e4: an original
+    # context of 64 with factors 2 / 8 puts dims in all three bands.
+    "round_trip_llama3": ["override_model_config=true", "rope_type=llama3", "rope_factor=4", "rope_low_freq_factor=2",
+                          "rope_high_freq_factor=8", "original_max_position_embeddings=64", "max_position_embeddings=4096"],
 }
+EXPORTED_SCALING = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
+                    "original_max_position_embeddings": 64}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trainer", required=True)
-    parser.add_argument("case", choices=["llama", "qwen3", "bailing"] + sorted(ROUND_TRIPS))
+    parser.add_argument("case", choices=["llama", "llama3", "qwen3", "bailing"] + sorted(ROUND_TRIPS))
     args = parser.parse_args()
     torch.set_num_threads(1)
     work = tempfile.mkdtemp(prefix="trainer-hf-")
     try:
-        ok = case_random(args, work, args.case) if args.case in ("llama", "qwen3", "bailing") else \
+        ok = case_random(args, work, args.case) if args.case in ("llama", "llama3", "qwen3", "bailing") else \
             case_round_trip(args, work, ROUND_TRIPS[args.case])
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -1298,6 +1298,27 @@ TEST_CASE("Hugging Face config.json: fields left out take their config class's d
   CHECK(llama["eos_token_id"] == 5);
   CHECK(llama["pad_token_id"] == 7);
   CHECK(llama.count("use_rmsnorm") == 0);
+  CHECK(llama["rope_scaling"].is_null());
+  CHECK(llama["max_position_embeddings"] == 16);  // the run's max_target_length (docs/checkpoints.md)
+  // Llama 3.1+'s scaling is written as transformers reads it, with the context it serves, and reads back.
+  const std::string scaled_dir = kOut + "/hf-export-fields-llama3";
+  fs::remove_all(scaled_dir);
+  Trainer(tiny_config({"run_name=hf-export-fields-llama3", "override_model_config=true", "rope_type=llama3", "rope_factor=8",
+                       "rope_low_freq_factor=2", "rope_high_freq_factor=16", "original_max_position_embeddings=64",
+                       "max_position_embeddings=4096"}))
+      .export_hf(scaled_dir, 1 << 30, torch::kFloat32);
+  const auto scaled = nlohmann::json::parse(read_file(scaled_dir + "/config.json"));
+  CHECK(scaled["rope_scaling"] == nlohmann::json({{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 2.0},
+                                                  {"high_freq_factor", 16.0}, {"original_max_position_embeddings", 64}}));
+  CHECK(scaled["max_position_embeddings"] == 4096);
+  std::map<std::string, std::string> scaled_back;
+  for (const auto& entry : hf_config_model_keys(scaled_dir)) scaled_back[entry.key] = entry.text;
+  CHECK(scaled_back["rope_type"] == "llama3");
+  CHECK(scaled_back["rope_factor"] == "8.0");
+  CHECK(scaled_back["rope_low_freq_factor"] == "2.0");
+  CHECK(scaled_back["rope_high_freq_factor"] == "16.0");
+  CHECK(scaled_back["original_max_position_embeddings"] == "64");
+  CHECK(scaled_back["max_position_embeddings"] == "4096");
 }
 
 TEST_CASE("Hugging Face directories: config.json round trips the model keys, and what cannot be read or written is refused by name",
@@ -1385,9 +1406,35 @@ TEST_CASE("Hugging Face directories: config.json round trips the model keys, and
                                            "\"former_rope_theta\": ")),
                "rope_max_timescale") == "12345.0");
   CHECK_THROWS_WITH(hf_config_model_keys(edited("rope-v5-scaled", "\"rope_scaling\": null",
-                                                "\"rope_scaling\": null, \"rope_parameters\": {\"rope_type\": \"llama3\", "
+                                                "\"rope_scaling\": null, \"rope_parameters\": {\"rope_type\": \"yarn\", "
                                                 "\"factor\": 8.0}")),
-                    Catch::Contains("field 'rope_parameters' has rope_type \"llama3\": RoPE scaling is not implemented"));
+                    Catch::Contains("field 'rope_parameters' has rope_type \"yarn\": the trainer implements \"default\" and \"llama3\""));
+  // Llama 3.1+'s scaling reads into the model keys from either form (Llama-3.2-1B's numbers).
+  const std::string llama3 = "\"rope_type\": \"llama3\", \"factor\": 32.0, \"low_freq_factor\": 1.0, "
+                             "\"high_freq_factor\": 4.0, \"original_max_position_embeddings\": 8192";
+  const auto written = nlohmann::json::parse(read_file(dir + "/config.json"));
+  for (const auto& keys :
+       {hf_config_model_keys(edited("rope-llama3", "\"rope_scaling\": null", "\"rope_scaling\": {" + llama3 + "}")),
+        hf_config_model_keys(edited("rope-v5-llama3", "\"rope_theta\": ",
+                                    "\"rope_parameters\": {\"rope_theta\": 500000.0, " + llama3 + "}, \"former_rope_theta\": "))}) {
+    CHECK(key_of(keys, "rope_type") == "llama3");
+    CHECK(key_of(keys, "rope_factor") == "32.0");
+    CHECK(key_of(keys, "rope_low_freq_factor") == "1.0");
+    CHECK(key_of(keys, "rope_high_freq_factor") == "4.0");
+    CHECK(key_of(keys, "original_max_position_embeddings") == "8192");
+    CHECK(key_of(keys, "max_position_embeddings") == std::to_string(written["max_position_embeddings"].get<int64_t>()));
+  }
+  CHECK(key_of(hf_config_model_keys(dir), "rope_type") == "default");
+  CHECK(key_of(hf_config_model_keys(dir), "rope_factor") == "(absent)");  // no scaling: MLA's keys untouched
+  CHECK_THROWS_WITH(hf_config_model_keys(edited("rope-llama3-partial", "\"rope_scaling\": null",
+                                                "\"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 8.0}")),
+                    Catch::Contains("field 'rope_scaling' needs a number \"original_max_position_embeddings\" with rope_type \"llama3\""));
+  CHECK_THROWS_WITH(hf_config_model_keys(edited("rope-llama3-extra", "\"rope_scaling\": null",
+                                                "\"rope_scaling\": {" + llama3 + ", \"attention_factor\": 1.0}")),
+                    Catch::Contains("field 'rope_scaling' has \"attention_factor\", which the trainer does not implement with rope_type \"llama3\""));
+  CHECK_THROWS_WITH(hf_config_model_keys(edited("rope-llama3-twice", "\"rope_scaling\": null",
+                                                "\"rope_scaling\": {" + llama3 + "}, \"rope_parameters\": {" + llama3 + "}")),
+                    Catch::Contains("field 'rope_parameters' and rope_scaling both scale RoPE"));
   CHECK_THROWS_WITH(hf_config_model_keys(edited("rope-v5-both", "\"rope_scaling\": null",
                                                 "\"rope_scaling\": null, \"rope_parameters\": {\"rope_theta\": 1.0}")),
                     Catch::Contains("field 'rope_parameters' has rope_theta 1.0, but the top-level rope_theta is"));

@@ -426,6 +426,51 @@ TEST_CASE("RoPE scores depend only on relative positions, and the position input
   CHECK(moved > 100 * noise);
 }
 
+TEST_CASE("rope_type=llama3: Llama 3.1's three frequency bands (hand-derived), wired into the model", "[model]") {
+  // head_dim 8, theta 10000: f = 1, 0.1, 0.01, 0.001, wavelengths 2 pi / f = 6.28, 62.8, 628, 6283.
+  // Original context 128, low 1, high 4: kept below 128 / 4 = 32, divided by 8 above 128 / 1, and
+  // 62.8 blended with s = (128 / 62.83 - 1) / (4 - 1) = (2.03718 - 1) / 3.
+  const std::vector<std::string> shape = {"override_model_config=true", "head_dim=8", "rope_max_timescale=10000",
+                                          "original_max_position_embeddings=128", "rope_low_freq_factor=1",
+                                          "rope_high_freq_factor=4"};
+  auto with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.end(), shape.begin(), shape.end());
+    return tiny_config(extra);
+  };
+  const auto f = model_llama3_rope_inverse_frequencies(with({"rope_type=llama3", "rope_factor=8"}));
+  REQUIRE(f.size() == 4);
+  const double s = (128 * 0.1 / (2 * M_PI) - 1) / 3;
+  CHECK(s == Approx(0.345727).epsilon(1e-5));
+  CHECK(f[0] == Approx(1.0).epsilon(1e-12));
+  CHECK(f[1] == Approx((1 - s) * 0.1 / 8 + s * 0.1).epsilon(1e-12));
+  CHECK(f[2] == Approx(0.01 / 8).epsilon(1e-12));
+  CHECK(f[3] == Approx(0.001 / 8).epsilon(1e-12));
+  // Partial rotary: the bands are over the rotated dims (transformers' dim = head_dim x factor).
+  CHECK(model_llama3_rope_inverse_frequencies(with({"rope_type=llama3", "rope_factor=8", "partial_rotary_factor=0.5"})).size() == 2);
+
+  // In the model: factor 1 is the plain rotation (to fp32 rounding); factor 8 moves the logits.
+  torch::manual_seed(5);
+  const auto in = two_documents(24, 24);
+  auto logits = [&](std::vector<std::string> extra) {
+    auto model = model_build(with(std::move(extra)));
+    return model->forward(in.tokens, in.positions * 5, in.segments).logits;
+  };
+  const auto plain = logits({}), unit = logits({"rope_type=llama3", "rope_factor=1"}),
+             scaled = logits({"rope_type=llama3", "rope_factor=8"});
+  const double same = (plain - unit).abs().max().item<double>(), moved = (plain - scaled).abs().max().item<double>();
+  INFO("factor 1: " << same << ", factor 8: " << moved);
+  CHECK(same < 1e-5);
+  CHECK(moved > 1e-4);
+  CHECK(moved > 100 * same);
+
+  // What it cannot mean is refused by name.
+  CHECK_THROWS_WITH(tiny_config({"rope_type=llama3", "rope_high_freq_factor=1"}),
+                    Catch::Contains("rope_high_freq_factor must be > rope_low_freq_factor (1.0)"));
+  CHECK_THROWS_WITH(tiny_config({"rope_type=llama3", "rope_factor=0.5"}), Catch::Contains("rope_factor must be >= 1"));
+  CHECK_THROWS_WITH(tiny_config({"model_name=ling2", "rope_type=llama3"}),
+                    Catch::Contains("rope_type=llama3 scales the RoPE of global and GLA layers"));
+}
+
 TEST_CASE("the same init_weights_seed gives the same weights, another seed does not", "[model]") {
   auto a = model_build(tiny_config()), b = model_build(tiny_config());
   auto c = model_build(tiny_config({"init_weights_seed=1"}));

@@ -82,6 +82,16 @@ class Llama(torch.nn.Module):
         Hq, Hkv, hd = c["base_num_query_heads"], c["base_num_kv_heads"], c["head_dim"]
         rot = int(round(c["partial_rotary_factor"] * hd))
         inv = c["rope_max_timescale"] ** (-torch.arange(0, rot, 2, dtype=torch.float32, device=tokens.device) / rot)
+        if c.get("rope_type", "default") == "llama3":  # transformers' _compute_llama3_parameters
+            old = c["original_max_position_embeddings"]
+            lo, hi, factor = c["rope_low_freq_factor"], c["rope_high_freq_factor"], c["rope_factor"]
+            wavelen = 2 * math.pi / inv
+            scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+            smooth = (old / wavelen - lo) / (hi - lo)
+            medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+            inv = torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+        else:
+            assert c.get("rope_type", "default") == "default", c["rope_type"]
         ang = positions.float().unsqueeze(-1) * inv
         emb = torch.cat([ang, ang], -1).unsqueeze(1)
         cos, sin = emb.cos(), emb.sin()

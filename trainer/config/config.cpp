@@ -237,8 +237,21 @@ std::vector<std::string> validation_errors(const Config& c) {
     require(c.base_num_kv_heads == c.base_num_query_heads,
             "MLA layers give every query head its own key and value: base_num_kv_heads (" + std::to_string(c.base_num_kv_heads) +
                 ") must equal base_num_query_heads (" + std::to_string(c.base_num_query_heads) + ")");
+    require(c.rope_type != "llama3", "rope_type=llama3 scales the RoPE of global and GLA layers; MLA's RoPE part takes "
+                                     "default or yarn (attention_type=mla)");
   } else {
-    require(c.rope_type == "default", "rope_type=" + c.rope_type + " applies to MLA layers only (attention_type=" + c.attention_type + ")");
+    require(c.rope_type != "yarn", "rope_type=yarn applies to MLA layers only (attention_type=" + c.attention_type +
+                                       "); Llama 3.1+'s frequency scaling is rope_type=llama3");
+  }
+  if (c.rope_type == "llama3") {
+    // Llama 3.1's rule (docs/model.md): wavelengths past original / low are divided, those under
+    // original / high kept, the band between blended; it needs low < high and a factor >= 1.
+    require(c.rope_factor >= 1, bad_value("rope_factor", "must be >= 1", "rope_type=llama3 divides frequencies by it"));
+    require(c.rope_low_freq_factor > 0, bad_value("rope_low_freq_factor", "must be > 0"));
+    require(c.rope_high_freq_factor > c.rope_low_freq_factor,
+            bad_value("rope_high_freq_factor", "must be > rope_low_freq_factor (" + find_key("rope_low_freq_factor")->format(c) + ")"));
+    positive(c.original_max_position_embeddings, "original_max_position_embeddings");
+    positive(c.max_position_embeddings, "max_position_embeddings");
   }
   if (any_gla) {
     require(c.base_num_kv_heads == c.base_num_query_heads,

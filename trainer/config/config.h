@@ -65,6 +65,8 @@ using StringList = std::vector<std::string>;
   X(bool, mla_interleaved_rope)                   \
   X(std::string, rope_type)                       \
   X(double, rope_factor)                          \
+  X(double, rope_low_freq_factor)                 \
+  X(double, rope_high_freq_factor)                \
   X(int64_t, max_position_embeddings)             \
   X(int64_t, original_max_position_embeddings)    \
   X(double, beta_fast)                            \

@@ -4,6 +4,7 @@
 // docs/checkpoints.md.
 #include "trainer/config/hf_config.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -120,45 +121,78 @@ std::string number_text(double v) {
 // RoPE's settings: the top-level rope_theta / partial_rotary_factor / rope_scaling of
 // transformers 4, or transformers 5's rope_parameters {rope_type, rope_theta, ...} (which it writes
 // instead: read as 4's fields, theta silently defaulted to 10000 and its scaling went unseen).
-// Only the unscaled ("default") rotation is implemented.
+// Implemented: the unscaled ("default") rotation and Llama 3.1's "llama3" frequency scaling.
+struct Llama3Scaling {
+  double factor, low_freq_factor, high_freq_factor;
+  int64_t original_max_position_embeddings;
+};
 struct RopeFields {
   std::optional<double> theta, partial;
+  std::optional<Llama3Scaling> llama3;
 };
 RopeFields rope_fields(const ConfigJson& f) {
-  const auto unscaled = [&](const std::string& field, const nlohmann::json& type) {
-    if (!type.is_string() || type.get<std::string>() != "default")
-      f.fail(field, "has rope_type " + type.dump() + ": RoPE scaling is not implemented by the trainer (only \"default\")");
+  RopeFields fields;
+  // The scaling object's type: "default" (no scaling) or "llama3", whose four fields are then
+  // required (transformers validates them too); `also` lists the fields that object may carry besides.
+  const auto read_scaling = [&](const std::string& field, const nlohmann::json& scaling,
+                                const std::vector<std::string>& also) {
+    const char* type_field = scaling.contains("rope_type") ? "rope_type" : scaling.contains("type") ? "type" : nullptr;
+    if (type_field == nullptr) f.fail(field, "has no rope_type: " + scaling.dump());
+    const nlohmann::json& type = scaling[type_field];
+    const bool llama3 = type.is_string() && type.get<std::string>() == "llama3";
+    if (!llama3 && !(type.is_string() && type.get<std::string>() == "default"))
+      f.fail(field, "has rope_type " + type.dump() + ": the trainer implements \"default\" and \"llama3\" RoPE");
+    std::vector<std::string> known = also;
+    known.insert(known.end(), {"rope_type", "type"});
+    if (llama3) known.insert(known.end(), {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"});
+    for (const auto& [name, value] : scaling.items())
+      if (std::find(known.begin(), known.end(), name) == known.end())
+        f.fail(field, "has \"" + name + "\", which the trainer does not implement with rope_type " + type.dump());
+    if (!llama3) return;
+    const auto number = [&](const char* name) {
+      if (!scaling.contains(name) || !scaling[name].is_number())
+        f.fail(field, std::string("needs a number \"") + name + "\" with rope_type \"llama3\" (has " +
+                          (scaling.contains(name) ? scaling[name].dump() : "none") + ")");
+      return scaling[name].get<double>();
+    };
+    const double original = number("original_max_position_embeddings");
+    if (original != std::floor(original) || original < 1)
+      f.fail(field, "has original_max_position_embeddings " + scaling["original_max_position_embeddings"].dump() +
+                        ", not a positive integer");
+    fields.llama3 = Llama3Scaling{number("factor"), number("low_freq_factor"), number("high_freq_factor"),
+                                  static_cast<int64_t>(original)};
   };
-  if (f.has("rope_scaling")) {  // {"rope_type": "default"} is no scaling
+  if (f.has("rope_scaling")) {
     const nlohmann::json& scaling = f.root_["rope_scaling"];
-    if (scaling.is_object() && scaling.size() == 1 && (scaling.contains("rope_type") || scaling.contains("type")))
-      unscaled("rope_scaling", scaling.begin().value());
+    if (scaling.is_object() && !scaling.empty())
+      read_scaling("rope_scaling", scaling, {});
     else
       f.require_off("rope_scaling", "RoPE scaling");
   }
-  RopeFields fields;
   if (f.has("rope_theta")) fields.theta = f.number("rope_theta");
   if (f.has("partial_rotary_factor")) fields.partial = f.number("partial_rotary_factor");
   if (!f.has("rope_parameters")) return fields;
   const nlohmann::json& parameters = f.root_["rope_parameters"];
   if (!parameters.is_object()) f.fail("rope_parameters", "must be an object, not " + parameters.dump());
-  for (const char* type : {"rope_type", "type"})  // first: a scaling type explains its other fields
-    if (parameters.contains(type)) unscaled("rope_parameters", parameters[type]);
-  for (const auto& [name, value] : parameters.items()) {
-    if (name == "rope_type" || name == "type") {
-      continue;
-    } else if (name == "rope_theta" || name == "partial_rotary_factor") {
-      if (!value.is_number()) f.fail("rope_parameters", "has " + name + " " + value.dump() + ", not a number");
-      auto& field = name == "rope_theta" ? fields.theta : fields.partial;
-      if (field && *field != value.get<double>())
-        f.fail("rope_parameters", "has " + name + " " + value.dump() + ", but the top-level " + name + " is " +
-                                      number_text(*field) + ": which one holds?");
-      field = value.get<double>();
-    } else {
-      f.fail("rope_parameters", "has \"" + name + "\", which the trainer does not implement (it reads rope_type "
-                                "\"default\", rope_theta and partial_rotary_factor)");
-    }
+  if (parameters.contains("rope_type") || parameters.contains("type")) {
+    if (fields.llama3) f.fail("rope_parameters", "and rope_scaling both scale RoPE: which one holds?");
+    read_scaling("rope_parameters", parameters, {"rope_theta", "partial_rotary_factor"});
   }
+  for (const char* name : {"rope_theta", "partial_rotary_factor"}) {
+    if (!parameters.contains(name)) continue;
+    const nlohmann::json& value = parameters[name];
+    if (!value.is_number()) f.fail("rope_parameters", std::string("has ") + name + " " + value.dump() + ", not a number");
+    auto& field = std::string(name) == "rope_theta" ? fields.theta : fields.partial;
+    if (field && *field != value.get<double>())
+      f.fail("rope_parameters", std::string("has ") + name + " " + value.dump() + ", but the top-level " + name + " is " +
+                                    number_text(*field) + ": which one holds?");
+    field = value.get<double>();
+  }
+  if (!parameters.contains("rope_type") && !parameters.contains("type"))
+    for (const auto& [name, value] : parameters.items())
+      if (name != "rope_theta" && name != "partial_rotary_factor")
+        f.fail("rope_parameters", "has \"" + name + "\", which the trainer does not implement (it reads rope_type "
+                                  "\"default\" or \"llama3\", rope_theta and partial_rotary_factor)");
   return fields;
 }
 
@@ -203,6 +237,17 @@ std::vector<Translated> translate(const ConfigJson& f) {
   if (!bailing && partial != 1.0)
     f.fail("partial_rotary_factor", "is " + number_text(partial) + ": " + arch + " rotates the whole head");
   add("partial_rotary_factor", number_text(partial), "partial_rotary_factor", false);
+  const std::string scaling_field = f.has("rope_scaling") ? "rope_scaling" : "rope_parameters";
+  add("rope_type", rope.llama3 ? "llama3" : "default", rope.llama3 ? scaling_field : "rope_scaling", false);
+  if (rope.llama3) {
+    add("rope_factor", number_text(rope.llama3->factor), scaling_field, false);
+    add("rope_low_freq_factor", number_text(rope.llama3->low_freq_factor), scaling_field, false);
+    add("rope_high_freq_factor", number_text(rope.llama3->high_freq_factor), scaling_field, false);
+    add("original_max_position_embeddings", std::to_string(rope.llama3->original_max_position_embeddings), scaling_field, false);
+    // The context the model serves: not used by the rotation, carried to an export's config.json
+    // (left out: the config class's default, LlamaConfig's 2048, Qwen3Config's and BailingMoeV2Config's 32768).
+    add_int("max_position_embeddings", "max_position_embeddings", arch == kLlama ? 2048 : 32768);
+  }
   const bool qk_norm = arch == kQwen3 || (bailing && f.boolean("use_qk_norm", true));
   add("use_qk_norm", qk_norm ? "true" : "false", bailing ? "use_qk_norm" : "architectures", true);
   add("logits_via_embedding", f.boolean("tie_word_embeddings", false) ? "true" : "false", "tie_word_embeddings", true);
@@ -332,8 +377,17 @@ std::string hf_config_json(const Config& c, const std::string& torch_dtype) {
   j["hidden_act"] = "silu";
   j["rms_norm_eps"] = c.normalization_layer_epsilon;
   j["rope_theta"] = c.rope_max_timescale;
-  j["rope_scaling"] = nullptr;
-  j["max_position_embeddings"] = c.max_target_length;
+  if (c.rope_type == "llama3") {
+    j["rope_scaling"] = {{"rope_type", "llama3"},
+                         {"factor", c.rope_factor},
+                         {"low_freq_factor", c.rope_low_freq_factor},
+                         {"high_freq_factor", c.rope_high_freq_factor},
+                         {"original_max_position_embeddings", c.original_max_position_embeddings}};
+    j["max_position_embeddings"] = std::max(c.max_position_embeddings, c.max_target_length);
+  } else {
+    j["rope_scaling"] = nullptr;
+    j["max_position_embeddings"] = c.max_target_length;
+  }
   j["tie_word_embeddings"] = c.logits_via_embedding;
   j["initializer_range"] = c.init_method_std;
   j["torch_dtype"] = torch_dtype;

@@ -35,7 +35,7 @@ const std::map<std::string, std::vector<std::string>>& allowed_values() {
       {"moe_dispatch", {"grouped", "loop"}},
       {"moe_aux_loss_over_layers", {"mean", "sum"}},
       {"attention_type", {"global", "mla", "gla"}},
-      {"rope_type", {"default", "yarn"}},
+      {"rope_type", {"default", "yarn", "llama3"}},
   };
   return table;
 }

@@ -595,7 +595,42 @@ DecoderStackImpl::DecoderStackImpl(const Config& c)
     layers->push_back(DecoderLayer(c, moe_model && i >= c.first_num_dense_layers, i));
   for (int64_t k = 1; k <= c.mtp_num_layers; ++k) layers->push_back(MtpLayer(c, k));
   norm = register_module("norm", RMSNorm(c.base_emb_dim, c.normalization_layer_epsilon));
+  if (c.rope_type == "llama3") scaled_inv_freq_ = model_llama3_rope_inverse_frequencies(c);
   if (c.attention_type == "mla") mla_inv_freq_ = model_mla_rope_inverse_frequencies(c);
+}
+
+// Llama 3.1's RoPE scaling (transformers' rope_type "llama3", MaxText's "llama3.1") over the
+// rotary dims d: with f_i = theta^(-2i/d), wavelength w_i = 2 pi / f_i and the original context L0,
+//   w_i < L0 / high_freq_factor:  f_i kept (turns many times over L0: local order),
+//   w_i > L0 / low_freq_factor:   f_i / factor (long wavelengths stretched to the longer context),
+//   between:  (1 - s) f_i / factor + s f_i,  s = (L0 / w_i - low) / (high - low),
+// s running from 0 at the low-frequency end to 1 at the high one, so the rule is continuous.
+std::vector<double> model_llama3_rope_inverse_frequencies(const Config& c) {
+  const int64_t d = std::llround(c.partial_rotary_factor * static_cast<double>(c.head_dim)), half = d / 2;
+  const double L0 = static_cast<double>(c.original_max_position_embeddings);
+  const double low = c.rope_low_freq_factor, high = c.rope_high_freq_factor;
+  std::vector<double> freq(static_cast<size_t>(half));
+  for (int64_t i = 0; i < half; ++i) {
+    const double f = std::pow(c.rope_max_timescale, -2.0 * static_cast<double>(i) / static_cast<double>(d));
+    const double wavelength = 2 * M_PI / f;
+    if (wavelength < L0 / high) {
+      freq[i] = f;
+    } else if (wavelength > L0 / low) {
+      freq[i] = f / c.rope_factor;
+    } else {
+      const double s = (L0 / wavelength - low) / (high - low);
+      freq[i] = (1 - s) * f / c.rope_factor + s * f;
+    }
+  }
+  return freq;
+}
+
+// Host frequencies as an fp32 tensor on `device`, copied once and then cached: no copy on the step's path.
+static const torch::Tensor& rope_frequencies_on(const std::vector<double>& freq, torch::Tensor& cache,
+                                                const torch::Device& device) {
+  if (!cache.defined() || cache.device() != device)
+    cache = torch::tensor(freq, torch::TensorOptions().dtype(torch::kFloat64)).to(torch::kFloat32).to(device);
+  return cache;
 }
 
 // MLA's RoPE frequencies over qk_rope_head_dim = d dims: theta^(-2i/d), i < d/2. rope_type=yarn
@@ -627,20 +662,16 @@ std::vector<double> model_mla_rope_inverse_frequencies(const Config& c) {
 BlockContext DecoderStackImpl::context(const torch::Tensor& positions, const torch::Tensor& segment_ids,
                                        bool one_segment_per_row) const {
   const auto L = positions.size(1);
-  // RoPE in fp32: inv_freq_i = theta^(-2i/rotary_dim), angle = position * inv_freq.
+  // RoPE in fp32: inv_freq_i = theta^(-2i/rotary_dim) (or rope_type=llama3's), angle = position * inv_freq.
   const auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(positions.device());
   const auto inv_freq =
-      torch::pow(rope_theta_, -torch::arange(0, rotary_dim_, 2, opts) / static_cast<double>(rotary_dim_));
+      scaled_inv_freq_.empty()
+          ? torch::pow(rope_theta_, -torch::arange(0, rotary_dim_, 2, opts) / static_cast<double>(rotary_dim_))
+          : rope_frequencies_on(scaled_inv_freq_, scaled_inv_freq_device_, positions.device());
   BlockContext ctx;
   ctx.rope = model_detail::rope_tables(positions, inv_freq);
-  if (!mla_inv_freq_.empty()) {
-    // Copied to the device once (then cached), not per forward: no copy on the step's path.
-    if (!mla_inv_freq_device_.defined() || mla_inv_freq_device_.device() != positions.device())
-      mla_inv_freq_device_ = torch::tensor(mla_inv_freq_, torch::TensorOptions().dtype(torch::kFloat64))
-                                 .to(torch::kFloat32)
-                                 .to(positions.device());
-    ctx.rope_mla = model_detail::rope_tables(positions, mla_inv_freq_device_);
-  }
+  if (!mla_inv_freq_.empty())
+    ctx.rope_mla = model_detail::rope_tables(positions, rope_frequencies_on(mla_inv_freq_, mla_inv_freq_device_, positions.device()));
   ctx.recompute_elementwise = remat_policy == "minimal" && torch::GradMode::is_enabled();
   ctx.valid = segment_ids != 0;
   if (!one_segment_per_row) ctx.segment_ids = segment_ids;

@@ -360,6 +360,8 @@ class DecoderStackImpl : public torch::nn::Module {
  private:
   int64_t rotary_dim_;
   double rope_theta_;
+  std::vector<double> scaled_inv_freq_;          // (rotary_dim / 2) rope_type=llama3 frequencies; empty otherwise
+  mutable torch::Tensor scaled_inv_freq_device_;  // (rotary_dim / 2) fp32, on the device of the last forward
   std::vector<double> mla_inv_freq_;          // (qk_rope_head_dim / 2) MLA RoPE frequencies; empty unless attention_type=mla
   mutable torch::Tensor mla_inv_freq_device_;  // (qk_rope_head_dim / 2) fp32, on the device of the last forward
 };
@@ -424,6 +426,8 @@ NamedTensors model_checkpoint_views(const NamedTensors& by_parameter, int64_t fi
 
 // MLA's RoPE inverse frequencies (qk_rope_head_dim / 2), rope_type default or yarn (model.cpp).
 std::vector<double> model_mla_rope_inverse_frequencies(const Config& config);
+// The RoPE inverse frequencies of global and GLA layers under rope_type=llama3 (rotary_dim / 2).
+std::vector<double> model_llama3_rope_inverse_frequencies(const Config& config);
 
 // The initial weights from init_weights_seed: every Linear, expert, router and the embedding
 // ~ N(0, init_method_std^2), o_proj and down_proj at init_method_std / sqrt(2 x decoder layers)
