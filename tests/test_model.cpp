@@ -465,7 +465,10 @@ TEST_CASE("rope_type=llama3: Llama 3.1's three frequency bands (hand-derived), w
 
   // What it cannot mean is refused by name.
   CHECK_THROWS_WITH(tiny_config({"rope_type=llama3", "rope_high_freq_factor=1"}),
-                    Catch::Contains("rope_high_freq_factor must be > rope_low_freq_factor (1.0)"));
+                    Catch::Contains("rope_high_freq_factor must be > rope_low_freq_factor = 1.0 (got 1.0)"));
+  // MaxText's names say what they are here.
+  CHECK_THROWS_WITH(tiny_config({"rope_type=llama3.1"}), Catch::Contains("MaxText's llama3.1 is rope_type=llama3 with rope_factor=8"));
+  CHECK_THROWS_WITH(tiny_config({"rope_use_scale=true"}), Catch::Contains("rope_type=llama3"));
   CHECK_THROWS_WITH(tiny_config({"rope_type=llama3", "rope_factor=0.5"}), Catch::Contains("rope_factor must be >= 1"));
   CHECK_THROWS_WITH(tiny_config({"model_name=ling2", "rope_type=llama3"}),
                     Catch::Contains("rope_type=llama3 scales the RoPE of global and GLA layers"));

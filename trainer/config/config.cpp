@@ -47,6 +47,9 @@ const std::map<std::string, std::string>& maxtext_key_notes() {
       {"global_batch_size", "it is derived: per_device_batch_size x data-parallel ranks x gradient_accumulation_steps"},
       {"normalize_embedding_logits", "a tied head ('logits_via_embedding') gives unscaled logits here (Hugging Face's "
                                      "convention), as MaxText's normalize_embedding_logits=false"},
+      {"rope_use_scale", "Llama 3.1's RoPE scaling is rope_type=llama3 (rope_factor, rope_low_freq_factor, "
+                         "rope_high_freq_factor, original_max_position_embeddings); rope_type=default does not scale"},
+      {"rope_linear_scaling_factor", "not supported: linear RoPE scaling (rope_type is default, yarn or llama3)"},
       {"ici_expert_parallelism", "use 'expert_parallelism' (ranks per expert-parallel group)"},
       {"ici_fsdp_parallelism", "use 'data_parallel_sharding' (and 'data_parallel_shard_degree'); the ranks come from the launcher"},
       {"ici_data_parallelism", "data parallelism is the launcher's ranks (mpirun -np, or RANK/WORLD_SIZE)"},
@@ -249,7 +252,7 @@ std::vector<std::string> validation_errors(const Config& c) {
     require(c.rope_factor >= 1, bad_value("rope_factor", "must be >= 1", "rope_type=llama3 divides frequencies by it"));
     require(c.rope_low_freq_factor > 0, bad_value("rope_low_freq_factor", "must be > 0"));
     require(c.rope_high_freq_factor > c.rope_low_freq_factor,
-            bad_value("rope_high_freq_factor", "must be > rope_low_freq_factor (" + find_key("rope_low_freq_factor")->format(c) + ")"));
+            bad_value("rope_high_freq_factor", "must be > rope_low_freq_factor = " + find_key("rope_low_freq_factor")->format(c)));
     positive(c.original_max_position_embeddings, "original_max_position_embeddings");
     positive(c.max_position_embeddings, "max_position_embeddings");
   }

@@ -235,6 +235,14 @@ struct Codec<StringList> {
   }
 };
 
+// A value another trainer spells differently: what to write here instead.
+std::string value_note(const std::string& key, const std::string& value) {
+  if (key == "rope_type" && value == "llama3.1")
+    return " (MaxText's llama3.1 is rope_type=llama3 with rope_factor=8, original_max_position_embeddings=8192, "
+           "rope_low_freq_factor=1, rope_high_freq_factor=4: Llama 3.1's numbers, which it fixes)";
+  return "";
+}
+
 template <typename T>
 KeyInfo make_key(const std::string& name, T Config::*member) {
   KeyInfo info;
@@ -248,7 +256,7 @@ KeyInfo make_key(const std::string& name, T Config::*member) {
     T value = Codec<T>::parse(name, node, source);
     if constexpr (std::is_same_v<T, std::string>) {
       if (!allowed.empty() && std::find(allowed.begin(), allowed.end(), value) == allowed.end())
-        bad_value(name, node, source, "one of: " + join(allowed));
+        bad_value(name, node, source, "one of: " + join(allowed) + value_note(name, value));
     }
     if constexpr (std::is_same_v<T, StringList>) {
       for (const auto& item : value)
