@@ -2,7 +2,8 @@
 """Hugging Face checkpoints in and out, checked against an independent reference forward.
 
 The reference below is written from the Hugging Face modeling code's semantics, not from the
-trainer: transformers' LlamaForCausalLM and Qwen3ForCausalLM (QK norm on each head before RoPE),
+trainer: transformers' LlamaForCausalLM, Qwen3ForCausalLM (QK norm on each head before RoPE) and
+Qwen3MoeForCausalLM (softmax top-k routing over experts, dense layers listed in mlp_only_layers),
 and inclusionAI's BailingMoeV2ForCausalLM (Ling-V2 models/modeling_bailing_moe_v2.py): fused
 query_key_value, partial RoPE on the first rotary_dim channels of a head, sigmoid fp32 router whose
 expert_bias only selects, group-limited top-k (a group scores the sum of its best 2 biased scores),
@@ -16,6 +17,8 @@ Cases (each run by ctest; every one creates and removes its own temporary direct
                             the trainer with model_name=hf: its logits (and MTP logits) must equal
                             the reference to 1e-5.
   llama3                    llama with Llama 3.1+'s RoPE scaling (rope_scaling rope_type "llama3").
+  qwen3_moe                 transformers' Qwen3MoeForCausalLM: a dense first layer (mlp_only_layers),
+                            then softmax top-k routing over experts without shared ones or bias.
   round_trip_<model>        the trainer trains <model> for 3 steps, exports --export-hf, loads the
                             export with model_name=hf: identical logits; the reference on the
                             export agrees to 1e-5.
@@ -103,6 +106,11 @@ def tiny_config(arch):
     if arch == "qwen3":  # head_dim is not hidden_size / heads in Qwen3
         return dict(common, architectures=["Qwen3ForCausalLM"], model_type="qwen3", num_hidden_layers=2,
                     head_dim=16, rope_theta=1000000.0, tie_word_embeddings=True)
+    if arch == "qwen3_moe":  # the first layer dense (mlp_only_layers), softmax top-2 of 8, renormalized
+        return dict(common, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_hidden_layers=3,
+                    head_dim=16, rope_theta=1000000.0, tie_word_embeddings=False, num_experts=8,
+                    num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True, decoder_sparse_step=1,
+                    mlp_only_layers=[0])
     return dict(common, architectures=["BailingMoeV2ForCausalLM"], model_type="bailing_moe_v2", num_hidden_layers=3,
                 head_dim=16, rope_theta=600000.0, tie_word_embeddings=False, partial_rotary_factor=0.5,
                 use_qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -150,17 +158,19 @@ def random_weights(cfg, generator):
             return
         E, Fm = cfg["num_experts"], cfg["moe_intermediate_size"]
         linear(p + "mlp.gate.weight", E, D, scale=1.0)
-        # A bias of the size of the score differences, so that it changes selections.
-        w[p + "mlp.gate.expert_bias"] = 0.3 * torch.randn(E, generator=generator, dtype=torch.float64)
         for e in range(E):
             mlp(p + "mlp.experts.%d." % e, Fm)
+        if not bailing:  # Qwen3Moe: no bias, no shared expert
+            return
+        # A bias of the size of the score differences, so that it changes selections.
+        w[p + "mlp.gate.expert_bias"] = 0.3 * torch.randn(E, generator=generator, dtype=torch.float64)
         mlp(p + "mlp.shared_experts.", Fm * cfg["num_shared_experts"])
 
     w["model.word_embeddings.weight" if bailing else "model.embed_tokens.weight"] = torch.randn(
         V, D, generator=generator, dtype=torch.float64)
     N = cfg["num_hidden_layers"]
     for i in range(N):
-        layer("model.layers.%d." % i, bailing and i >= cfg["first_k_dense_replace"])
+        layer("model.layers.%d." % i, moe_layer(cfg, i))
     for k in range(cfg.get("num_nextn_predict_layers", 0)):
         p = "model.layers.%d." % (N + k)
         layer(p, True)
@@ -174,13 +184,23 @@ def random_weights(cfg, generator):
     return w
 
 
+def moe_layer(cfg, i):
+    """Whether decoder layer i holds a MoE block: Bailing's after first_k_dense_replace; Qwen3Moe's
+    where i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0."""
+    if cfg["architectures"][0].startswith("Bailing"):
+        return i >= cfg["first_k_dense_replace"]
+    if cfg["architectures"][0] == "Qwen3MoeForCausalLM":
+        return i not in cfg.get("mlp_only_layers", []) and (i + 1) % cfg.get("decoder_sparse_step", 1) == 0
+    return False
+
+
 # ---- the reference forward ----------------------------------------------------------------------
 class Reference:
     def __init__(self, cfg, weights):
         self.c = cfg
         self.w = {n: t.to(torch.float64) for n, t in weights.items()}
         self.bailing = cfg["architectures"][0].startswith("Bailing")
-        self.qwen3 = cfg["architectures"][0].startswith("Qwen3")
+        self.qwen3 = cfg["architectures"][0].startswith("Qwen3")  # Qwen3 and Qwen3Moe: q/k norms
         self.hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         self.group_limited_changes = 0  # tokens whose experts group-limited routing changed
         self.bias_changes = 0           # tokens whose experts the expert bias changed
@@ -238,8 +258,22 @@ class Reference:
         gate, up = x @ self.w[p + "gate_proj.weight"].T, x @ self.w[p + "up_proj.weight"].T
         return (torch.nn.functional.silu(gate) * up) @ self.w[p + "down_proj.weight"].T
 
+    def softmax_moe(self, p, x):  # transformers' Qwen3MoeSparseMoeBlock
+        c = self.c
+        k = c["num_experts_per_tok"]
+        weights, chosen = torch.softmax(x @ self.w[p + "mlp.gate.weight"].T, dim=-1).topk(k, dim=-1)  # (T, k)
+        if c.get("norm_topk_prob", False):
+            weights = weights / weights.sum(-1, keepdim=True)
+        y = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for j in range(k):
+                y[t] += weights[t, j] * self.mlp(p + "mlp.experts.%d." % chosen[t, j].item(), x[t:t + 1])[0]
+        return y
+
     def moe(self, p, x):
         c = self.c
+        if not self.bailing:
+            return self.softmax_moe(p, x)
         E, k, G, kept = c["num_experts"], c["num_experts_per_tok"], c["n_group"], c["topk_group"]
         scores = torch.sigmoid(x @ self.w[p + "mlp.gate.weight"].T)  # (T, E)
         biased = scores + self.w[p + "mlp.gate.expert_bias"]
@@ -280,7 +314,7 @@ class Reference:
         h = embedding[ids]
         N = c["num_hidden_layers"]
         for i in range(N):
-            h = self.block("model.layers.%d." % i, h, self.bailing and i >= c["first_k_dense_replace"], cos, sin)
+            h = self.block("model.layers.%d." % i, h, moe_layer(c, i), cos, sin)
         h = self.norm(h, "model.norm.weight")
         out = {"logits": self.head(h)}
         for k in range(c.get("num_nextn_predict_layers", 0) if self.bailing else 0):
@@ -371,6 +405,8 @@ def case_round_trip(args, work, model_args):
 ROUND_TRIPS = {
     "round_trip_ling_mini_tiny": ["model_name=ling-mini-tiny"],
     "round_trip_qwen3": ["override_model_config=true", "use_qk_norm=true", "logits_via_embedding=true"],
+    # moe-tiny (softmax top-2 of 8 after a dense layer) as Qwen3Moe: q/k norms on, no shared expert.
+    "round_trip_qwen3_moe": ["model_name=moe-tiny", "override_model_config=true", "use_qk_norm=true", "shared_experts=0"],
     "round_trip_llama": [],
     # The default model's 32-dim heads at theta 10000 have wavelengths 6.3 .. 4.4e4: an original
     # context of 64 with factors 2 / 8 puts dims in all three bands.
@@ -384,12 +420,12 @@ EXPORTED_SCALING = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 2.0
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trainer", required=True)
-    parser.add_argument("case", choices=["llama", "llama3", "qwen3", "bailing"] + sorted(ROUND_TRIPS))
+    parser.add_argument("case", choices=["llama", "llama3", "qwen3", "qwen3_moe", "bailing"] + sorted(ROUND_TRIPS))
     args = parser.parse_args()
     torch.set_num_threads(1)
     work = tempfile.mkdtemp(prefix="trainer-hf-")
     try:
-        ok = case_random(args, work, args.case) if args.case in ("llama", "llama3", "qwen3", "bailing") else \
+        ok = case_random(args, work, args.case) if args.case in ("llama", "llama3", "qwen3", "qwen3_moe", "bailing") else \
             case_round_trip(args, work, ROUND_TRIPS[args.case])
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -1260,6 +1260,28 @@ TEST_CASE("Hugging Face config.json: fields left out take their config class's d
   CHECK(k["head_dim"] == "128");
   k = keys_of("qwen3-null", R"({"architectures": ["Qwen3ForCausalLM"], )" + core + R"(, "num_key_value_heads": null})");
   CHECK(k["base_num_kv_heads"] == "8");
+  const std::string qwen3_moe = R"({"architectures": ["Qwen3MoeForCausalLM"], )" + core;
+  k = keys_of("qwen3-moe-absent", qwen3_moe + "}");
+  CHECK(k["base_num_kv_heads"] == "4");  // Qwen3MoeConfig: num_key_value_heads=4, no head_dim field
+  CHECK(k["head_dim"] == "8");
+  CHECK(k["num_experts"] == "128");      // num_experts=128, top-8 of 768-wide, norm_topk_prob=False
+  CHECK(k["num_experts_per_tok"] == "8");
+  CHECK(k["base_moe_mlp_dim"] == "768");
+  CHECK(k["norm_topk_prob"] == "false");
+  CHECK(k["routed_score_func"] == "softmax");
+  CHECK(k["shared_experts"] == "0");
+  CHECK(k["routed_bias"] == "false");
+  CHECK(k["use_qk_norm"] == "true");
+  CHECK(k["first_num_dense_layers"] == "0");
+  k = keys_of("qwen3-moe-dense-first", qwen3_moe + R"(, "mlp_only_layers": [0, 1], "norm_topk_prob": true})");
+  CHECK(k["first_num_dense_layers"] == "2");
+  CHECK(k["norm_topk_prob"] == "true");
+  CHECK_THROWS_WITH(keys_of("qwen3-moe-dense-later", qwen3_moe + R"(, "mlp_only_layers": [1]})"),
+                    Catch::Contains("field 'mlp_only_layers' is [1]: the trainer's dense layers are the first k"));
+  CHECK_THROWS_WITH(keys_of("qwen3-moe-sparse-step", qwen3_moe + R"(, "decoder_sparse_step": 2})"),
+                    Catch::Contains("field 'decoder_sparse_step' is 2"));
+  CHECK_THROWS_WITH(keys_of("qwen3-moe-one-expert", qwen3_moe + R"(, "num_experts": 1})"),
+                    Catch::Contains("field 'num_experts' must be >= 2"));
   k = keys_of("llama-absent", R"({"architectures": ["LlamaForCausalLM"], )" + core + "}");
   CHECK(k["base_num_kv_heads"] == "8");  // LlamaConfig derives both
   CHECK(k["head_dim"] == "8");
@@ -1375,7 +1397,12 @@ TEST_CASE("Hugging Face directories: config.json round trips the model keys, and
   CHECK_THAT(rope.other[0], Catch::Contains("rope_theta") && Catch::Contains("rope_max_timescale: 10000"));
 
   // What no supported architecture can hold is refused on export, naming the key.
-  CHECK_THROWS_WITH(hf_architecture(tiny_config({"model_name=moe-tiny"})), Catch::Contains("routed_score_func"));
+  // Softmax routing is Qwen3MoeForCausalLM's, which has no shared expert and normalizes q and k.
+  CHECK_THROWS_WITH(hf_architecture(tiny_config({"model_name=moe-tiny"})), Catch::Contains("use_qk_norm is false"));
+  CHECK_THROWS_WITH(hf_architecture(tiny_config({"model_name=moe-tiny", "override_model_config=true", "use_qk_norm=true"})),
+                    Catch::Contains("shared_experts is 1, which Qwen3MoeForCausalLM"));
+  CHECK(hf_architecture(tiny_config({"model_name=moe-tiny", "override_model_config=true", "use_qk_norm=true",
+                                     "shared_experts=0"})) == "Qwen3MoeForCausalLM");
   CHECK_THROWS_WITH(hf_architecture(tiny_config({"override_model_config=true", "partial_rotary_factor=0.5"})),
                     Catch::Contains("partial_rotary_factor"));
   CHECK(hf_architecture(tiny_config()) == "LlamaForCausalLM");

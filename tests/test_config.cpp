@@ -574,6 +574,10 @@ TEST_CASE("parameter counts from the config alone", "[config][model]") {
   CHECK(count("llama2-7b") == 6738415616LL);
   CHECK(count("qwen3-0.6b") == 596049920LL);
   CHECK(count("llama3.1-8b") == 8030261248LL);
+  // Qwen3-30B-A3B: its model card says 30.5B in total and 3.3B activated.
+  CHECK(count("qwen3-30b-a3b") == 30532122624LL);
+  CHECK(model_size(config_load(source_path("configs/base.yml"), {"model_name=qwen3-30b-a3b"}, {})).active_params ==
+        3353032704LL);
   // Ling 2.0 as published by inclusionAI (total and active, without the MTP depth), and what the
   // MoE MTP depth adds. (`ling2`, the RFC's hybrid, is counted by hand in test_hybrid_attention.cpp.)
   const auto without_mtp = [](const std::string& model) {

@@ -1,6 +1,7 @@
 // Hugging Face model directories in and out (see ckpt.h): tensor names per architecture, sharded
 // safetensors with their index. The names are those of the Hugging Face modeling code:
-// transformers' Llama and Qwen3, and inclusionAI's modeling_bailing_moe_v2.py for Ling 2.0.
+// transformers' Llama, Qwen3 and Qwen3Moe (ours, but for the router's bias), and inclusionAI's
+// modeling_bailing_moe_v2.py for Ling 2.0.
 #include <unistd.h>
 
 #include <algorithm>
@@ -51,16 +52,20 @@ const std::vector<std::pair<std::string, std::string>> kBailingParts = {
 const std::string kQ = ".self_attn.q_proj.weight", kK = ".self_attn.k_proj.weight", kV = ".self_attn.v_proj.weight";
 const std::string kQkv = ".attention.query_key_value.weight";
 
-const std::string kBailing = "BailingMoeV2ForCausalLM";
+const std::string kBailing = "BailingMoeV2ForCausalLM", kQwen3Moe = "Qwen3MoeForCausalLM";
 
 }  // namespace
 
 NamedTensors hf_tensors_from_checkpoint(const Config& c, const NamedTensors& model) {
-  const bool bailing = hf_architecture(c) == kBailing;
+  const std::string architecture = hf_architecture(c);
+  const bool bailing = architecture == kBailing;
   std::map<std::string, torch::Tensor> by_name(model.begin(), model.end());
   NamedTensors out;
   for (const auto& [name, tensor] : model) {
     if (c.logits_via_embedding && name == "lm_head.weight") continue;
+    // Qwen3Moe's router has no bias (routed_bias is false there: ours is all zeros, and a load
+    // without it keeps the buffer's zeros).
+    if (architecture == kQwen3Moe && ends_with(name, ".mlp.gate.e_score_correction_bias")) continue;
     if (!bailing) {
       out.emplace_back(name, tensor);
       continue;

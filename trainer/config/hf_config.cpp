@@ -27,7 +27,8 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-const std::string kLlama = "LlamaForCausalLM", kQwen3 = "Qwen3ForCausalLM", kBailing = "BailingMoeV2ForCausalLM";
+const std::string kLlama = "LlamaForCausalLM", kQwen3 = "Qwen3ForCausalLM", kQwen3Moe = "Qwen3MoeForCausalLM",
+                  kBailing = "BailingMoeV2ForCausalLM";
 
 // One translated key: our key, its YAML text, the config.json field it came from, and whether a
 // difference changes the shapes of the weights (an error) or only what they compute (a warning).
@@ -81,8 +82,9 @@ class ConfigJson {
         !root_["architectures"][0].is_string())
       fail("architectures", "must list the model class, e.g. [\"LlamaForCausalLM\"]");
     const auto name = root_["architectures"][0].get<std::string>();
-    if (name != kLlama && name != kQwen3 && name != kBailing)
-      fail("architectures", "names " + name + "; the trainer reads " + kLlama + ", " + kQwen3 + " and " + kBailing);
+    if (name != kLlama && name != kQwen3 && name != kQwen3Moe && name != kBailing)
+      fail("architectures", "names " + name + "; the trainer reads " + kLlama + ", " + kQwen3 + ", " + kQwen3Moe + " and " +
+                                kBailing);
     return name;
   }
   // A feature the trainer does not implement must be off (absent, null, false, or `off`).
@@ -223,9 +225,11 @@ std::vector<Translated> translate(const ConfigJson& f) {
   // (transformers' Qwen3Config, inclusionAI's BailingMoeV2Config; LlamaConfig derives both): kv
   // heads 32 (Qwen3) or 4 (Bailing), head_dim 128. Written as null it means the query heads, and
   // hidden / heads (a Bailing head_dim of 0 too).
-  const bool qwen3 = arch == kQwen3;
+  // Qwen3MoeConfig: kv heads 4, and no head_dim field of its own (hidden / heads when left out).
+  const bool qwen3 = arch == kQwen3, qwen3_moe = arch == kQwen3Moe;
   const int64_t derived_head_dim = f.integer("hidden_size") / heads;
-  add_int("base_num_kv_heads", "num_key_value_heads", f.present("num_key_value_heads") ? heads : bailing ? 4 : qwen3 ? 32 : heads);
+  add_int("base_num_kv_heads", "num_key_value_heads",
+          f.present("num_key_value_heads") ? heads : bailing || qwen3_moe ? 4 : qwen3 ? 32 : heads);
   const int64_t head_dim = f.integer("head_dim", f.present("head_dim") || !(bailing || qwen3) ? derived_head_dim : 128);
   add("head_dim", std::to_string(bailing && head_dim == 0 ? derived_head_dim : head_dim), "head_dim", true);
   add_int("base_mlp_dim", "intermediate_size");
@@ -248,7 +252,7 @@ std::vector<Translated> translate(const ConfigJson& f) {
     // (left out: the config class's default, LlamaConfig's 2048, Qwen3Config's and BailingMoeV2Config's 32768).
     add_int("max_position_embeddings", "max_position_embeddings", arch == kLlama ? 2048 : 32768);
   }
-  const bool qk_norm = arch == kQwen3 || (bailing && f.boolean("use_qk_norm", true));
+  const bool qk_norm = qwen3 || qwen3_moe || (bailing && f.boolean("use_qk_norm", true));
   add("use_qk_norm", qk_norm ? "true" : "false", bailing ? "use_qk_norm" : "architectures", true);
   add("logits_via_embedding", f.boolean("tie_word_embeddings", false) ? "true" : "false", "tie_word_embeddings", true);
 
@@ -288,6 +292,36 @@ std::vector<Translated> translate(const ConfigJson& f) {
     add("topk_routing_group", off ? "-1" : std::to_string(kept), "topk_group", false);
     add("routed_bias", f.boolean("moe_router_enable_expert_bias", true) ? "true" : "false",
         "moe_router_enable_expert_bias", false);
+  } else if (qwen3_moe) {
+    // Qwen3MoeSparseMoeBlock: softmax over all experts in fp32, top-k, renormalized only with
+    // norm_topk_prob (default false); no shared expert, no bias, no groups, no scaling.
+    const int64_t experts = f.integer("num_experts", 128), top_k = f.integer("num_experts_per_tok", 8);
+    if (experts < 2) f.fail("num_experts", "must be >= 2, not " + std::to_string(experts) + " (a model of one expert is dense)");
+    if (top_k < 1 || top_k > experts)
+      f.fail("num_experts_per_tok", "must be in [1, num_experts " + std::to_string(experts) + "], not " + std::to_string(top_k));
+    if (const int64_t step = f.integer("decoder_sparse_step", 1); step != 1)
+      f.fail("decoder_sparse_step", "is " + std::to_string(step) + ": MoE layers every " + std::to_string(step) +
+                                        " layers are not implemented (the trainer's dense layers come first, then all MoE)");
+    // mlp_only_layers: dense layers, which the trainer puts first: [0, k) only.
+    int64_t dense = 0;
+    if (f.has("mlp_only_layers")) {
+      const json& layers = f.root_["mlp_only_layers"];
+      if (!layers.is_array()) f.fail("mlp_only_layers", "must be a list of layer indices, not " + layers.dump());
+      for (const auto& layer : layers)
+        if (!layer.is_number_integer() || layer.get<int64_t>() != dense++)
+          f.fail("mlp_only_layers", "is " + layers.dump() + ": the trainer's dense layers are the first k ([0, 1, ..., k-1])");
+    }
+    add("num_experts", std::to_string(experts), "num_experts", true);
+    add("num_experts_per_tok", std::to_string(top_k), "num_experts_per_tok", false);
+    add_int("base_moe_mlp_dim", "moe_intermediate_size", 768);
+    add("shared_experts", "0", "architectures", true);
+    add("first_num_dense_layers", std::to_string(dense), "mlp_only_layers", true);
+    add("routed_score_func", "softmax", "architectures", false);
+    add("norm_topk_prob", f.boolean("norm_topk_prob", false) ? "true" : "false", "norm_topk_prob", false);
+    add("routed_scaling_factor", "1.0", "architectures", false);
+    add("n_routing_groups", "-1", "architectures", false);
+    add("topk_routing_group", "-1", "architectures", false);
+    add("routed_bias", "false", "architectures", false);
   } else {
     add("num_experts", "1", bailing ? "num_experts" : "architectures", true);
     add("first_num_dense_layers", "0", "architectures", true);
@@ -335,9 +369,22 @@ std::string hf_architecture(const Config& c) {
   if (c.moe_shared_expert_dim > 0 && c.moe_shared_expert_dim != c.base_moe_mlp_dim)
     refuse("moe_shared_expert_dim (" + std::to_string(c.moe_shared_expert_dim) +
            ") differs from base_moe_mlp_dim; BailingMoeV2's shared expert has the routed experts' width");
-  if (c.num_experts > 1) {
-    if (c.routed_score_func != "sigmoid")
-      refuse("routed_score_func is " + c.routed_score_func + "; BailingMoeV2ForCausalLM routes by sigmoid scores");
+  if (c.num_experts > 1 && c.routed_score_func == "softmax") {
+    // Qwen3MoeForCausalLM: softmax routing over every expert, the rest of the Ling machinery off.
+    const auto qwen3_moe_needs = [&](bool ok, const std::string& what) {
+      if (!ok) refuse(what + ", which Qwen3MoeForCausalLM (the architecture of softmax routing) has not (BailingMoeV2 routes by sigmoid)");
+    };
+    if (!c.use_qk_norm) refuse("use_qk_norm is false; Qwen3MoeForCausalLM (the architecture of softmax routing) normalizes q and k");
+    qwen3_moe_needs(c.shared_experts == 0, "shared_experts is " + std::to_string(c.shared_experts));
+    qwen3_moe_needs(!c.routed_bias, "routed_bias is true: an expert bias");
+    qwen3_moe_needs(c.n_routing_groups == -1, "n_routing_groups is " + std::to_string(c.n_routing_groups) + ": group-limited routing");
+    qwen3_moe_needs(c.routed_scaling_factor == 1.0, "routed_scaling_factor is " + number_text(c.routed_scaling_factor));
+    qwen3_moe_needs(c.mtp_num_layers == 0, "mtp_num_layers is " + std::to_string(c.mtp_num_layers) + ": MTP layers");
+    qwen3_moe_needs(c.partial_rotary_factor == 1.0,
+                    "partial_rotary_factor is " + number_text(c.partial_rotary_factor) + ": partial RoPE");
+    return kQwen3Moe;
+  }
+  if (c.num_experts > 1) {  // sigmoid scores: BailingMoeV2ForCausalLM
     if (c.norm_topk_prob != (c.num_experts_per_tok > 1))
       refuse(std::string("norm_topk_prob is ") + (c.norm_topk_prob ? "true" : "false") +
              "; BailingMoeV2ForCausalLM renormalizes the top-k weights exactly when num_experts_per_tok > 1");
@@ -359,7 +406,7 @@ std::string hf_config_json(const Config& c, const std::string& torch_dtype) {
   const std::string arch = hf_architecture(c);
   json j;
   j["architectures"] = {arch};
-  j["model_type"] = arch == kLlama ? "llama" : arch == kQwen3 ? "qwen3" : "bailing_moe_v2";
+  j["model_type"] = arch == kLlama ? "llama" : arch == kQwen3 ? "qwen3" : arch == kQwen3Moe ? "qwen3_moe" : "bailing_moe_v2";
   if (arch == kBailing) {
     // inclusionAI's modeling code is not part of transformers: copy configuration_bailing_moe_v2.py
     // and modeling_bailing_moe_v2.py next to this file and load with trust_remote_code=True.
@@ -425,7 +472,17 @@ std::string hf_config_json(const Config& c, const std::string& torch_dtype) {
   } else {
     j["attention_bias"] = false;
     j["mlp_bias"] = false;
-    if (arch == kQwen3) j["use_sliding_window"] = false;
+    if (arch == kQwen3 || arch == kQwen3Moe) j["use_sliding_window"] = false;
+  }
+  if (arch == kQwen3Moe) {
+    j["num_experts"] = c.num_experts;
+    j["num_experts_per_tok"] = c.num_experts_per_tok;
+    j["moe_intermediate_size"] = c.base_moe_mlp_dim;
+    j["norm_topk_prob"] = c.norm_topk_prob;
+    j["decoder_sparse_step"] = 1;
+    json dense = json::array();
+    for (int64_t i = 0; i < c.first_num_dense_layers; ++i) dense.push_back(i);
+    j["mlp_only_layers"] = dense;
   }
   return j.dump(2) + "\n";
 }
