@@ -17,6 +17,9 @@ Cases (each run by ctest; every one creates and removes its own temporary direct
                             the trainer with model_name=hf: its logits (and MTP logits) must equal
                             the reference to 1e-5.
   llama3                    llama with Llama 3.1+'s RoPE scaling (rope_scaling rope_type "llama3").
+  deepseek_v3               transformers' DeepseekV3ForCausalLM: MLA (low-rank q, latent norms at 1e-6,
+                            interleaved RoPE on the rope dims), sigmoid group-limited routing with
+                            e_score_correction_bias, shared experts; a stored MTP layer is skipped.
   qwen3_moe                 transformers' Qwen3MoeForCausalLM: a dense first layer (mlp_only_layers),
                             then softmax top-k routing over experts without shared ones or bias.
   round_trip_<model>        the trainer trains <model> for 3 steps, exports --export-hf, loads the
@@ -106,6 +109,13 @@ def tiny_config(arch):
     if arch == "qwen3":  # head_dim is not hidden_size / heads in Qwen3
         return dict(common, architectures=["Qwen3ForCausalLM"], model_type="qwen3", num_hidden_layers=2,
                     head_dim=16, rope_theta=1000000.0, tie_word_embeddings=True)
+    if arch == "deepseek_v3":  # MLA (low-rank q, interleaved RoPE) with a dense first layer, then MoE
+        return dict(common, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", num_hidden_layers=3,
+                    num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+                    q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                    rope_interleave=True, max_position_embeddings=64, n_routed_experts=8, num_experts_per_tok=2,
+                    moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+                    routed_scaling_factor=2.5, norm_topk_prob=True)
     if arch == "qwen3_moe":  # the first layer dense (mlp_only_layers), softmax top-2 of 8, renormalized
         return dict(common, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_hidden_layers=3,
                     head_dim=16, rope_theta=1000000.0, tie_word_embeddings=False, num_experts=8,
@@ -122,6 +132,7 @@ def tiny_config(arch):
 def random_weights(cfg, generator):
     """Every tensor the architecture's modeling code holds, with the names it gives them."""
     bailing = cfg["architectures"][0].startswith("Bailing")
+    deepseek = cfg["architectures"][0] == "DeepseekV3ForCausalLM"
     D, V, F = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
     Hq, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg.get("head_dim") or D // Hq
@@ -141,7 +152,20 @@ def random_weights(cfg, generator):
     def layer(p, moe):
         norm(p + "input_layernorm.weight", D)
         norm(p + "post_attention_layernorm.weight", D)
-        if bailing:
+        if deepseek:
+            c = cfg
+            qk, rank = c["qk_nope_head_dim"] + c["qk_rope_head_dim"], c["q_lora_rank"]
+            if rank:
+                linear(p + "self_attn.q_a_proj.weight", rank, D)
+                norm(p + "self_attn.q_a_layernorm.weight", rank)
+                linear(p + "self_attn.q_b_proj.weight", Hq * qk, rank)
+            else:
+                linear(p + "self_attn.q_proj.weight", Hq * qk, D)
+            linear(p + "self_attn.kv_a_proj_with_mqa.weight", c["kv_lora_rank"] + c["qk_rope_head_dim"], D)
+            norm(p + "self_attn.kv_a_layernorm.weight", c["kv_lora_rank"])
+            linear(p + "self_attn.kv_b_proj.weight", Hq * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"])
+            linear(p + "self_attn.o_proj.weight", D, Hq * c["v_head_dim"])
+        elif bailing:
             linear(p + "attention.query_key_value.weight", (Hq + 2 * Hkv) * hd, D)
             linear(p + "attention.dense.weight", D, Hq * hd)
             norm(p + "attention.query_layernorm.weight", hd)
@@ -156,15 +180,16 @@ def random_weights(cfg, generator):
         if not moe:
             mlp(p + "mlp.", F)
             return
-        E, Fm = cfg["num_experts"], cfg["moe_intermediate_size"]
+        E, Fm = cfg["n_routed_experts" if deepseek else "num_experts"], cfg["moe_intermediate_size"]
         linear(p + "mlp.gate.weight", E, D, scale=1.0)
         for e in range(E):
             mlp(p + "mlp.experts.%d." % e, Fm)
-        if not bailing:  # Qwen3Moe: no bias, no shared expert
+        if not (bailing or deepseek):  # Qwen3Moe: no bias, no shared expert
             return
         # A bias of the size of the score differences, so that it changes selections.
-        w[p + "mlp.gate.expert_bias"] = 0.3 * torch.randn(E, generator=generator, dtype=torch.float64)
-        mlp(p + "mlp.shared_experts.", Fm * cfg["num_shared_experts"])
+        bias = "mlp.gate.e_score_correction_bias" if deepseek else "mlp.gate.expert_bias"
+        w[p + bias] = 0.3 * torch.randn(E, generator=generator, dtype=torch.float64)
+        mlp(p + "mlp.shared_experts.", Fm * cfg["n_shared_experts" if deepseek else "num_shared_experts"])
 
     w["model.word_embeddings.weight" if bailing else "model.embed_tokens.weight"] = torch.randn(
         V, D, generator=generator, dtype=torch.float64)
@@ -187,7 +212,7 @@ def random_weights(cfg, generator):
 def moe_layer(cfg, i):
     """Whether decoder layer i holds a MoE block: Bailing's after first_k_dense_replace; Qwen3Moe's
     where i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0."""
-    if cfg["architectures"][0].startswith("Bailing"):
+    if cfg["architectures"][0].startswith("Bailing") or cfg["architectures"][0] == "DeepseekV3ForCausalLM":
         return i >= cfg["first_k_dense_replace"]
     if cfg["architectures"][0] == "Qwen3MoeForCausalLM":
         return i not in cfg.get("mlp_only_layers", []) and (i + 1) % cfg.get("decoder_sparse_step", 1) == 0
@@ -201,15 +226,19 @@ class Reference:
         self.w = {n: t.to(torch.float64) for n, t in weights.items()}
         self.bailing = cfg["architectures"][0].startswith("Bailing")
         self.qwen3 = cfg["architectures"][0].startswith("Qwen3")  # Qwen3 and Qwen3Moe: q/k norms
+        self.deepseek = cfg["architectures"][0] == "DeepseekV3ForCausalLM"
         self.hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         self.group_limited_changes = 0  # tokens whose experts group-limited routing changed
         self.bias_changes = 0           # tokens whose experts the expert bias changed
 
-    def norm(self, x, name):
-        return self.w[name] * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.c["rms_norm_eps"]))
+    def norm(self, x, name, eps=None):
+        eps = self.c["rms_norm_eps"] if eps is None else eps
+        return self.w[name] * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
     def rope(self, length):
         dim = int(self.hd * self.c.get("partial_rotary_factor", 1.0) if self.bailing else self.hd)
+        if self.deepseek:  # MLA rotates its qk_rope_head_dim part only
+            dim = self.c["qk_rope_head_dim"]
         inv_freq = 1.0 / (self.c["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
         scaling = self.c.get("rope_scaling") or {"rope_type": "default"}
         if scaling["rope_type"] == "llama3":  # transformers' _compute_llama3_parameters
@@ -233,7 +262,34 @@ class Reference:
         half = torch.cat((-rot[..., rd // 2:], rot[..., :rd // 2]), dim=-1)
         return torch.cat((rot * cos + half * sin, passed), dim=-1)
 
+    def mla_attention(self, p, x, cos, sin):  # transformers' DeepseekV3Attention, no RoPE scaling
+        c, L, H = self.c, x.shape[0], self.c["num_attention_heads"]
+        nope, rope, vd, rank = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
+        w = lambda name: self.w[p + "self_attn." + name + ".weight"]  # noqa: E731
+        if c.get("q_lora_rank"):  # its latent norms: RMSNorm's default eps 1e-6
+            q = self.norm(x @ w("q_a_proj").T, p + "self_attn.q_a_layernorm.weight", 1e-6) @ w("q_b_proj").T
+        else:
+            q = x @ w("q_proj").T
+        q = q.view(L, H, nope + rope).transpose(0, 1)                      # (H, L, nope + rope)
+        q_pass, q_rot = q.split([nope, rope], dim=-1)
+        k_pass, k_rot = (x @ w("kv_a_proj_with_mqa").T).split([rank, rope], dim=-1)
+        kv = (self.norm(k_pass, p + "self_attn.kv_a_layernorm.weight", 1e-6) @ w("kv_b_proj").T)
+        k_pass, v = kv.view(L, H, nope + vd).transpose(0, 1).split([nope, vd], dim=-1)
+        k_rot = k_rot.view(1, L, rope)
+        if c.get("rope_interleave", True):  # pairs (2i, 2i+1) -> halves, then rotate_half
+            q_rot = q_rot.reshape(H, L, rope // 2, 2).transpose(-1, -2).reshape(H, L, rope)
+            k_rot = k_rot.reshape(1, L, rope // 2, 2).transpose(-1, -2).reshape(1, L, rope)
+        q_rot, k_rot = self.apply_rope(q_rot, cos, sin), self.apply_rope(k_rot, cos, sin)
+        q = torch.cat((q_pass, q_rot), dim=-1)
+        k = torch.cat((k_pass, k_rot.expand(H, L, rope)), dim=-1)
+        scores = q @ k.transpose(1, 2) * (nope + rope) ** -0.5
+        scores = scores.masked_fill(torch.triu(torch.ones(L, L, dtype=torch.bool), 1), float("-inf"))
+        y = (scores.softmax(-1) @ v).transpose(0, 1).reshape(L, H * vd)
+        return y @ w("o_proj").T
+
     def attention(self, p, x, cos, sin):
+        if self.deepseek:
+            return self.mla_attention(p, x, cos, sin)
         L, Hq, Hkv, hd = x.shape[0], self.c["num_attention_heads"], self.c["num_key_value_heads"], self.hd
         if self.bailing:
             qkv = (x @ self.w[p + "attention.query_key_value.weight"].T).view(L, Hq + 2 * Hkv, hd)
@@ -272,11 +328,12 @@ class Reference:
 
     def moe(self, p, x):
         c = self.c
-        if not self.bailing:
+        if not (self.bailing or self.deepseek):
             return self.softmax_moe(p, x)
-        E, k, G, kept = c["num_experts"], c["num_experts_per_tok"], c["n_group"], c["topk_group"]
+        E = c["n_routed_experts" if self.deepseek else "num_experts"]
+        k, G, kept = c["num_experts_per_tok"], c["n_group"], c["topk_group"]
         scores = torch.sigmoid(x @ self.w[p + "mlp.gate.weight"].T)  # (T, E)
-        biased = scores + self.w[p + "mlp.gate.expert_bias"]
+        biased = scores + self.w[p + ("mlp.gate.e_score_correction_bias" if self.deepseek else "mlp.gate.expert_bias")]
         group_scores = biased.view(-1, G, E // G).topk(2, dim=-1)[0].sum(-1)        # (T, G)
         best_groups = group_scores.topk(kept, dim=-1)[1]
         group_mask = torch.zeros_like(group_scores).scatter_(1, best_groups, 1).bool()
@@ -287,7 +344,8 @@ class Reference:
             self.group_limited_changes += set(chosen[t].tolist()) != set(ungrouped[t].tolist())
             self.bias_changes += set(ungrouped[t].tolist()) != set(unbiased[t].tolist())
         weights = scores.gather(1, chosen)
-        if k > 1:
+        # BailingMoeV2Gate renormalizes when k > 1; DeepseekV3MoE when norm_topk_prob says so.
+        if (c.get("norm_topk_prob", True) if self.deepseek else k > 1):
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         weights = weights * c["routed_scaling_factor"]
         y = torch.zeros_like(x)
@@ -366,6 +424,9 @@ def case_random(args, work, arch):
     cfg = tiny_config(arch)
     weights = random_weights(cfg, torch.Generator().manual_seed(1234))
     directory = os.path.join(work, "hf")
+    if arch == "deepseek_v3":  # DeepSeek's releases store an MTP layer after the decoder layers; HF skips it
+        cfg["num_nextn_predict_layers"] = 1
+        weights["model.layers.%d.enorm.weight" % cfg["num_hidden_layers"]] = torch.ones(cfg["hidden_size"])
     write_hf_directory(directory, cfg, weights, "BF16" if arch in ("llama", "llama3") else "F32")
     # The reference sees exactly what the file holds (bf16 rounding included).
     reference = Reference(cfg, read_hf_directory(directory))
@@ -378,9 +439,9 @@ def case_random(args, work, arch):
         moved = (unscaled - want["logits"]).abs().max().item()
         print("%s: the scaling moves the reference's logits by up to %.3g" % (arch, moved))
         ok &= moved > 1e-3
-    if arch == "bailing":
+    if arch in ("bailing", "deepseek_v3"):
         # The case must exercise what it checks: selections that the groups and the bias change.
-        print("bailing: tokens whose experts group-limited routing changed: %d, the expert bias changed: %d" %
+        print(arch + ": tokens whose experts group-limited routing changed: %d, the expert bias changed: %d" %
               (reference.group_limited_changes, reference.bias_changes))
         ok &= reference.group_limited_changes > 0 and reference.bias_changes > 0
     return ok
@@ -396,6 +457,11 @@ def case_round_trip(args, work, model_args):
     ok = sorted(before) == sorted(after) and all(torch.equal(before[n], after[n]) for n in before)
     print("round trip (export, import): logits %s" % ("identical" if ok else "DIFFER"))
     cfg = json.load(open(os.path.join(directory, "config.json")))
+    if any(a.startswith("routed_bias_update_rate=") for a in model_args):  # a trained expert bias went out
+        exported = read_hf_directory(directory)
+        bias = max(t.abs().max().item() for n, t in exported.items() if n.endswith("e_score_correction_bias"))
+        print("export: largest |e_score_correction_bias| %.3g" % bias)
+        ok &= bias > 1e-3
     if any(a.startswith("rope_type=") for a in model_args):  # what the export says of its RoPE
         print("export: rope_scaling %s, max_position_embeddings %s" % (cfg["rope_scaling"], cfg["max_position_embeddings"]))
         ok &= cfg["rope_scaling"] == EXPORTED_SCALING and cfg["max_position_embeddings"] == 4096
@@ -406,6 +472,11 @@ ROUND_TRIPS = {
     "round_trip_ling_mini_tiny": ["model_name=ling-mini-tiny"],
     "round_trip_qwen3": ["override_model_config=true", "use_qk_norm=true", "logits_via_embedding=true"],
     # moe-tiny (softmax top-2 of 8 after a dense layer) as Qwen3Moe: q/k norms on, no shared expert.
+    # ling2-tiny made all-MLA (DeepseekV3): full-rank q and half-split RoPE here (the random case
+    # has the low-rank q and the interleaved RoPE), its expert bias trained away from 0.
+    "round_trip_deepseek_v3": ["model_name=ling2-tiny", "override_model_config=true", "inhomogeneous_layer_cycle_interval=0",
+                               "moe_shared_expert_dim=0", "mtp_num_layers=0", "mtp_moe_mlp=false", "base_num_decoder_layers=3",
+                               "q_lora_rank=0", "mla_interleaved_rope=false", "routed_bias_update_rate=0.05"],
     "round_trip_qwen3_moe": ["model_name=moe-tiny", "override_model_config=true", "use_qk_norm=true", "shared_experts=0"],
     "round_trip_llama": [],
     # The default model's 32-dim heads at theta 10000 have wavelengths 6.3 .. 4.4e4: an original
@@ -420,12 +491,13 @@ EXPORTED_SCALING = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 2.0
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trainer", required=True)
-    parser.add_argument("case", choices=["llama", "llama3", "qwen3", "qwen3_moe", "bailing"] + sorted(ROUND_TRIPS))
+    parser.add_argument("case", choices=["llama", "llama3", "qwen3", "qwen3_moe", "deepseek_v3", "bailing"] + sorted(ROUND_TRIPS))
     args = parser.parse_args()
     torch.set_num_threads(1)
     work = tempfile.mkdtemp(prefix="trainer-hf-")
     try:
-        ok = case_random(args, work, args.case) if args.case in ("llama", "llama3", "qwen3", "qwen3_moe", "bailing") else \
+        ok = case_random(args, work, args.case) if args.case in ("llama", "llama3", "qwen3", "qwen3_moe", "deepseek_v3",
+                                                                 "bailing") else \
             case_round_trip(args, work, ROUND_TRIPS[args.case])
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -1282,6 +1282,45 @@ TEST_CASE("Hugging Face config.json: fields left out take their config class's d
                     Catch::Contains("field 'decoder_sparse_step' is 2"));
   CHECK_THROWS_WITH(keys_of("qwen3-moe-one-expert", qwen3_moe + R"(, "num_experts": 1})"),
                     Catch::Contains("field 'num_experts' must be >= 2"));
+  // DeepseekV3Config's defaults (DeepSeek-V3's shapes), and what it cannot mean here.
+  const std::string deepseek = R"({"architectures": ["DeepseekV3ForCausalLM"], )" + core;
+  k = keys_of("deepseek-absent", deepseek + "}");
+  CHECK(k["attention_type"] == "mla");
+  CHECK(k["base_num_kv_heads"] == "8");
+  CHECK(k.count("head_dim") == 0);  // MLA's own dims instead
+  CHECK(k["q_lora_rank"] == "1536");
+  CHECK(k["kv_lora_rank"] == "512");
+  CHECK(k["qk_nope_head_dim"] == "128");
+  CHECK(k["qk_rope_head_dim"] == "64");
+  CHECK(k["v_head_dim"] == "128");
+  CHECK(k["mla_interleaved_rope"] == "true");
+  CHECK(k["num_experts"] == "256");
+  CHECK(k["num_experts_per_tok"] == "8");
+  CHECK(k["base_moe_mlp_dim"] == "2048");
+  CHECK(k["shared_experts"] == "1");
+  CHECK(k["first_num_dense_layers"] == "3");
+  CHECK(k["routed_score_func"] == "sigmoid");
+  CHECK(k["routed_scaling_factor"] == "2.5");
+  CHECK(k["n_routing_groups"] == "8");
+  CHECK(k["topk_routing_group"] == "4");
+  CHECK(k["routed_bias"] == "true");
+  CHECK(k["max_position_embeddings"] == "4096");
+  CHECK(k["original_max_position_embeddings"] == "4096");  // no mscale without YaRN
+  k = keys_of("deepseek-moonlight-like", deepseek + R"(, "q_lora_rank": null, "rope_interleave": false, "n_group": 1,
+                                                        "topk_group": 1, "num_nextn_predict_layers": 1})");
+  CHECK(k["q_lora_rank"] == "0");
+  CHECK(k["mla_interleaved_rope"] == "false");
+  CHECK(k["n_routing_groups"] == "-1");
+  CHECK(k["mtp_num_layers"] == "0");  // transformers builds none
+  for (const auto& [name, field, message] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"eps", R"("rms_norm_eps": 1e-5)", "field 'rms_norm_eps' is 1e-05: DeepseekV3's latent norms"},
+           {"scoring", R"("scoring_func": "softmax")", "field 'scoring_func' is \"softmax\""},
+           {"topk", R"("topk_method": "greedy")", "field 'topk_method' is \"greedy\""},
+           {"freq", R"("moe_layer_freq": 2)", "field 'moe_layer_freq' is 2"},
+           {"yarn", R"("rope_scaling": {"rope_type": "yarn", "factor": 40.0})", "field 'rope_scaling' has rope_type \"yarn\""}}) {
+    INFO(name);
+    CHECK_THROWS_WITH(keys_of("deepseek-" + name, deepseek + ", " + field + "}"), Catch::Contains(message));
+  }
   k = keys_of("llama-absent", R"({"architectures": ["LlamaForCausalLM"], )" + core + "}");
   CHECK(k["base_num_kv_heads"] == "8");  // LlamaConfig derives both
   CHECK(k["head_dim"] == "8");
@@ -1406,6 +1445,27 @@ TEST_CASE("Hugging Face directories: config.json round trips the model keys, and
   CHECK_THROWS_WITH(hf_architecture(tiny_config({"override_model_config=true", "partial_rotary_factor=0.5"})),
                     Catch::Contains("partial_rotary_factor"));
   CHECK(hf_architecture(tiny_config()) == "LlamaForCausalLM");
+  // MLA in every layer is DeepseekV3ForCausalLM's; the Ling2 hybrid has no architecture.
+  const std::vector<std::string> all_mla = {"model_name=ling2-tiny", "override_model_config=true",
+                                            "inhomogeneous_layer_cycle_interval=0", "moe_shared_expert_dim=0",
+                                            "mtp_num_layers=0", "mtp_moe_mlp=false"};
+  auto mla_with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.begin(), all_mla.begin(), all_mla.end());
+    return tiny_config(extra);
+  };
+  CHECK(hf_architecture(mla_with({})) == "DeepseekV3ForCausalLM");
+  CHECK_THROWS_WITH(hf_architecture(tiny_config({"model_name=ling2-tiny"})), Catch::Contains("GLA layers and the GLA/MLA hybrid"));
+  CHECK_THROWS_WITH(hf_architecture(mla_with({"mtp_num_layers=1", "mtp_moe_mlp=true"})),
+                    Catch::Contains("mtp_num_layers is 1 (transformers builds no MTP layer"));
+  CHECK_THROWS_WITH(hf_architecture(mla_with({"moe_shared_expert_dim=48"})), Catch::Contains("moe_shared_expert_dim (48)"));
+  CHECK_THROWS_WITH(hf_architecture(mla_with({"normalization_layer_epsilon=1e-5"})),
+                    Catch::Contains("its q_a_layernorm and kv_a_layernorm use 1e-6"));
+  CHECK_THROWS_WITH(hf_architecture(mla_with({"rope_type=yarn"})), Catch::Contains("rope_type is yarn"));
+  CHECK_THROWS_WITH(hf_architecture(mla_with({"max_position_embeddings=8192"})), Catch::Contains("softmax mscale"));
+  CHECK_THROWS_WITH(hf_architecture(mla_with({"shared_experts=0"})), Catch::Contains("shared_experts is 0"));
+  CHECK_THROWS_WITH(hf_architecture(mla_with({"num_experts=1", "num_experts_per_tok=1", "shared_experts=0", "routed_bias=false",
+                                              "n_routing_groups=-1", "topk_routing_group=-1", "first_num_dense_layers=0"})),
+                    Catch::Contains("a dense MLA model"));
   CHECK(hf_architecture(tiny_config({"override_model_config=true", "use_qk_norm=true"})) == "Qwen3ForCausalLM");
 
   // config.json fields the trainer does not implement, or cannot parse, name the file and field.

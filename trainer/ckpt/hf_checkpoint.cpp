@@ -1,7 +1,7 @@
 // Hugging Face model directories in and out (see ckpt.h): tensor names per architecture, sharded
 // safetensors with their index. The names are those of the Hugging Face modeling code:
-// transformers' Llama, Qwen3 and Qwen3Moe (ours, but for the router's bias), and inclusionAI's
-// modeling_bailing_moe_v2.py for Ling 2.0.
+// transformers' Llama, Qwen3, Qwen3Moe (ours, but for the router's bias) and DeepseekV3 (ours),
+// and inclusionAI's modeling_bailing_moe_v2.py for Ling 2.0.
 #include <unistd.h>
 
 #include <algorithm>
@@ -52,7 +52,18 @@ const std::vector<std::pair<std::string, std::string>> kBailingParts = {
 const std::string kQ = ".self_attn.q_proj.weight", kK = ".self_attn.k_proj.weight", kV = ".self_attn.v_proj.weight";
 const std::string kQkv = ".attention.query_key_value.weight";
 
-const std::string kBailing = "BailingMoeV2ForCausalLM", kQwen3Moe = "Qwen3MoeForCausalLM";
+const std::string kBailing = "BailingMoeV2ForCausalLM", kQwen3Moe = "Qwen3MoeForCausalLM",
+                  kDeepseekV3 = "DeepseekV3ForCausalLM";
+
+// The decoder layer index of a "model.layers.<i>." name, or -1.
+int64_t layer_index_of(const std::string& name) {
+  const std::string prefix = "model.layers.";
+  if (name.compare(0, prefix.size(), prefix) != 0) return -1;
+  const auto end = name.find('.', prefix.size());
+  const std::string digits = name.substr(prefix.size(), end == std::string::npos ? std::string::npos : end - prefix.size());
+  if (digits.empty() || digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos) return -1;
+  return std::stoll(digits);
+}
 
 }  // namespace
 
@@ -107,6 +118,9 @@ std::vector<std::pair<std::string, HfTensorSource>> hf_checkpoint_sources(
     // Older Llama checkpoints store RoPE's frequencies as a buffer; transformers recomputes them
     // from rope_theta, as the trainer does.
     if (ends_with(name, ".rotary_emb.inv_freq")) continue;
+    // DeepSeek's releases store their MTP layer after the decoder layers (model.layers.61 of
+    // V3); transformers builds none and skips those tensors (_keys_to_ignore_on_load_unexpected).
+    if (architecture == kDeepseekV3 && layer_index_of(name) >= c.base_num_decoder_layers) continue;
     if (!bailing) {
       out.push_back({name, {name}});
       continue;

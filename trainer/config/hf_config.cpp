@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -28,7 +29,7 @@ namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 const std::string kLlama = "LlamaForCausalLM", kQwen3 = "Qwen3ForCausalLM", kQwen3Moe = "Qwen3MoeForCausalLM",
-                  kBailing = "BailingMoeV2ForCausalLM";
+                  kBailing = "BailingMoeV2ForCausalLM", kDeepseekV3 = "DeepseekV3ForCausalLM";
 
 // One translated key: our key, its YAML text, the config.json field it came from, and whether a
 // difference changes the shapes of the weights (an error) or only what they compute (a warning).
@@ -82,9 +83,9 @@ class ConfigJson {
         !root_["architectures"][0].is_string())
       fail("architectures", "must list the model class, e.g. [\"LlamaForCausalLM\"]");
     const auto name = root_["architectures"][0].get<std::string>();
-    if (name != kLlama && name != kQwen3 && name != kQwen3Moe && name != kBailing)
-      fail("architectures", "names " + name + "; the trainer reads " + kLlama + ", " + kQwen3 + ", " + kQwen3Moe + " and " +
-                                kBailing);
+    if (name != kLlama && name != kQwen3 && name != kQwen3Moe && name != kBailing && name != kDeepseekV3)
+      fail("architectures", "names " + name + "; the trainer reads " + kLlama + ", " + kQwen3 + ", " + kQwen3Moe + ", " +
+                                kBailing + " and " + kDeepseekV3);
     return name;
   }
   // A feature the trainer does not implement must be off (absent, null, false, or `off`).
@@ -112,9 +113,13 @@ class ConfigJson {
   std::string path_;
 };
 
+// The shortest text that reads back as v (1e-05, not 1.0000000000000001e-05).
 std::string number_text(double v) {
   char buffer[64];
-  std::snprintf(buffer, sizeof buffer, "%.17g", v);
+  for (int digits = 15; digits <= 17; ++digits) {
+    std::snprintf(buffer, sizeof buffer, "%.*g", digits, v);
+    if (std::strtod(buffer, nullptr) == v) break;
+  }
   std::string s = buffer;
   if (s.find_first_of(".eEn") == std::string::npos) s += ".0";  // stays a float in YAML
   return s;
@@ -198,6 +203,66 @@ RopeFields rope_fields(const ConfigJson& f) {
   return fields;
 }
 
+// DeepseekV3ForCausalLM (transformers' modeling_deepseek_v3.py; DeepSeek-V3, Kimi K2, Moonlight):
+// MLA attention in every layer, the first first_k_dense_replace layers dense, then a MoE block of
+// sigmoid scores, an always-applied e_score_correction_bias for selection, group-limited top-k
+// (a group scores its best 2), weights renormalized with norm_topk_prob and scaled, and shared
+// experts moe_intermediate_size * n_shared_experts wide. The defaults are DeepseekV3Config's.
+void translate_deepseek_v3(const ConfigJson& f, const RopeFields& rope, std::vector<Translated>& out) {
+  auto add = [&](const std::string& key, const std::string& text, const std::string& field, bool shapes) {
+    out.push_back({key, text, field, shapes});
+  };
+  auto add_int = [&](const std::string& key, const std::string& field, int64_t fallback) {
+    add(key, std::to_string(f.integer(field, fallback)), field, true);
+  };
+  // Its q_a_layernorm and kv_a_layernorm are built with RMSNorm's default eps 1e-6, whatever
+  // rms_norm_eps says; the trainer's use normalization_layer_epsilon.
+  if (const double eps = f.number("rms_norm_eps", 1e-6); eps != 1e-6)
+    f.fail("rms_norm_eps", "is " + number_text(eps) + ": DeepseekV3's latent norms use 1e-6 whatever it says, and the "
+                           "trainer's MLA norms take rms_norm_eps; only 1e-6 reads the same");
+  if (rope.llama3) f.fail("rope_scaling", "is llama3's, which the trainer does not apply to MLA");
+  if (f.has("moe_layer_freq") && f.integer("moe_layer_freq") != 1)
+    f.fail("moe_layer_freq", "is " + f.root_["moe_layer_freq"].dump() + ": MoE layers at intervals are not implemented");
+  if (f.has("scoring_func") && f.text("scoring_func", "sigmoid") != "sigmoid")
+    f.fail("scoring_func", "is \"" + f.text("scoring_func", "") + "\": DeepseekV3ForCausalLM routes by sigmoid scores");
+  if (f.has("topk_method") && f.text("topk_method", "noaux_tc") != "noaux_tc")
+    f.fail("topk_method", "is \"" + f.text("topk_method", "") + "\": DeepseekV3ForCausalLM selects by noaux_tc");
+  add("attention_type", "mla", "architectures", true);
+  add("inhomogeneous_layer_cycle_interval", "0", "architectures", true);
+  add("q_lora_rank", std::to_string(f.present("q_lora_rank") && !f.has("q_lora_rank") ? 0 : f.integer("q_lora_rank", 1536)),
+      "q_lora_rank", true);
+  add_int("kv_lora_rank", "kv_lora_rank", 512);
+  add_int("qk_nope_head_dim", "qk_nope_head_dim", 128);
+  add_int("qk_rope_head_dim", "qk_rope_head_dim", 64);
+  add_int("v_head_dim", "v_head_dim", 128);
+  add("mla_interleaved_rope", f.boolean("rope_interleave", true) ? "true" : "false", "rope_interleave", false);
+  // No scaling: no softmax mscale either, which the trainer applies when max > original.
+  const int64_t context = f.integer("max_position_embeddings", 4096);
+  add("max_position_embeddings", std::to_string(context), "max_position_embeddings", false);
+  add("original_max_position_embeddings", std::to_string(context), "max_position_embeddings", false);
+  const int64_t experts = f.integer("n_routed_experts", 256), top_k = f.integer("num_experts_per_tok", 8);
+  if (experts < 2) f.fail("n_routed_experts", "must be >= 2, not " + std::to_string(experts));
+  if (top_k < 1 || top_k > experts)
+    f.fail("num_experts_per_tok", "must be in [1, n_routed_experts " + std::to_string(experts) + "], not " + std::to_string(top_k));
+  add("num_experts", std::to_string(experts), "n_routed_experts", true);
+  add("num_experts_per_tok", std::to_string(top_k), "num_experts_per_tok", false);
+  add_int("base_moe_mlp_dim", "moe_intermediate_size", 2048);
+  add_int("shared_experts", "n_shared_experts", 1);
+  add_int("first_num_dense_layers", "first_k_dense_replace", 3);
+  add("routed_score_func", "sigmoid", "architectures", false);
+  add("norm_topk_prob", f.boolean("norm_topk_prob", true) ? "true" : "false", "norm_topk_prob", false);
+  add("routed_scaling_factor", number_text(f.number("routed_scaling_factor", 2.5)), "routed_scaling_factor", false);
+  const int64_t groups = f.integer("n_group", 8), kept = f.integer("topk_group", 4);
+  if (groups < 1 || experts % groups != 0 || experts / groups < 2 || kept < 1 || kept > groups)
+    f.fail("n_group", "(" + std::to_string(groups) + ", topk_group " + std::to_string(kept) +
+                          ") must divide n_routed_experts into groups of at least 2 experts and keep 1..n_group of them");
+  const bool off = groups == 1 || kept == groups;
+  add("n_routing_groups", off ? "-1" : std::to_string(groups), "n_group", false);
+  add("topk_routing_group", off ? "-1" : std::to_string(kept), "topk_group", false);
+  add("routed_bias", "true", "architectures", false);  // the selection always adds e_score_correction_bias
+  // num_nextn_predict_layers: transformers builds no MTP layer and skips their tensors; so does the trainer.
+}
+
 std::vector<Translated> translate(const ConfigJson& f) {
   const std::string arch = f.architecture();
   const bool bailing = arch == kBailing;
@@ -226,12 +291,16 @@ std::vector<Translated> translate(const ConfigJson& f) {
   // heads 32 (Qwen3) or 4 (Bailing), head_dim 128. Written as null it means the query heads, and
   // hidden / heads (a Bailing head_dim of 0 too).
   // Qwen3MoeConfig: kv heads 4, and no head_dim field of its own (hidden / heads when left out).
-  const bool qwen3 = arch == kQwen3, qwen3_moe = arch == kQwen3Moe;
+  // DeepseekV3Config: kv heads = heads; its head_dim is qk_rope_head_dim, set by the class (MLA
+  // has its own dims, read below).
+  const bool qwen3 = arch == kQwen3, qwen3_moe = arch == kQwen3Moe, deepseek = arch == kDeepseekV3;
   const int64_t derived_head_dim = f.integer("hidden_size") / heads;
   add_int("base_num_kv_heads", "num_key_value_heads",
           f.present("num_key_value_heads") ? heads : bailing || qwen3_moe ? 4 : qwen3 ? 32 : heads);
-  const int64_t head_dim = f.integer("head_dim", f.present("head_dim") || !(bailing || qwen3) ? derived_head_dim : 128);
-  add("head_dim", std::to_string(bailing && head_dim == 0 ? derived_head_dim : head_dim), "head_dim", true);
+  if (!deepseek) {
+    const int64_t head_dim = f.integer("head_dim", f.present("head_dim") || !(bailing || qwen3) ? derived_head_dim : 128);
+    add("head_dim", std::to_string(bailing && head_dim == 0 ? derived_head_dim : head_dim), "head_dim", true);
+  }
   add_int("base_mlp_dim", "intermediate_size");
   add_int("base_num_decoder_layers", "num_hidden_layers");
   add("mlp_activations", "[silu, linear]", "hidden_act", false);
@@ -255,6 +324,7 @@ std::vector<Translated> translate(const ConfigJson& f) {
   const bool qk_norm = qwen3 || qwen3_moe || (bailing && f.boolean("use_qk_norm", true));
   add("use_qk_norm", qk_norm ? "true" : "false", bailing ? "use_qk_norm" : "architectures", true);
   add("logits_via_embedding", f.boolean("tie_word_embeddings", false) ? "true" : "false", "tie_word_embeddings", true);
+  if (deepseek) translate_deepseek_v3(f, rope, out);
 
   // BailingMoeV2Config's defaults where a field is left out: 256 experts, top-8 of 512-wide ones,
   // one shared expert, the first layer dense; a null num_experts is a dense model, a null
@@ -292,6 +362,8 @@ std::vector<Translated> translate(const ConfigJson& f) {
     add("topk_routing_group", off ? "-1" : std::to_string(kept), "topk_group", false);
     add("routed_bias", f.boolean("moe_router_enable_expert_bias", true) ? "true" : "false",
         "moe_router_enable_expert_bias", false);
+  } else if (deepseek) {
+    // MLA and MoE keys: translate_deepseek_v3.
   } else if (qwen3_moe) {
     // Qwen3MoeSparseMoeBlock: softmax over all experts in fp32, top-k, renormalized only with
     // norm_topk_prob (default false); no shared expert, no bias, no groups, no scaling.
@@ -362,10 +434,32 @@ std::string hf_architecture(const Config& c) {
   };
   if (c.mlp_activations != StringList{"silu", "linear"})
     refuse("mlp_activations must be [silu, linear] (SwiGLU), as in every supported architecture");
+  if (c.attention_type == "mla" && c.inhomogeneous_layer_cycle_interval == 0) {
+    // DeepseekV3ForCausalLM: MLA in every layer, sigmoid-routed MoE after the dense layers.
+    const auto deepseek_needs = [&](bool ok, const std::string& what) {
+      if (!ok) refuse(what + "; DeepseekV3ForCausalLM (the architecture of MLA models) differs");
+    };
+    deepseek_needs(c.num_experts > 1, "num_experts is " + std::to_string(c.num_experts) + " (a dense MLA model)");
+    deepseek_needs(c.routed_score_func == "sigmoid", "routed_score_func is " + c.routed_score_func);
+    deepseek_needs(c.shared_experts > 0, "shared_experts is 0 (its MoE block always has a shared expert)");
+    deepseek_needs(c.moe_shared_expert_dim == 0 || c.moe_shared_expert_dim == c.base_moe_mlp_dim,
+                   "moe_shared_expert_dim (" + std::to_string(c.moe_shared_expert_dim) + ") is not base_moe_mlp_dim");
+    deepseek_needs(c.n_routing_groups == -1 || c.num_experts / c.n_routing_groups >= 2,
+                   "n_routing_groups leaves groups of one expert (a group scores its best 2)");
+    deepseek_needs(c.normalization_layer_epsilon == 1e-6,
+                   "normalization_layer_epsilon is " + number_text(c.normalization_layer_epsilon) +
+                       " (its q_a_layernorm and kv_a_layernorm use 1e-6 whatever rms_norm_eps says)");
+    deepseek_needs(c.rope_type == "default", "rope_type is " + c.rope_type + " (YaRN is not written to config.json yet)");
+    deepseek_needs(c.max_position_embeddings <= c.original_max_position_embeddings,
+                   "max_position_embeddings > original_max_position_embeddings turns the softmax mscale on without YaRN");
+    deepseek_needs(c.mtp_num_layers == 0, "mtp_num_layers is " + std::to_string(c.mtp_num_layers) +
+                                              " (transformers builds no MTP layer; export with --export-safetensors)");
+    return kDeepseekV3;
+  }
   if (c.attention_type != "global" || c.inhomogeneous_layer_cycle_interval > 0)
     refuse("attention_type=" + c.attention_type + " (inhomogeneous_layer_cycle_interval=" +
            std::to_string(c.inhomogeneous_layer_cycle_interval) +
-           "): MLA/GLA layers have no Hugging Face architecture here; export with --export-safetensors");
+           "): GLA layers and the GLA/MLA hybrid have no Hugging Face architecture here; export with --export-safetensors");
   if (c.moe_shared_expert_dim > 0 && c.moe_shared_expert_dim != c.base_moe_mlp_dim)
     refuse("moe_shared_expert_dim (" + std::to_string(c.moe_shared_expert_dim) +
            ") differs from base_moe_mlp_dim; BailingMoeV2's shared expert has the routed experts' width");
@@ -406,7 +500,11 @@ std::string hf_config_json(const Config& c, const std::string& torch_dtype) {
   const std::string arch = hf_architecture(c);
   json j;
   j["architectures"] = {arch};
-  j["model_type"] = arch == kLlama ? "llama" : arch == kQwen3 ? "qwen3" : arch == kQwen3Moe ? "qwen3_moe" : "bailing_moe_v2";
+  j["model_type"] = arch == kLlama        ? "llama"
+                    : arch == kQwen3      ? "qwen3"
+                    : arch == kQwen3Moe   ? "qwen3_moe"
+                    : arch == kDeepseekV3 ? "deepseek_v3"
+                                          : "bailing_moe_v2";
   if (arch == kBailing) {
     // inclusionAI's modeling code is not part of transformers: copy configuration_bailing_moe_v2.py
     // and modeling_bailing_moe_v2.py next to this file and load with trust_remote_code=True.
@@ -420,7 +518,7 @@ std::string hf_config_json(const Config& c, const std::string& torch_dtype) {
   j["num_hidden_layers"] = c.base_num_decoder_layers;
   j["num_attention_heads"] = c.base_num_query_heads;
   j["num_key_value_heads"] = c.base_num_kv_heads;
-  j["head_dim"] = c.head_dim;
+  if (arch != kDeepseekV3) j["head_dim"] = c.head_dim;  // DeepseekV3Config sets its own (qk_rope_head_dim)
   j["hidden_act"] = "silu";
   j["rms_norm_eps"] = c.normalization_layer_epsilon;
   j["rope_theta"] = c.rope_max_timescale;
@@ -473,6 +571,30 @@ std::string hf_config_json(const Config& c, const std::string& torch_dtype) {
     j["attention_bias"] = false;
     j["mlp_bias"] = false;
     if (arch == kQwen3 || arch == kQwen3Moe) j["use_sliding_window"] = false;
+  }
+  if (arch == kDeepseekV3) {
+    j["q_lora_rank"] = c.q_lora_rank > 0 ? json(c.q_lora_rank) : json(nullptr);
+    j["kv_lora_rank"] = c.kv_lora_rank;
+    j["qk_nope_head_dim"] = c.qk_nope_head_dim;
+    j["qk_rope_head_dim"] = c.qk_rope_head_dim;
+    j["v_head_dim"] = c.v_head_dim;
+    j["rope_interleave"] = c.mla_interleaved_rope;
+    j["max_position_embeddings"] = c.max_position_embeddings;
+    j["n_routed_experts"] = c.num_experts;
+    j["num_experts_per_tok"] = c.num_experts_per_tok;
+    j["moe_intermediate_size"] = c.base_moe_mlp_dim;
+    j["n_shared_experts"] = c.shared_experts;
+    j["first_k_dense_replace"] = c.first_num_dense_layers;
+    j["norm_topk_prob"] = c.norm_topk_prob;
+    j["routed_scaling_factor"] = c.routed_scaling_factor;
+    j["n_group"] = c.n_routing_groups == -1 ? 1 : c.n_routing_groups;
+    j["topk_group"] = c.topk_routing_group == -1 ? 1 : c.topk_routing_group;
+    // Read by DeepSeek's own modeling_deepseek.py and by vLLM / SGLang; transformers' ignores them.
+    j["scoring_func"] = "sigmoid";
+    j["topk_method"] = "noaux_tc";
+    j["moe_layer_freq"] = 1;
+    j["num_nextn_predict_layers"] = 0;
+    j.erase("mlp_bias");
   }
   if (arch == kQwen3Moe) {
     j["num_experts"] = c.num_experts;
