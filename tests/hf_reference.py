@@ -20,6 +20,7 @@ Cases (each run by ctest; every one creates and removes its own temporary direct
   deepseek_v3               transformers' DeepseekV3ForCausalLM: MLA (low-rank q, latent norms at 1e-6,
                             interleaved RoPE on the rope dims), sigmoid group-limited routing with
                             e_score_correction_bias, shared experts; a stored MTP layer is skipped.
+  deepseek_v3_yarn          the same with YaRN as transformers computes it for DeepSeek-V3.
   qwen3_moe                 transformers' Qwen3MoeForCausalLM: a dense first layer (mlp_only_layers),
                             then softmax top-k routing over experts without shared ones or bias.
   round_trip_<model>        the trainer trains <model> for 3 steps, exports --export-hf, loads the
@@ -116,6 +117,10 @@ def tiny_config(arch):
                     rope_interleave=True, max_position_embeddings=64, n_routed_experts=8, num_experts_per_tok=2,
                     moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
                     routed_scaling_factor=2.5, norm_topk_prob=True)
+    if arch == "deepseek_v3_yarn":  # DeepSeek-V3's RoPE: YaRN over 8 rope dims (kept, blended, stretched)
+        return dict(tiny_config("deepseek_v3"), qk_rope_head_dim=8, max_position_embeddings=1024,
+                    rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+                                  "beta_fast": 32, "beta_slow": 1, "mscale": 0.7, "mscale_all_dim": 0.7})
     if arch == "qwen3_moe":  # the first layer dense (mlp_only_layers), softmax top-2 of 8, renormalized
         return dict(common, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_hidden_layers=3,
                     head_dim=16, rope_theta=1000000.0, tie_word_embeddings=False, num_experts=8,
@@ -219,6 +224,10 @@ def moe_layer(cfg, i):
     return False
 
 
+def yarn_mscale(scale, mscale=1):  # DeepSeek's yarn_get_mscale
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
 # ---- the reference forward ----------------------------------------------------------------------
 class Reference:
     def __init__(self, cfg, weights):
@@ -241,7 +250,30 @@ class Reference:
             dim = self.c["qk_rope_head_dim"]
         inv_freq = 1.0 / (self.c["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
         scaling = self.c.get("rope_scaling") or {"rope_type": "default"}
-        if scaling["rope_type"] == "llama3":  # transformers' _compute_llama3_parameters
+        kind = scaling.get("rope_type", scaling.get("type"))
+        attention_factor = 1.0
+        if kind == "yarn":  # transformers' _compute_yarn_parameters
+            factor, mscale, mscale_all_dim = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+            original = self.c["max_position_embeddings"]
+            if "original_max_position_embeddings" in scaling:  # DeepSeek's: the ratio overrides factor
+                original = scaling["original_max_position_embeddings"]
+                factor = self.c["max_position_embeddings"] / original
+            attention_factor = scaling.get("attention_factor")
+            if attention_factor is None:
+                attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) \
+                    if mscale and mscale_all_dim else yarn_mscale(factor)
+            beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+            def correction_dim(rotations):
+                return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(self.c["rope_theta"]))
+            low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+            if scaling.get("truncate", True):
+                low, high = math.floor(low), math.ceil(high)
+            low, high = max(low, 0), min(high, dim - 1)
+            ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+            extrapolation = 1 - ramp
+            inv_freq = inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
+        elif kind == "llama3":  # transformers' _compute_llama3_parameters
             factor, old = scaling["factor"], scaling["original_max_position_embeddings"]
             low_wavelen, high_wavelen = old / scaling["low_freq_factor"], old / scaling["high_freq_factor"]
             wavelen = 2 * math.pi / inv_freq
@@ -250,10 +282,10 @@ class Reference:
             medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
             inv_freq = torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
         else:
-            assert scaling["rope_type"] == "default", scaling
+            assert kind == "default", scaling
         freqs = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        return emb.cos() * attention_factor, emb.sin() * attention_factor
 
     @staticmethod
     def apply_rope(x, cos, sin):  # x: (H, L, hd); RoPE on the first cos.shape[-1] channels
@@ -282,7 +314,11 @@ class Reference:
         q_rot, k_rot = self.apply_rope(q_rot, cos, sin), self.apply_rope(k_rot, cos, sin)
         q = torch.cat((q_pass, q_rot), dim=-1)
         k = torch.cat((k_pass, k_rot.expand(H, L, rope)), dim=-1)
-        scores = q @ k.transpose(1, 2) * (nope + rope) ** -0.5
+        scale = (nope + rope) ** -0.5
+        scaling = c.get("rope_scaling") or {}
+        if scaling.get("rope_type", scaling.get("type", "default")) != "default" and scaling.get("mscale_all_dim"):
+            scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
+        scores = q @ k.transpose(1, 2) * scale
         scores = scores.masked_fill(torch.triu(torch.ones(L, L, dtype=torch.bool), 1), float("-inf"))
         y = (scores.softmax(-1) @ v).transpose(0, 1).reshape(L, H * vd)
         return y @ w("o_proj").T
@@ -424,7 +460,7 @@ def case_random(args, work, arch):
     cfg = tiny_config(arch)
     weights = random_weights(cfg, torch.Generator().manual_seed(1234))
     directory = os.path.join(work, "hf")
-    if arch == "deepseek_v3":  # DeepSeek's releases store an MTP layer after the decoder layers; HF skips it
+    if arch.startswith("deepseek_v3"):  # DeepSeek's releases store an MTP layer after the decoder layers; HF skips it
         cfg["num_nextn_predict_layers"] = 1
         weights["model.layers.%d.enorm.weight" % cfg["num_hidden_layers"]] = torch.ones(cfg["hidden_size"])
     write_hf_directory(directory, cfg, weights, "BF16" if arch in ("llama", "llama3") else "F32")
@@ -439,7 +475,7 @@ def case_random(args, work, arch):
         moved = (unscaled - want["logits"]).abs().max().item()
         print("%s: the scaling moves the reference's logits by up to %.3g" % (arch, moved))
         ok &= moved > 1e-3
-    if arch in ("bailing", "deepseek_v3"):
+    if arch in ("bailing", "deepseek_v3", "deepseek_v3_yarn"):
         # The case must exercise what it checks: selections that the groups and the bias change.
         print(arch + ": tokens whose experts group-limited routing changed: %d, the expert bias changed: %d" %
               (reference.group_limited_changes, reference.bias_changes))
@@ -462,7 +498,7 @@ def case_round_trip(args, work, model_args):
         bias = max(t.abs().max().item() for n, t in exported.items() if n.endswith("e_score_correction_bias"))
         print("export: largest |e_score_correction_bias| %.3g" % bias)
         ok &= bias > 1e-3
-    if any(a.startswith("rope_type=") for a in model_args):  # what the export says of its RoPE
+    if "rope_type=llama3" in model_args:  # what the export says of its RoPE
         print("export: rope_scaling %s, max_position_embeddings %s" % (cfg["rope_scaling"], cfg["max_position_embeddings"]))
         ok &= cfg["rope_scaling"] == EXPORTED_SCALING and cfg["max_position_embeddings"] == 4096
     return compare("export", after, Reference(cfg, read_hf_directory(directory)).forward(TOKENS)) and ok
@@ -477,6 +513,11 @@ ROUND_TRIPS = {
     "round_trip_deepseek_v3": ["model_name=ling2-tiny", "override_model_config=true", "inhomogeneous_layer_cycle_interval=0",
                                "moe_shared_expert_dim=0", "mtp_num_layers=0", "mtp_moe_mlp=false", "base_num_decoder_layers=3",
                                "q_lora_rank=0", "mla_interleaved_rope=false", "routed_bias_update_rate=0.05"],
+    # ... and with YaRN (DeepSeek-V3's RoPE): stretched 4x from 256 positions, mscale 0.7.
+    "round_trip_deepseek_v3_yarn": ["model_name=ling2-tiny", "override_model_config=true",
+                                    "inhomogeneous_layer_cycle_interval=0", "moe_shared_expert_dim=0", "mtp_num_layers=0",
+                                    "mtp_moe_mlp=false", "base_num_decoder_layers=3", "rope_type=yarn", "rope_factor=4",
+                                    "original_max_position_embeddings=256", "max_position_embeddings=1024", "mscale=0.7"],
     "round_trip_qwen3_moe": ["model_name=moe-tiny", "override_model_config=true", "use_qk_norm=true", "shared_experts=0"],
     "round_trip_llama": [],
     # The default model's 32-dim heads at theta 10000 have wavelengths 6.3 .. 4.4e4: an original
@@ -491,13 +532,13 @@ EXPORTED_SCALING = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 2.0
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trainer", required=True)
-    parser.add_argument("case", choices=["llama", "llama3", "qwen3", "qwen3_moe", "deepseek_v3", "bailing"] + sorted(ROUND_TRIPS))
+    randoms = ["llama", "llama3", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v3_yarn", "bailing"]
+    parser.add_argument("case", choices=randoms + sorted(ROUND_TRIPS))
     args = parser.parse_args()
     torch.set_num_threads(1)
     work = tempfile.mkdtemp(prefix="trainer-hf-")
     try:
-        ok = case_random(args, work, args.case) if args.case in ("llama", "llama3", "qwen3", "qwen3_moe", "deepseek_v3",
-                                                                 "bailing") else \
+        ok = case_random(args, work, args.case) if args.case in randoms else \
             case_round_trip(args, work, ROUND_TRIPS[args.case])
     finally:
         shutil.rmtree(work, ignore_errors=True)

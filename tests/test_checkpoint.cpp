@@ -1317,10 +1317,38 @@ TEST_CASE("Hugging Face config.json: fields left out take their config class's d
            {"scoring", R"("scoring_func": "softmax")", "field 'scoring_func' is \"softmax\""},
            {"topk", R"("topk_method": "greedy")", "field 'topk_method' is \"greedy\""},
            {"freq", R"("moe_layer_freq": 2)", "field 'moe_layer_freq' is 2"},
-           {"yarn", R"("rope_scaling": {"rope_type": "yarn", "factor": 40.0})", "field 'rope_scaling' has rope_type \"yarn\""}}) {
+           // YaRN reads only where transformers and the trainer compute the same (translate_yarn).
+           {"yarn-no-original", R"("rope_scaling": {"rope_type": "yarn", "factor": 40.0})",
+            "field 'rope_scaling' needs \"original_max_position_embeddings\" with rope_type \"yarn\""},
+           {"yarn-ratio", R"("rope_scaling": {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096})",
+            "transformers stretches by max / original, the trainer by factor"},
+           {"yarn-no-mscale", R"("max_position_embeddings": 16384, "rope_scaling": {"rope_type": "yarn", "factor": 4,
+              "original_max_position_embeddings": 4096})", "has no mscale_all_dim"},
+           {"yarn-ratio-scaled-cos", R"("max_position_embeddings": 16384, "rope_scaling": {"rope_type": "yarn", "factor": 4,
+              "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 0.5})", "(set both equal)"},
+           {"yarn-attention-factor", R"("max_position_embeddings": 16384, "rope_scaling": {"rope_type": "yarn", "factor": 4,
+              "original_max_position_embeddings": 4096, "mscale_all_dim": 1.0, "attention_factor": 1.2})",
+            "has attention_factor 1.2"},
+           {"yarn-untruncated", R"("max_position_embeddings": 16384, "rope_scaling": {"rope_type": "yarn", "factor": 4,
+              "original_max_position_embeddings": 4096, "mscale": 1, "mscale_all_dim": 1, "truncate": false})",
+            "has truncate false"}}) {
     INFO(name);
     CHECK_THROWS_WITH(keys_of("deepseek-" + name, deepseek + ", " + field + "}"), Catch::Contains(message));
   }
+  // DeepSeek-V3's own RoPE (its config.json: the older "type" name, mscale == mscale_all_dim).
+  k = keys_of("deepseek-v3-yarn", deepseek + R"(, "max_position_embeddings": 163840, "rope_scaling": {"type": "yarn",
+      "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+      "mscale_all_dim": 1.0}})");
+  CHECK(k["rope_type"] == "yarn");
+  CHECK(k["rope_factor"] == "40.0");
+  CHECK(k["original_max_position_embeddings"] == "4096");
+  CHECK(k["max_position_embeddings"] == "163840");
+  CHECK(k["beta_fast"] == "32.0");
+  CHECK(k["beta_slow"] == "1.0");
+  CHECK(k["mscale"] == "1.0");
+  CHECK_THROWS_WITH(keys_of("llama-yarn", R"({"architectures": ["LlamaForCausalLM"], )" + core +
+                                              R"(, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})"),
+                    Catch::Contains("the trainer reads YaRN for DeepseekV3ForCausalLM (MLA) only"));
   k = keys_of("llama-absent", R"({"architectures": ["LlamaForCausalLM"], )" + core + "}");
   CHECK(k["base_num_kv_heads"] == "8");  // LlamaConfig derives both
   CHECK(k["head_dim"] == "8");
@@ -1460,7 +1488,9 @@ TEST_CASE("Hugging Face directories: config.json round trips the model keys, and
   CHECK_THROWS_WITH(hf_architecture(mla_with({"moe_shared_expert_dim=48"})), Catch::Contains("moe_shared_expert_dim (48)"));
   CHECK_THROWS_WITH(hf_architecture(mla_with({"normalization_layer_epsilon=1e-5"})),
                     Catch::Contains("its q_a_layernorm and kv_a_layernorm use 1e-6"));
-  CHECK_THROWS_WITH(hf_architecture(mla_with({"rope_type=yarn"})), Catch::Contains("rope_type is yarn"));
+  CHECK_THROWS_WITH(hf_architecture(mla_with({"rope_type=yarn"})),
+                    Catch::Contains("rope_factor (32.0) is not max_position_embeddings / original_max_position_embeddings (4096 / 4096)"));
+  CHECK(hf_architecture(mla_with({"rope_type=yarn", "rope_factor=4", "max_position_embeddings=16384"})) == "DeepseekV3ForCausalLM");
   CHECK_THROWS_WITH(hf_architecture(mla_with({"max_position_embeddings=8192"})), Catch::Contains("softmax mscale"));
   CHECK_THROWS_WITH(hf_architecture(mla_with({"shared_experts=0"})), Catch::Contains("shared_experts is 0"));
   CHECK_THROWS_WITH(hf_architecture(mla_with({"num_experts=1", "num_experts_per_tok=1", "shared_experts=0", "routed_bias=false",
@@ -1493,9 +1523,9 @@ TEST_CASE("Hugging Face directories: config.json round trips the model keys, and
                                            "\"former_rope_theta\": ")),
                "rope_max_timescale") == "12345.0");
   CHECK_THROWS_WITH(hf_config_model_keys(edited("rope-v5-scaled", "\"rope_scaling\": null",
-                                                "\"rope_scaling\": null, \"rope_parameters\": {\"rope_type\": \"yarn\", "
+                                                "\"rope_scaling\": null, \"rope_parameters\": {\"rope_type\": \"longrope\", "
                                                 "\"factor\": 8.0}")),
-                    Catch::Contains("field 'rope_parameters' has rope_type \"yarn\": the trainer implements \"default\" and \"llama3\""));
+                    Catch::Contains("field 'rope_parameters' has rope_type \"longrope\": the trainer implements \"default\", \"llama3\""));
   // Llama 3.1+'s scaling reads into the model keys from either form (Llama-3.2-1B's numbers).
   const std::string llama3 = "\"rope_type\": \"llama3\", \"factor\": 32.0, \"low_freq_factor\": 1.0, "
                              "\"high_freq_factor\": 4.0, \"original_max_position_embeddings\": 8192";

@@ -136,6 +136,8 @@ struct Llama3Scaling {
 struct RopeFields {
   std::optional<double> theta, partial;
   std::optional<Llama3Scaling> llama3;
+  std::optional<nlohmann::json> yarn;  // the YaRN object as written (DeepseekV3 only: translate_deepseek_v3)
+  std::string scaling_field;           // where the scaling was: rope_scaling or rope_parameters
 };
 RopeFields rope_fields(const ConfigJson& f) {
   RopeFields fields;
@@ -147,14 +149,20 @@ RopeFields rope_fields(const ConfigJson& f) {
     if (type_field == nullptr) f.fail(field, "has no rope_type: " + scaling.dump());
     const nlohmann::json& type = scaling[type_field];
     const bool llama3 = type.is_string() && type.get<std::string>() == "llama3";
-    if (!llama3 && !(type.is_string() && type.get<std::string>() == "default"))
-      f.fail(field, "has rope_type " + type.dump() + ": the trainer implements \"default\" and \"llama3\" RoPE");
+    const bool yarn = type.is_string() && type.get<std::string>() == "yarn";
+    if (!llama3 && !yarn && !(type.is_string() && type.get<std::string>() == "default"))
+      f.fail(field, "has rope_type " + type.dump() + ": the trainer implements \"default\", \"llama3\" and (for MLA) \"yarn\" RoPE");
     std::vector<std::string> known = also;
     known.insert(known.end(), {"rope_type", "type"});
     if (llama3) known.insert(known.end(), {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"});
+    if (yarn)
+      known.insert(known.end(), {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                                 "mscale_all_dim", "attention_factor", "truncate"});
     for (const auto& [name, value] : scaling.items())
       if (std::find(known.begin(), known.end(), name) == known.end())
         f.fail(field, "has \"" + name + "\", which the trainer does not implement with rope_type " + type.dump());
+    if (llama3 || yarn) fields.scaling_field = field;
+    if (yarn) fields.yarn = scaling;
     if (!llama3) return;
     const auto number = [&](const char* name) {
       if (!scaling.contains(name) || !scaling[name].is_number())
@@ -182,7 +190,7 @@ RopeFields rope_fields(const ConfigJson& f) {
   const nlohmann::json& parameters = f.root_["rope_parameters"];
   if (!parameters.is_object()) f.fail("rope_parameters", "must be an object, not " + parameters.dump());
   if (parameters.contains("rope_type") || parameters.contains("type")) {
-    if (fields.llama3) f.fail("rope_parameters", "and rope_scaling both scale RoPE: which one holds?");
+    if (fields.llama3 || fields.yarn) f.fail("rope_parameters", "and rope_scaling both scale RoPE: which one holds?");
     read_scaling("rope_parameters", parameters, {"rope_theta", "partial_rotary_factor"});
   }
   for (const char* name : {"rope_theta", "partial_rotary_factor"}) {
@@ -203,6 +211,59 @@ RopeFields rope_fields(const ConfigJson& f) {
   return fields;
 }
 
+// YaRN as transformers applies it to DeepseekV3 (modeling_rope_utils' _compute_yarn_parameters and
+// DeepseekV3Attention), against the trainer's (docs/model.md):
+//   frequencies: blended with f / factor' over the correction range of beta_fast / beta_slow at
+//     the original context (floor / ceil: `truncate`), factor' = max_position_embeddings /
+//     original_max_position_embeddings where the object names the original (it overrides `factor`);
+//   cos and sin times attention_factor, which defaults to mscale(factor', mscale) /
+//     mscale(factor', mscale_all_dim) with both given, else mscale(factor') = 0.1 ln factor' + 1;
+//   the softmax scale times mscale(factor, mscale_all_dim)^2 when mscale_all_dim is nonzero.
+// The trainer scales no cos / sin, and its softmax mscale is (0.1 mscale ln rope_factor + 1)^2
+// exactly when max_position_embeddings > original_max_position_embeddings. So it reads the same
+// when factor = max / original > 1, the attention factor is 1 (mscale == mscale_all_dim, or
+// attention_factor 1) and mscale_all_dim != 0 (-> mscale); anything else is refused by name.
+void translate_yarn(const ConfigJson& f, const nlohmann::json& yarn, const std::string& field, int64_t context,
+                    std::vector<Translated>& out) {
+  auto add = [&](const std::string& key, const std::string& text) { out.push_back({key, text, field, false}); };
+  const auto number = [&](const char* name, std::optional<double> fallback) {
+    if (!yarn.contains(name) || yarn[name].is_null()) {
+      if (fallback) return *fallback;
+      f.fail(field, std::string("needs \"") + name + "\" with rope_type \"yarn\" (the trainer's YaRN reads it)");
+    }
+    if (!yarn[name].is_number()) f.fail(field, std::string("has ") + name + " " + yarn[name].dump() + ", not a number");
+    return yarn[name].get<double>();
+  };
+  const double factor = number("factor", std::nullopt), original = number("original_max_position_embeddings", std::nullopt);
+  if (original != std::floor(original) || original < 1)
+    f.fail(field, "has original_max_position_embeddings " + number_text(original) + ", not a positive integer");
+  if (factor <= 1 || factor * original != static_cast<double>(context))
+    f.fail(field, "has factor " + number_text(factor) + " and original_max_position_embeddings " + number_text(original) +
+                      ", but max_position_embeddings is " + std::to_string(context) +
+                      ": transformers stretches by max / original, the trainer by factor; they must agree, and exceed 1");
+  const double mscale_all_dim = number("mscale_all_dim", 0.0);
+  if (mscale_all_dim == 0)
+    f.fail(field, "has no mscale_all_dim: transformers then scales cos and sin by 0.1 ln(factor) + 1 and not the "
+                  "softmax, which the trainer does not do (it scales the softmax by mscale)");
+  if (yarn.contains("attention_factor") && !yarn["attention_factor"].is_null()) {
+    if (number("attention_factor", std::nullopt) != 1.0)
+      f.fail(field, "has attention_factor " + yarn["attention_factor"].dump() + ": cos and sin scaled, which the trainer does not do");
+  } else if (number("mscale", 0.0) != mscale_all_dim) {
+    f.fail(field, "has mscale " + number_text(number("mscale", 0.0)) + " and mscale_all_dim " + number_text(mscale_all_dim) +
+                      ": transformers then scales cos and sin by their ratio, which the trainer does not do (set both equal)");
+  }
+  if (yarn.contains("truncate") && !(yarn["truncate"].is_boolean() && yarn["truncate"].get<bool>()))
+    f.fail(field, "has truncate " + yarn["truncate"].dump() + ": the trainer's correction range is floored and ceiled");
+  // `or` in transformers: a 0 or null beta takes the default.
+  const double beta_fast = number("beta_fast", 32.0), beta_slow = number("beta_slow", 1.0);
+  add("rope_type", "yarn");
+  add("rope_factor", number_text(factor));
+  add("original_max_position_embeddings", std::to_string(static_cast<int64_t>(original)));
+  add("beta_fast", number_text(beta_fast == 0 ? 32.0 : beta_fast));
+  add("beta_slow", number_text(beta_slow == 0 ? 1.0 : beta_slow));
+  add("mscale", number_text(mscale_all_dim));
+}
+
 // DeepseekV3ForCausalLM (transformers' modeling_deepseek_v3.py; DeepSeek-V3, Kimi K2, Moonlight):
 // MLA attention in every layer, the first first_k_dense_replace layers dense, then a MoE block of
 // sigmoid scores, an always-applied e_score_correction_bias for selection, group-limited top-k
@@ -220,7 +281,7 @@ void translate_deepseek_v3(const ConfigJson& f, const RopeFields& rope, std::vec
   if (const double eps = f.number("rms_norm_eps", 1e-6); eps != 1e-6)
     f.fail("rms_norm_eps", "is " + number_text(eps) + ": DeepseekV3's latent norms use 1e-6 whatever it says, and the "
                            "trainer's MLA norms take rms_norm_eps; only 1e-6 reads the same");
-  if (rope.llama3) f.fail("rope_scaling", "is llama3's, which the trainer does not apply to MLA");
+  if (rope.llama3) f.fail(rope.scaling_field, "is llama3's, which the trainer does not apply to MLA");
   if (f.has("moe_layer_freq") && f.integer("moe_layer_freq") != 1)
     f.fail("moe_layer_freq", "is " + f.root_["moe_layer_freq"].dump() + ": MoE layers at intervals are not implemented");
   if (f.has("scoring_func") && f.text("scoring_func", "sigmoid") != "sigmoid")
@@ -236,10 +297,15 @@ void translate_deepseek_v3(const ConfigJson& f, const RopeFields& rope, std::vec
   add_int("qk_rope_head_dim", "qk_rope_head_dim", 64);
   add_int("v_head_dim", "v_head_dim", 128);
   add("mla_interleaved_rope", f.boolean("rope_interleave", true) ? "true" : "false", "rope_interleave", false);
-  // No scaling: no softmax mscale either, which the trainer applies when max > original.
   const int64_t context = f.integer("max_position_embeddings", 4096);
   add("max_position_embeddings", std::to_string(context), "max_position_embeddings", false);
-  add("original_max_position_embeddings", std::to_string(context), "max_position_embeddings", false);
+  if (!rope.yarn) {
+    // No scaling: no softmax mscale either, which the trainer applies when max > original.
+    add("rope_type", "default", "rope_scaling", false);
+    add("original_max_position_embeddings", std::to_string(context), "max_position_embeddings", false);
+  } else {
+    translate_yarn(f, *rope.yarn, rope.scaling_field, context, out);
+  }
   const int64_t experts = f.integer("n_routed_experts", 256), top_k = f.integer("num_experts_per_tok", 8);
   if (experts < 2) f.fail("n_routed_experts", "must be >= 2, not " + std::to_string(experts));
   if (top_k < 1 || top_k > experts)
@@ -310,8 +376,10 @@ std::vector<Translated> translate(const ConfigJson& f) {
   if (!bailing && partial != 1.0)
     f.fail("partial_rotary_factor", "is " + number_text(partial) + ": " + arch + " rotates the whole head");
   add("partial_rotary_factor", number_text(partial), "partial_rotary_factor", false);
-  const std::string scaling_field = f.has("rope_scaling") ? "rope_scaling" : "rope_parameters";
-  add("rope_type", rope.llama3 ? "llama3" : "default", rope.llama3 ? scaling_field : "rope_scaling", false);
+  const std::string& scaling_field = rope.scaling_field;
+  if (rope.yarn && !deepseek)
+    f.fail(scaling_field, "has rope_type \"yarn\": the trainer reads YaRN for DeepseekV3ForCausalLM (MLA) only");
+  if (!deepseek) add("rope_type", rope.llama3 ? "llama3" : "default", rope.llama3 ? scaling_field : "rope_scaling", false);
   if (rope.llama3) {
     add("rope_factor", number_text(rope.llama3->factor), scaling_field, false);
     add("rope_low_freq_factor", number_text(rope.llama3->low_freq_factor), scaling_field, false);
@@ -449,9 +517,15 @@ std::string hf_architecture(const Config& c) {
     deepseek_needs(c.normalization_layer_epsilon == 1e-6,
                    "normalization_layer_epsilon is " + number_text(c.normalization_layer_epsilon) +
                        " (its q_a_layernorm and kv_a_layernorm use 1e-6 whatever rms_norm_eps says)");
-    deepseek_needs(c.rope_type == "default", "rope_type is " + c.rope_type + " (YaRN is not written to config.json yet)");
-    deepseek_needs(c.max_position_embeddings <= c.original_max_position_embeddings,
-                   "max_position_embeddings > original_max_position_embeddings turns the softmax mscale on without YaRN");
+    if (c.rope_type == "yarn")  // transformers stretches by max / original (translate_yarn)
+      deepseek_needs(c.rope_factor > 1 && c.rope_factor * static_cast<double>(c.original_max_position_embeddings) ==
+                                              static_cast<double>(c.max_position_embeddings),
+                     "rope_factor (" + number_text(c.rope_factor) + ") is not max_position_embeddings / "
+                     "original_max_position_embeddings (" + std::to_string(c.max_position_embeddings) + " / " +
+                     std::to_string(c.original_max_position_embeddings) + "), or not > 1 (its YaRN stretches by that ratio)");
+    else
+      deepseek_needs(c.max_position_embeddings <= c.original_max_position_embeddings,
+                     "max_position_embeddings > original_max_position_embeddings turns the softmax mscale on without YaRN");
     deepseek_needs(c.mtp_num_layers == 0, "mtp_num_layers is " + std::to_string(c.mtp_num_layers) +
                                               " (transformers builds no MTP layer; export with --export-safetensors)");
     return kDeepseekV3;
@@ -580,6 +654,14 @@ std::string hf_config_json(const Config& c, const std::string& torch_dtype) {
     j["v_head_dim"] = c.v_head_dim;
     j["rope_interleave"] = c.mla_interleaved_rope;
     j["max_position_embeddings"] = c.max_position_embeddings;
+    if (c.rope_type == "yarn")  // attention factor 1 (mscale == mscale_all_dim), softmax mscale from mscale_all_dim
+      j["rope_scaling"] = {{"rope_type", "yarn"},
+                           {"factor", c.rope_factor},
+                           {"original_max_position_embeddings", c.original_max_position_embeddings},
+                           {"beta_fast", c.beta_fast},
+                           {"beta_slow", c.beta_slow},
+                           {"mscale", c.mscale},
+                           {"mscale_all_dim", c.mscale}};
     j["n_routed_experts"] = c.num_experts;
     j["num_experts_per_tok"] = c.num_experts_per_tok;
     j["moe_intermediate_size"] = c.base_moe_mlp_dim;
