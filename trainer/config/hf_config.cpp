@@ -211,6 +211,35 @@ RopeFields rope_fields(const ConfigJson& f) {
   return fields;
 }
 
+// The routed experts (field `experts_field`, at least `minimum`) and top-k of a MoE config.json,
+// each defaulted as its config class does, added as num_experts / num_experts_per_tok.
+int64_t translate_expert_counts(const ConfigJson& f, const std::string& experts_field, int64_t default_experts,
+                                int64_t minimum, std::vector<Translated>& out) {
+  const int64_t experts = f.integer(experts_field, default_experts), top_k = f.integer("num_experts_per_tok", 8);
+  if (experts < minimum)
+    f.fail(experts_field, "must be >= " + std::to_string(minimum) + ", not " + std::to_string(experts) +
+                              (minimum > 1 ? " (a model of one expert is dense)" : ""));
+  if (top_k < 1 || top_k > experts)
+    f.fail("num_experts_per_tok",
+           "must be in [1, " + experts_field + " " + std::to_string(experts) + "], not " + std::to_string(top_k));
+  out.push_back({"num_experts", std::to_string(experts), experts_field, true});
+  out.push_back({"num_experts_per_tok", std::to_string(top_k), "num_experts_per_tok", false});
+  return experts;
+}
+
+// Group-limited routing as BailingMoeV2Gate and DeepseekV3MoE do it (a group scores the sum of its
+// best 2 biased scores, n_group groups, the best topk_group kept); one group, or every group kept,
+// is plain top-k (-1 here).
+void translate_routing_groups(const ConfigJson& f, int64_t experts, std::vector<Translated>& out) {
+  const int64_t groups = f.integer("n_group", 8), kept = f.integer("topk_group", 4);
+  if (groups < 1 || experts % groups != 0 || experts / groups < 2 || kept < 1 || kept > groups)
+    f.fail("n_group", "(" + std::to_string(groups) + ", topk_group " + std::to_string(kept) + ") must divide the " +
+                          std::to_string(experts) + " experts into groups of at least 2 and keep 1..n_group of them");
+  const bool off = groups == 1 || kept == groups;
+  out.push_back({"n_routing_groups", off ? "-1" : std::to_string(groups), "n_group", false});
+  out.push_back({"topk_routing_group", off ? "-1" : std::to_string(kept), "topk_group", false});
+}
+
 // YaRN as transformers applies it to DeepseekV3 (modeling_rope_utils' _compute_yarn_parameters and
 // DeepseekV3Attention), against the trainer's (docs/model.md):
 //   frequencies: blended with f / factor' over the correction range of beta_fast / beta_slow at
@@ -306,25 +335,14 @@ void translate_deepseek_v3(const ConfigJson& f, const RopeFields& rope, std::vec
   } else {
     translate_yarn(f, *rope.yarn, rope.scaling_field, context, out);
   }
-  const int64_t experts = f.integer("n_routed_experts", 256), top_k = f.integer("num_experts_per_tok", 8);
-  if (experts < 2) f.fail("n_routed_experts", "must be >= 2, not " + std::to_string(experts));
-  if (top_k < 1 || top_k > experts)
-    f.fail("num_experts_per_tok", "must be in [1, n_routed_experts " + std::to_string(experts) + "], not " + std::to_string(top_k));
-  add("num_experts", std::to_string(experts), "n_routed_experts", true);
-  add("num_experts_per_tok", std::to_string(top_k), "num_experts_per_tok", false);
+  const int64_t experts = translate_expert_counts(f, "n_routed_experts", 256, 2, out);
   add_int("base_moe_mlp_dim", "moe_intermediate_size", 2048);
   add_int("shared_experts", "n_shared_experts", 1);
   add_int("first_num_dense_layers", "first_k_dense_replace", 3);
   add("routed_score_func", "sigmoid", "architectures", false);
   add("norm_topk_prob", f.boolean("norm_topk_prob", true) ? "true" : "false", "norm_topk_prob", false);
   add("routed_scaling_factor", number_text(f.number("routed_scaling_factor", 2.5)), "routed_scaling_factor", false);
-  const int64_t groups = f.integer("n_group", 8), kept = f.integer("topk_group", 4);
-  if (groups < 1 || experts % groups != 0 || experts / groups < 2 || kept < 1 || kept > groups)
-    f.fail("n_group", "(" + std::to_string(groups) + ", topk_group " + std::to_string(kept) +
-                          ") must divide n_routed_experts into groups of at least 2 experts and keep 1..n_group of them");
-  const bool off = groups == 1 || kept == groups;
-  add("n_routing_groups", off ? "-1" : std::to_string(groups), "n_group", false);
-  add("topk_routing_group", off ? "-1" : std::to_string(kept), "topk_group", false);
+  translate_routing_groups(f, experts, out);
   add("routed_bias", "true", "architectures", false);  // the selection always adds e_score_correction_bias
   // num_nextn_predict_layers: transformers builds no MTP layer and skips their tensors; so does the trainer.
 }
@@ -399,13 +417,8 @@ std::vector<Translated> translate(const ConfigJson& f) {
   // num_shared_experts none.
   const bool moe = bailing && (f.has("num_experts") || !f.present("num_experts"));
   if (moe) {
-    const int64_t experts = f.integer("num_experts", 256), top_k = f.integer("num_experts_per_tok", 8);
     // Named here: num_experts 0 used to surface as an n_group error.
-    if (experts < 1) f.fail("num_experts", "must be >= 1, not " + std::to_string(experts));
-    if (top_k < 1 || top_k > experts)
-      f.fail("num_experts_per_tok", "must be in [1, num_experts " + std::to_string(experts) + "], not " + std::to_string(top_k));
-    add("num_experts", std::to_string(experts), "num_experts", true);
-    add("num_experts_per_tok", std::to_string(top_k), "num_experts_per_tok", false);
+    const int64_t experts = translate_expert_counts(f, "num_experts", 256, 1, out), top_k = f.integer("num_experts_per_tok", 8);
     add_int("base_moe_mlp_dim", "moe_intermediate_size", 512);
     add("shared_experts", std::to_string(f.integer("num_shared_experts", f.present("num_shared_experts") ? 0 : 1)),
         "num_shared_experts", true);
@@ -420,14 +433,7 @@ std::vector<Translated> translate(const ConfigJson& f) {
     // The Gate renormalizes the top-k weights only when k > 1 (a single weight stays the score).
     add("norm_topk_prob", top_k > 1 ? "true" : "false", "num_experts_per_tok", false);
     add("routed_scaling_factor", number_text(f.number("routed_scaling_factor", 1.0)), "routed_scaling_factor", false);
-    // BailingMoeV2Gate always routes by groups; one group (or one group kept) is plain top-k.
-    const int64_t groups = f.integer("n_group", 8), kept = f.integer("topk_group", 4);
-    if (groups < 1 || experts % groups != 0 || experts / groups < 2 || kept < 1 || kept > groups)
-      f.fail("n_group", "(" + std::to_string(groups) + ", topk_group " + std::to_string(kept) +
-                            ") must divide num_experts into groups of at least 2 experts and keep 1..n_group of them");
-    const bool off = groups == 1 || kept == groups;
-    add("n_routing_groups", off ? "-1" : std::to_string(groups), "n_group", false);
-    add("topk_routing_group", off ? "-1" : std::to_string(kept), "topk_group", false);
+    translate_routing_groups(f, experts, out);  // BailingMoeV2Gate always routes by groups
     add("routed_bias", f.boolean("moe_router_enable_expert_bias", true) ? "true" : "false",
         "moe_router_enable_expert_bias", false);
   } else if (deepseek) {
@@ -435,10 +441,7 @@ std::vector<Translated> translate(const ConfigJson& f) {
   } else if (qwen3_moe) {
     // Qwen3MoeSparseMoeBlock: softmax over all experts in fp32, top-k, renormalized only with
     // norm_topk_prob (default false); no shared expert, no bias, no groups, no scaling.
-    const int64_t experts = f.integer("num_experts", 128), top_k = f.integer("num_experts_per_tok", 8);
-    if (experts < 2) f.fail("num_experts", "must be >= 2, not " + std::to_string(experts) + " (a model of one expert is dense)");
-    if (top_k < 1 || top_k > experts)
-      f.fail("num_experts_per_tok", "must be in [1, num_experts " + std::to_string(experts) + "], not " + std::to_string(top_k));
+    translate_expert_counts(f, "num_experts", 128, 2, out);
     if (const int64_t step = f.integer("decoder_sparse_step", 1); step != 1)
       f.fail("decoder_sparse_step", "is " + std::to_string(step) + ": MoE layers every " + std::to_string(step) +
                                         " layers are not implemented (the trainer's dense layers come first, then all MoE)");
@@ -451,8 +454,6 @@ std::vector<Translated> translate(const ConfigJson& f) {
         if (!layer.is_number_integer() || layer.get<int64_t>() != dense++)
           f.fail("mlp_only_layers", "is " + layers.dump() + ": the trainer's dense layers are the first k ([0, 1, ..., k-1])");
     }
-    add("num_experts", std::to_string(experts), "num_experts", true);
-    add("num_experts_per_tok", std::to_string(top_k), "num_experts_per_tok", false);
     add_int("base_moe_mlp_dim", "moe_intermediate_size", 768);
     add("shared_experts", "0", "architectures", true);
     add("first_num_dense_layers", std::to_string(dense), "mlp_only_layers", true);
@@ -570,6 +571,20 @@ std::string hf_architecture(const Config& c) {
   return c.use_qk_norm ? kQwen3 : kLlama;
 }
 
+namespace {
+// The MoE fields BailingMoeV2Config and DeepseekV3Config share by name (both always route by
+// groups: -1 here is one group).
+void write_group_routed_moe(nlohmann::json& j, const Config& c) {
+  j["num_experts_per_tok"] = c.num_experts_per_tok;
+  j["moe_intermediate_size"] = c.base_moe_mlp_dim;
+  j["first_k_dense_replace"] = c.first_num_dense_layers;
+  j["norm_topk_prob"] = c.norm_topk_prob;
+  j["routed_scaling_factor"] = c.routed_scaling_factor;
+  j["n_group"] = c.n_routing_groups == -1 ? 1 : c.n_routing_groups;
+  j["topk_group"] = c.topk_routing_group == -1 ? 1 : c.topk_routing_group;
+}
+}  // namespace
+
 std::string hf_config_json(const Config& c, const std::string& torch_dtype) {
   const std::string arch = hf_architecture(c);
   json j;
@@ -621,22 +636,16 @@ std::string hf_config_json(const Config& c, const std::string& torch_dtype) {
     j["use_qk_norm"] = c.use_qk_norm;
     j["partial_rotary_factor"] = c.partial_rotary_factor;
     j["num_experts"] = c.num_experts;
-    j["num_experts_per_tok"] = c.num_experts_per_tok;
-    j["moe_intermediate_size"] = c.base_moe_mlp_dim;
+    write_group_routed_moe(j, c);
     // 0, not null, for none: vLLM's BailingMoE builds its layers with `num_shared_experts > 0`
     // (None raises there) and SGLang's runs that test in every forward; the HF code's `is not
     // None` builds a zero-width shared MLP that adds exactly 0.
     j["num_shared_experts"] = c.shared_experts;
-    j["first_k_dense_replace"] = c.first_num_dense_layers;
     j["score_function"] = "sigmoid";  // informational: the modeling code always routes by sigmoid
-    j["routed_scaling_factor"] = c.routed_scaling_factor;
-    j["n_group"] = c.n_routing_groups == -1 ? 1 : c.n_routing_groups;
-    j["topk_group"] = c.topk_routing_group == -1 ? 1 : c.topk_routing_group;
     j["moe_router_enable_expert_bias"] = c.routed_bias;
     // Not read by the HF modeling code, but by vLLM's and SGLang's BailingMoE, as the released
     // configs carry them: without use_rmsnorm vLLM builds the q/k norms as LayerNorm, without
-    // router_dtype it routes in bf16, without norm_topk_prob it fails to load.
-    j["norm_topk_prob"] = c.norm_topk_prob;
+    // router_dtype it routes in bf16, without norm_topk_prob (written above) it fails to load.
     j["use_rmsnorm"] = true;
     j["router_dtype"] = "fp32";
     j["num_nextn_predict_layers"] = c.mtp_num_layers;
@@ -663,14 +672,8 @@ std::string hf_config_json(const Config& c, const std::string& torch_dtype) {
                            {"mscale", c.mscale},
                            {"mscale_all_dim", c.mscale}};
     j["n_routed_experts"] = c.num_experts;
-    j["num_experts_per_tok"] = c.num_experts_per_tok;
-    j["moe_intermediate_size"] = c.base_moe_mlp_dim;
     j["n_shared_experts"] = c.shared_experts;
-    j["first_k_dense_replace"] = c.first_num_dense_layers;
-    j["norm_topk_prob"] = c.norm_topk_prob;
-    j["routed_scaling_factor"] = c.routed_scaling_factor;
-    j["n_group"] = c.n_routing_groups == -1 ? 1 : c.n_routing_groups;
-    j["topk_group"] = c.topk_routing_group == -1 ? 1 : c.topk_routing_group;
+    write_group_routed_moe(j, c);
     // Read by DeepSeek's own modeling_deepseek.py and by vLLM / SGLang; transformers' ignores them.
     j["scoring_func"] = "sigmoid";
     j["topk_method"] = "noaux_tc";
