@@ -23,6 +23,7 @@
 #include "test_support.h"
 #include "trainer/ckpt/safetensors.h"
 #include "trainer/config/hf_config.h"
+#include "trainer/model/model_size.h"
 #include "trainer/data/indexed_dataset.h"
 #include "trainer/train/train.h"
 #include "trainer/util/crc32c.h"
@@ -1346,6 +1347,23 @@ TEST_CASE("Hugging Face config.json: fields left out take their config class's d
   CHECK(k["beta_fast"] == "32.0");
   CHECK(k["beta_slow"] == "1.0");
   CHECK(k["mscale"] == "1.0");
+  // The whole of DeepSeek-V3's config.json (its FP8 quantization_config aside: refused).
+  const std::string v3 = R"({"architectures": ["DeepseekV3ForCausalLM"], "attention_bias": false, "first_k_dense_replace": 3,
+      "hidden_act": "silu", "hidden_size": 7168, "intermediate_size": 18432, "kv_lora_rank": 512,
+      "max_position_embeddings": 163840, "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8,
+      "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": true, "num_attention_heads": 128,
+      "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1,
+      "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+      "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                       "original_max_position_embeddings": 4096, "type": "yarn"},
+      "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": false,
+      "topk_group": 4, "topk_method": "noaux_tc", "v_head_dim": 128, "vocab_size": 129280)";
+  keys_of("deepseek-v3", v3 + "}");  // written for the model below
+  const auto v3_size = model_size(tiny_config({"model_name=hf", "load_parameters_path=" + kOut + "/hf-defaults-deepseek-v3"}));
+  CHECK(v3_size.total_params == 671026404352LL);  // "671B total parameters, 37B activated" (its MTP module aside)
+  CHECK(v3_size.active_params == 37552282624LL);
+  CHECK_THROWS_WITH(keys_of("deepseek-v3-fp8", v3 + R"(, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}})"),
+                    Catch::Contains("field 'quantization_config' is") && Catch::Contains("dequantize them to BF16 or F32 first"));
   CHECK_THROWS_WITH(keys_of("llama-yarn", R"({"architectures": ["LlamaForCausalLM"], )" + core +
                                               R"(, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})"),
                     Catch::Contains("the trainer reads YaRN for DeepseekV3ForCausalLM (MLA) only"));

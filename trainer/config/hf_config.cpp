@@ -357,6 +357,8 @@ std::vector<Translated> translate(const ConfigJson& f) {
   f.require_off(bailing ? "use_qkv_bias" : "attention_bias", "a bias in the attention projections");
   f.require_off(bailing ? "use_bias" : "mlp_bias", "a bias in the projections");
   f.require_off("use_sliding_window", "sliding-window attention");
+  // DeepSeek-V3's release is FP8 with per-block scales: dequantized weights are what loads.
+  f.require_off("quantization_config", "reading quantized weights (dequantize them to BF16 or F32 first)");
 
   std::vector<Translated> out;
   auto add = [&](const std::string& key, const std::string& text, const std::string& field, bool shapes) {
