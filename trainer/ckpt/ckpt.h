@@ -205,7 +205,8 @@ uint32_t checkpoint_write_tensors(const std::string& path, const NamedTensors& t
 
 // ---- Hugging Face checkpoints (hf_checkpoint.cpp; docs/checkpoints.md) --------------------------
 // The architecture and config.json come from config/hf_config.h. Checkpoint tensors are named as
-// Llama/Qwen3 already; BailingMoeV2 (Ling 2.0) renames them and fuses q, k, v into one tensor.
+// Llama, Qwen3, Qwen3Moe and DeepseekV3 already (Qwen3Moe has no router bias); BailingMoeV2
+// (Ling 2.0) renames them and fuses q, k, v into one tensor.
 
 // Checkpoint tensors (CheckpointContents::model) -> the architecture's names and layout. A tied
 // output head is not written (the Hugging Face code ties it to the embedding).

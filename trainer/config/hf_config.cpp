@@ -1,7 +1,7 @@
 // Hugging Face config.json <-> model keys (see hf_config.h). The field names and defaults are
-// those of transformers' LlamaConfig and Qwen3Config and of inclusionAI's BailingMoeV2Config
-// (Ling-V2 models/configuration_bailing_moe_v2.py); the semantics behind each mapping are in
-// docs/checkpoints.md.
+// those of transformers' LlamaConfig, Qwen3Config, Qwen3MoeConfig and DeepseekV3Config and of
+// inclusionAI's BailingMoeV2Config (Ling-V2 models/configuration_bailing_moe_v2.py); the
+// semantics behind each mapping are in docs/checkpoints.md.
 #include "trainer/config/hf_config.h"
 
 #include <algorithm>

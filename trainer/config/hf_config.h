@@ -1,6 +1,7 @@
-// Hugging Face config.json <-> model keys, for the three architectures whose checkpoints the
+// Hugging Face config.json <-> model keys, for the five architectures whose checkpoints the
 // trainer reads and writes (docs/checkpoints.md "Hugging Face checkpoints"):
-//   LlamaForCausalLM, Qwen3ForCausalLM (Llama + QK norm), BailingMoeV2ForCausalLM (Ling 2.0).
+//   LlamaForCausalLM, Qwen3ForCausalLM (Llama + QK norm), Qwen3MoeForCausalLM (softmax-routed
+//   experts), DeepseekV3ForCausalLM (MLA + sigmoid-routed experts), BailingMoeV2ForCausalLM (Ling 2.0).
 // Plain C++ (no LibTorch); the tensor names are mapped in ckpt/hf_checkpoint.cpp.
 #pragma once
 #include <string>
