@@ -239,6 +239,7 @@ class Reference:
         self.hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         self.group_limited_changes = 0  # tokens whose experts group-limited routing changed
         self.bias_changes = 0           # tokens whose experts the expert bias changed
+        self.fill_changes = 0           # tokens whose experts a 0.0 (not -inf) fill of dropped groups changed
 
     def norm(self, x, name, eps=None):
         eps = self.c["rms_norm_eps"] if eps is None else eps
@@ -374,7 +375,13 @@ class Reference:
         best_groups = group_scores.topk(kept, dim=-1)[1]
         group_mask = torch.zeros_like(group_scores).scatter_(1, best_groups, 1).bool()
         expert_mask = group_mask.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
-        chosen = biased.masked_fill(~expert_mask, float("-inf")).topk(k, dim=-1)[1]  # (T, k)
+        # BailingMoeV2Gate fills the dropped groups with -inf; transformers' DeepseekV3MoE with 0.0,
+        # which differs where fewer than k kept experts have a positive biased score.
+        fill = 0.0 if self.deepseek else float("-inf")
+        chosen = biased.masked_fill(~expert_mask, fill).topk(k, dim=-1)[1]  # (T, k)
+        strict = biased.masked_fill(~expert_mask, float("-inf")).topk(k, dim=-1)[1]
+        for t in range(x.shape[0]):
+            self.fill_changes += set(chosen[t].tolist()) != set(strict[t].tolist())
         ungrouped, unbiased = biased.topk(k, dim=-1)[1], scores.topk(k, dim=-1)[1]
         for t in range(x.shape[0]):
             self.group_limited_changes += set(chosen[t].tolist()) != set(ungrouped[t].tolist())
@@ -477,8 +484,9 @@ def case_random(args, work, arch):
         ok &= moved > 1e-3
     if arch in ("bailing", "deepseek_v3", "deepseek_v3_yarn"):
         # The case must exercise what it checks: selections that the groups and the bias change.
-        print(arch + ": tokens whose experts group-limited routing changed: %d, the expert bias changed: %d" %
-              (reference.group_limited_changes, reference.bias_changes))
+        print(arch + ": tokens whose experts group-limited routing changed: %d, the expert bias changed: %d, "
+              "the 0.0 fill of dropped groups changed: %d" %
+              (reference.group_limited_changes, reference.bias_changes, reference.fill_changes))
         ok &= reference.group_limited_changes > 0 and reference.bias_changes > 0
     return ok
 

@@ -1287,7 +1287,7 @@ TEST_CASE("Hugging Face config.json: fields left out take their config class's d
   const std::string deepseek = R"({"architectures": ["DeepseekV3ForCausalLM"], )" + core;
   k = keys_of("deepseek-absent", deepseek + "}");
   CHECK(k["attention_type"] == "mla");
-  CHECK(k["base_num_kv_heads"] == "8");
+  CHECK(k["base_num_kv_heads"] == "128");  // DeepseekV3Config: num_key_value_heads=128 (None: the query heads)
   CHECK(k.count("head_dim") == 0);  // MLA's own dims instead
   CHECK(k["q_lora_rank"] == "1536");
   CHECK(k["kv_lora_rank"] == "512");
@@ -1313,6 +1313,10 @@ TEST_CASE("Hugging Face config.json: fields left out take their config class's d
   CHECK(k["mla_interleaved_rope"] == "false");
   CHECK(k["n_routing_groups"] == "-1");
   CHECK(k["mtp_num_layers"] == "0");  // transformers builds none
+  k = keys_of("deepseek-nulls", deepseek + R"(, "rope_interleave": null, "norm_topk_prob": null, "num_key_value_heads": null})");
+  CHECK(k["mla_interleaved_rope"] == "false");  // None is false where transformers tests the field
+  CHECK(k["norm_topk_prob"] == "false");
+  CHECK(k["base_num_kv_heads"] == "8");
   for (const auto& [name, field, message] : std::vector<std::tuple<std::string, std::string, std::string>>{
            {"eps", R"("rms_norm_eps": 1e-5)", "field 'rms_norm_eps' is 1e-05: DeepseekV3's latent norms"},
            {"scoring", R"("scoring_func": "softmax")", "field 'scoring_func' is \"softmax\""},
@@ -1488,6 +1492,9 @@ TEST_CASE("Hugging Face directories: config.json round trips the model keys, and
                     Catch::Contains("shared_experts is 1, which Qwen3MoeForCausalLM"));
   CHECK(hf_architecture(tiny_config({"model_name=moe-tiny", "override_model_config=true", "use_qk_norm=true",
                                      "shared_experts=0"})) == "Qwen3MoeForCausalLM");
+  // A shared-expert width with no shared expert builds nothing: not a reason to refuse.
+  CHECK(hf_architecture(tiny_config({"model_name=moe-tiny", "override_model_config=true", "use_qk_norm=true",
+                                     "shared_experts=0", "moe_shared_expert_dim=48"})) == "Qwen3MoeForCausalLM");
   CHECK_THROWS_WITH(hf_architecture(tiny_config({"override_model_config=true", "partial_rotary_factor=0.5"})),
                     Catch::Contains("partial_rotary_factor"));
   CHECK(hf_architecture(tiny_config()) == "LlamaForCausalLM");
@@ -1509,6 +1516,10 @@ TEST_CASE("Hugging Face directories: config.json round trips the model keys, and
   CHECK_THROWS_WITH(hf_architecture(mla_with({"rope_type=yarn"})),
                     Catch::Contains("rope_factor (32.0) is not max_position_embeddings / original_max_position_embeddings (4096 / 4096)"));
   CHECK(hf_architecture(mla_with({"rope_type=yarn", "rope_factor=4", "max_position_embeddings=16384"})) == "DeepseekV3ForCausalLM");
+  // mscale 0: transformers would scale cos and sin by 0.1 ln(factor) + 1 instead of the softmax.
+  CHECK_THROWS_WITH(hf_architecture(mla_with({"rope_type=yarn", "rope_factor=4", "max_position_embeddings=16384", "mscale=0"})),
+                    Catch::Contains("mscale is 0 with rope_type yarn"));
+  CHECK(hf_architecture(mla_with({"inhomogeneous_layer_cycle_interval=1"})) == "DeepseekV3ForCausalLM");  // every layer MLA
   CHECK_THROWS_WITH(hf_architecture(mla_with({"max_position_embeddings=8192"})), Catch::Contains("softmax mscale"));
   CHECK_THROWS_WITH(hf_architecture(mla_with({"shared_experts=0"})), Catch::Contains("shared_experts is 0"));
   CHECK_THROWS_WITH(hf_architecture(mla_with({"num_experts=1", "num_experts_per_tok=1", "shared_experts=0", "routed_bias=false",
@@ -1569,7 +1580,25 @@ TEST_CASE("Hugging Face directories: config.json round trips the model keys, and
                     Catch::Contains("field 'rope_scaling' has \"attention_factor\", which the trainer does not implement with rope_type \"llama3\""));
   CHECK_THROWS_WITH(hf_config_model_keys(edited("rope-llama3-twice", "\"rope_scaling\": null",
                                                 "\"rope_scaling\": {" + llama3 + "}, \"rope_parameters\": {" + llama3 + "}")),
-                    Catch::Contains("field 'rope_parameters' and rope_scaling both scale RoPE"));
+                    Catch::Contains("field 'rope_parameters' and rope_scaling both name a rope_type"));
+  // transformers 5 takes `rope_scaling or rope_parameters`: a "default" rope_scaling would win there.
+  CHECK_THROWS_WITH(hf_config_model_keys(edited("rope-default-and-llama3", "\"rope_scaling\": null",
+                                                "\"rope_scaling\": {\"rope_type\": \"default\"}, \"rope_parameters\": {" +
+                                                    llama3 + "}")),
+                    Catch::Contains("both name a rope_type"));
+  // The context a Llama 3 file declares is not its weights' shape: another one is a warning.
+  {
+    const std::string scaled_file = edited("rope-llama3-compare", "\"rope_scaling\": null",
+                                           "\"rope_scaling\": {" + llama3 + "}");
+    const auto differences = hf_config_compare(tiny_config({"model_name=ling-mini-tiny", "override_model_config=true",
+                                                            "rope_type=llama3", "rope_factor=32",
+                                                            "original_max_position_embeddings=8192",
+                                                            "max_position_embeddings=1"}),
+                                               scaled_file);
+    CHECK(differences.first_shape_mismatch.empty());
+    REQUIRE(differences.other.size() == 1);
+    CHECK_THAT(differences.other[0], Catch::Contains("max_position_embeddings: 1"));
+  }
   CHECK_THROWS_WITH(hf_config_model_keys(edited("rope-v5-both", "\"rope_scaling\": null",
                                                 "\"rope_scaling\": null, \"rope_parameters\": {\"rope_theta\": 1.0}")),
                     Catch::Contains("field 'rope_parameters' has rope_theta 1.0, but the top-level rope_theta is"));

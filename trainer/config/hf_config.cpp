@@ -190,7 +190,10 @@ RopeFields rope_fields(const ConfigJson& f) {
   const nlohmann::json& parameters = f.root_["rope_parameters"];
   if (!parameters.is_object()) f.fail("rope_parameters", "must be an object, not " + parameters.dump());
   if (parameters.contains("rope_type") || parameters.contains("type")) {
-    if (fields.llama3 || fields.yarn) f.fail("rope_parameters", "and rope_scaling both scale RoPE: which one holds?");
+    // transformers 5 takes `rope_scaling or rope_parameters`, 4 knows rope_scaling only: a type in
+    // both is ambiguous, even {"rope_type": "default"} beside a scaling.
+    if (f.has("rope_scaling") && f.root_["rope_scaling"].is_object() && !f.root_["rope_scaling"].empty())
+      f.fail("rope_parameters", "and rope_scaling both name a rope_type: which one holds?");
     read_scaling("rope_parameters", parameters, {"rope_theta", "partial_rotary_factor"});
   }
   for (const char* name : {"rope_theta", "partial_rotary_factor"}) {
@@ -325,7 +328,11 @@ void translate_deepseek_v3(const ConfigJson& f, const RopeFields& rope, std::vec
   add_int("qk_nope_head_dim", "qk_nope_head_dim", 128);
   add_int("qk_rope_head_dim", "qk_rope_head_dim", 64);
   add_int("v_head_dim", "v_head_dim", 128);
-  add("mla_interleaved_rope", f.boolean("rope_interleave", true) ? "true" : "false", "rope_interleave", false);
+  // A null field is Python's None there, which `if config.rope_interleave:` / `if self.norm_topk_prob:` read as false.
+  const auto truthy = [&](const std::string& field, bool fallback) {
+    return !f.present(field) ? fallback : f.has(field) && f.boolean(field, false);
+  };
+  add("mla_interleaved_rope", truthy("rope_interleave", true) ? "true" : "false", "rope_interleave", false);
   const int64_t context = f.integer("max_position_embeddings", 4096);
   add("max_position_embeddings", std::to_string(context), "max_position_embeddings", false);
   if (!rope.yarn) {
@@ -340,7 +347,7 @@ void translate_deepseek_v3(const ConfigJson& f, const RopeFields& rope, std::vec
   add_int("shared_experts", "n_shared_experts", 1);
   add_int("first_num_dense_layers", "first_k_dense_replace", 3);
   add("routed_score_func", "sigmoid", "architectures", false);
-  add("norm_topk_prob", f.boolean("norm_topk_prob", true) ? "true" : "false", "norm_topk_prob", false);
+  add("norm_topk_prob", truthy("norm_topk_prob", true) ? "true" : "false", "norm_topk_prob", false);
   add("routed_scaling_factor", number_text(f.number("routed_scaling_factor", 2.5)), "routed_scaling_factor", false);
   translate_routing_groups(f, experts, out);
   add("routed_bias", "true", "architectures", false);  // the selection always adds e_score_correction_bias
@@ -377,12 +384,12 @@ std::vector<Translated> translate(const ConfigJson& f) {
   // heads 32 (Qwen3) or 4 (Bailing), head_dim 128. Written as null it means the query heads, and
   // hidden / heads (a Bailing head_dim of 0 too).
   // Qwen3MoeConfig: kv heads 4, and no head_dim field of its own (hidden / heads when left out).
-  // DeepseekV3Config: kv heads = heads; its head_dim is qk_rope_head_dim, set by the class (MLA
-  // has its own dims, read below).
+  // DeepseekV3Config: kv heads 128 (null: the query heads); its head_dim is qk_rope_head_dim, set
+  // by the class (MLA has its own dims, read below).
   const bool qwen3 = arch == kQwen3, qwen3_moe = arch == kQwen3Moe, deepseek = arch == kDeepseekV3;
   const int64_t derived_head_dim = f.integer("hidden_size") / heads;
   add_int("base_num_kv_heads", "num_key_value_heads",
-          f.present("num_key_value_heads") ? heads : bailing || qwen3_moe ? 4 : qwen3 ? 32 : heads);
+          f.present("num_key_value_heads") ? heads : bailing || qwen3_moe ? 4 : qwen3 ? 32 : deepseek ? 128 : heads);
   if (!deepseek) {
     const int64_t head_dim = f.integer("head_dim", f.present("head_dim") || !(bailing || qwen3) ? derived_head_dim : 128);
     add("head_dim", std::to_string(bailing && head_dim == 0 ? derived_head_dim : head_dim), "head_dim", true);
@@ -407,7 +414,8 @@ std::vector<Translated> translate(const ConfigJson& f) {
     add("original_max_position_embeddings", std::to_string(rope.llama3->original_max_position_embeddings), scaling_field, false);
     // The context the model serves: not used by the rotation, carried to an export's config.json
     // (left out: the config class's default, LlamaConfig's 2048, Qwen3Config's and BailingMoeV2Config's 32768).
-    add_int("max_position_embeddings", "max_position_embeddings", arch == kLlama ? 2048 : 32768);
+    add("max_position_embeddings", std::to_string(f.integer("max_position_embeddings", arch == kLlama ? 2048 : 32768)),
+        "max_position_embeddings", false);
   }
   const bool qk_norm = qwen3 || qwen3_moe || (bailing && f.boolean("use_qk_norm", true));
   add("use_qk_norm", qk_norm ? "true" : "false", bailing ? "use_qk_norm" : "architectures", true);
@@ -505,7 +513,7 @@ std::string hf_architecture(const Config& c) {
   };
   if (c.mlp_activations != StringList{"silu", "linear"})
     refuse("mlp_activations must be [silu, linear] (SwiGLU), as in every supported architecture");
-  if (c.attention_type == "mla" && c.inhomogeneous_layer_cycle_interval == 0) {
+  if (c.attention_type == "mla" && c.inhomogeneous_layer_cycle_interval <= 1) {  // every layer MLA
     // DeepseekV3ForCausalLM: MLA in every layer, sigmoid-routed MoE after the dense layers.
     const auto deepseek_needs = [&](bool ok, const std::string& what) {
       if (!ok) refuse(what + "; DeepseekV3ForCausalLM (the architecture of MLA models) differs");
@@ -520,6 +528,8 @@ std::string hf_architecture(const Config& c) {
     deepseek_needs(c.normalization_layer_epsilon == 1e-6,
                    "normalization_layer_epsilon is " + number_text(c.normalization_layer_epsilon) +
                        " (its q_a_layernorm and kv_a_layernorm use 1e-6 whatever rms_norm_eps says)");
+    if (c.rope_type == "yarn")  // without mscale_all_dim transformers scales cos and sin instead (translate_yarn)
+      deepseek_needs(c.mscale != 0, "mscale is 0 with rope_type yarn");
     if (c.rope_type == "yarn")  // transformers stretches by max / original (translate_yarn)
       deepseek_needs(c.rope_factor > 1 && c.rope_factor * static_cast<double>(c.original_max_position_embeddings) ==
                                               static_cast<double>(c.max_position_embeddings),
@@ -533,13 +543,10 @@ std::string hf_architecture(const Config& c) {
                                               " (transformers builds no MTP layer; export with --export-safetensors)");
     return kDeepseekV3;
   }
-  if (c.attention_type != "global" || c.inhomogeneous_layer_cycle_interval > 0)
+  if (c.attention_type != "global" || c.inhomogeneous_layer_cycle_interval > 1)
     refuse("attention_type=" + c.attention_type + " (inhomogeneous_layer_cycle_interval=" +
            std::to_string(c.inhomogeneous_layer_cycle_interval) +
            "): GLA layers and the GLA/MLA hybrid have no Hugging Face architecture here; export with --export-safetensors");
-  if (c.moe_shared_expert_dim > 0 && c.moe_shared_expert_dim != c.base_moe_mlp_dim)
-    refuse("moe_shared_expert_dim (" + std::to_string(c.moe_shared_expert_dim) +
-           ") differs from base_moe_mlp_dim; BailingMoeV2's shared expert has the routed experts' width");
   if (c.num_experts > 1 && c.routed_score_func == "softmax") {
     // Qwen3MoeForCausalLM: softmax routing over every expert, the rest of the Ling machinery off.
     const auto qwen3_moe_needs = [&](bool ok, const std::string& what) {
@@ -556,6 +563,9 @@ std::string hf_architecture(const Config& c) {
     return kQwen3Moe;
   }
   if (c.num_experts > 1) {  // sigmoid scores: BailingMoeV2ForCausalLM
+    if (c.shared_experts > 0 && c.moe_shared_expert_dim > 0 && c.moe_shared_expert_dim != c.base_moe_mlp_dim)
+      refuse("moe_shared_expert_dim (" + std::to_string(c.moe_shared_expert_dim) +
+             ") differs from base_moe_mlp_dim; BailingMoeV2's shared expert has the routed experts' width");
     if (c.norm_topk_prob != (c.num_experts_per_tok > 1))
       refuse(std::string("norm_topk_prob is ") + (c.norm_topk_prob ? "true" : "false") +
              "; BailingMoeV2ForCausalLM renormalizes the top-k weights exactly when num_experts_per_tok > 1");
