@@ -17,6 +17,10 @@ Cases (each run by ctest; every one creates and removes its own temporary direct
                             the trainer with model_name=hf: its logits (and MTP logits) must equal
                             the reference to 1e-5.
   llama3                    llama with Llama 3.1+'s RoPE scaling (rope_scaling rope_type "llama3").
+  llama_yarn | qwen3_yarn   YaRN on global attention (transformers' _compute_yarn_parameters): llama
+  | bailing_yarn            with betas 16 / 2, attention factor 1 and truncate false; qwen3 with
+                            Qwen3's long-context fields (the default factor 0.1 ln 4 + 1 on cos and
+                            sin); bailing on its partial RoPE.
   deepseek_v3               transformers' DeepseekV3ForCausalLM: MLA (low-rank q, latent norms at 1e-6,
                             interleaved RoPE on the rope dims), sigmoid group-limited routing with
                             e_score_correction_bias, shared experts; a stored MTP layer is skipped.
@@ -121,6 +125,16 @@ def tiny_config(arch):
         return dict(tiny_config("deepseek_v3"), qk_rope_head_dim=8, max_position_embeddings=1024,
                     rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
                                   "beta_fast": 32, "beta_slow": 1, "mscale": 0.7, "mscale_all_dim": 0.7})
+    if arch == "qwen3_yarn":  # Qwen3's long-context recipe: factor and original only, the default attention factor
+        return dict(tiny_config("qwen3"), max_position_embeddings=1024,
+                    rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256})
+    if arch == "llama_yarn":  # bf16 Llama, YaRN with its own betas, unfloored range and attention factor 1
+        return dict(tiny_config("llama"), max_position_embeddings=1024,
+                    rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128,
+                                  "beta_fast": 16, "beta_slow": 2, "attention_factor": 1.0, "truncate": False})
+    if arch == "bailing_yarn":  # partial RoPE: the attention factor scales the rotated channels only
+        return dict(tiny_config("bailing"), max_position_embeddings=2048,
+                    rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 256})
     if arch == "qwen3_moe":  # the first layer dense (mlp_only_layers), softmax top-2 of 8, renormalized
         return dict(common, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_hidden_layers=3,
                     head_dim=16, rope_theta=1000000.0, tie_word_embeddings=False, num_experts=8,
@@ -470,7 +484,7 @@ def case_random(args, work, arch):
     if arch.startswith("deepseek_v3"):  # DeepSeek's releases store an MTP layer after the decoder layers; HF skips it
         cfg["num_nextn_predict_layers"] = 1
         weights["model.layers.%d.enorm.weight" % cfg["num_hidden_layers"]] = torch.ones(cfg["hidden_size"])
-    write_hf_directory(directory, cfg, weights, "BF16" if arch in ("llama", "llama3") else "F32")
+    write_hf_directory(directory, cfg, weights, "BF16" if arch in ("llama", "llama3", "llama_yarn") else "F32")
     # The reference sees exactly what the file holds (bf16 rounding included).
     reference = Reference(cfg, read_hf_directory(directory))
     want = reference.forward(TOKENS)
@@ -482,7 +496,12 @@ def case_random(args, work, arch):
         moved = (unscaled - want["logits"]).abs().max().item()
         print("%s: the scaling moves the reference's logits by up to %.3g" % (arch, moved))
         ok &= moved > 1e-3
-    if arch in ("bailing", "deepseek_v3", "deepseek_v3_yarn"):
+    if arch in ("qwen3_yarn", "bailing_yarn"):  # and the attention factor (0.1 ln 4 + 1, 0.1 ln 8 + 1) by itself
+        unfactored = dict(cfg, rope_scaling=dict(cfg["rope_scaling"], attention_factor=1.0))
+        moved = (Reference(unfactored, read_hf_directory(directory)).forward(TOKENS)["logits"] - want["logits"]).abs().max().item()
+        print("%s: the attention factor moves the reference's logits by up to %.3g" % (arch, moved))
+        ok &= moved > 1e-3
+    if arch in ("bailing", "bailing_yarn", "deepseek_v3", "deepseek_v3_yarn"):
         # The case must exercise what it checks: selections that the groups and the bias change.
         print(arch + ": tokens whose experts group-limited routing changed: %d, the expert bias changed: %d, "
               "the 0.0 fill of dropped groups changed: %d" %
@@ -506,6 +525,11 @@ def case_round_trip(args, work, model_args):
         bias = max(t.abs().max().item() for n, t in exported.items() if n.endswith("e_score_correction_bias"))
         print("export: largest |e_score_correction_bias| %.3g" % bias)
         ok &= bias > 1e-3
+    if "rope_type=yarn" in model_args:  # what the export says of its RoPE
+        print("export: rope_scaling %s, max_position_embeddings %s" % (cfg["rope_scaling"], cfg["max_position_embeddings"]))
+        scaled = "rope_attention_scaling=true" in model_args
+        ok &= cfg["rope_scaling"]["attention_factor"] == (0.1 * math.log(4) + 1 if scaled else 1.0)
+        ok &= cfg["rope_scaling"].get("truncate", True) == ("rope_truncate=false" not in model_args)
     if "rope_type=llama3" in model_args:  # what the export says of its RoPE
         print("export: rope_scaling %s, max_position_embeddings %s" % (cfg["rope_scaling"], cfg["max_position_embeddings"]))
         ok &= cfg["rope_scaling"] == EXPORTED_SCALING and cfg["max_position_embeddings"] == 4096
@@ -526,6 +550,16 @@ ROUND_TRIPS = {
                                     "inhomogeneous_layer_cycle_interval=0", "moe_shared_expert_dim=0", "mtp_num_layers=0",
                                     "mtp_moe_mlp=false", "base_num_decoder_layers=3", "rope_type=yarn", "rope_factor=4",
                                     "original_max_position_embeddings=256", "max_position_embeddings=1024", "mscale=0.7"],
+    # ... with YaRN scaling cos and sin instead of the softmax (mscale 0, rope_attention_scaling).
+    "round_trip_deepseek_v3_yarn_scaled": ["model_name=ling2-tiny", "override_model_config=true",
+                                           "inhomogeneous_layer_cycle_interval=0", "moe_shared_expert_dim=0",
+                                           "mtp_num_layers=0", "mtp_moe_mlp=false", "base_num_decoder_layers=3",
+                                           "rope_type=yarn", "rope_factor=4", "original_max_position_embeddings=256",
+                                           "max_position_embeddings=1024", "mscale=0", "rope_attention_scaling=true"],
+    # Qwen3 with YaRN on its global attention: 32-dim heads, the range not floored (dims 0 .. 4.03 blended).
+    "round_trip_qwen3_yarn": ["override_model_config=true", "use_qk_norm=true", "logits_via_embedding=true",
+                              "rope_type=yarn", "rope_factor=4", "original_max_position_embeddings=64",
+                              "max_position_embeddings=256", "rope_attention_scaling=true", "rope_truncate=false"],
     "round_trip_qwen3_moe": ["model_name=moe-tiny", "override_model_config=true", "use_qk_norm=true", "shared_experts=0"],
     "round_trip_llama": [],
     # The default model's 32-dim heads at theta 10000 have wavelengths 6.3 .. 4.4e4: an original
@@ -540,7 +574,8 @@ EXPORTED_SCALING = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 2.0
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trainer", required=True)
-    randoms = ["llama", "llama3", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v3_yarn", "bailing"]
+    randoms = ["llama", "llama3", "llama_yarn", "qwen3", "qwen3_yarn", "qwen3_moe", "deepseek_v3", "deepseek_v3_yarn",
+               "bailing", "bailing_yarn"]
     parser.add_argument("case", choices=randoms + sorted(ROUND_TRIPS))
     args = parser.parse_args()
     torch.set_num_threads(1)

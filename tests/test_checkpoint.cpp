@@ -1327,16 +1327,17 @@ TEST_CASE("Hugging Face config.json: fields left out take their config class's d
             "field 'rope_scaling' needs \"original_max_position_embeddings\" with rope_type \"yarn\""},
            {"yarn-ratio", R"("rope_scaling": {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096})",
             "transformers stretches by max / original, the trainer by factor"},
-           {"yarn-no-mscale", R"("max_position_embeddings": 16384, "rope_scaling": {"rope_type": "yarn", "factor": 4,
-              "original_max_position_embeddings": 4096})", "has no mscale_all_dim"},
+           // Attention factors other than 1 and 0.1 ln(factor) + 1 (here 1.1386): a ratio of
+           // mscales (1.0648), or one written out.
            {"yarn-ratio-scaled-cos", R"("max_position_embeddings": 16384, "rope_scaling": {"rope_type": "yarn", "factor": 4,
-              "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 0.5})", "(set both equal)"},
+              "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 0.5})",
+            "gives an attention factor of 1.0648216253695715 (mscale / mscale_all_dim) on cos and sin"},
            {"yarn-attention-factor", R"("max_position_embeddings": 16384, "rope_scaling": {"rope_type": "yarn", "factor": 4,
               "original_max_position_embeddings": 4096, "mscale_all_dim": 1.0, "attention_factor": 1.2})",
-            "has attention_factor 1.2"},
-           {"yarn-untruncated", R"("max_position_embeddings": 16384, "rope_scaling": {"rope_type": "yarn", "factor": 4,
-              "original_max_position_embeddings": 4096, "mscale": 1, "mscale_all_dim": 1, "truncate": false})",
-            "has truncate false"}}) {
+            "gives an attention factor of 1.2 on cos and sin: the trainer scales them by 1 or by 0.1 ln(factor) + 1 = 1.138629"},
+           {"yarn-truncate-text", R"("max_position_embeddings": 16384, "rope_scaling": {"rope_type": "yarn", "factor": 4,
+              "original_max_position_embeddings": 4096, "mscale": 1, "mscale_all_dim": 1, "truncate": "no"})",
+            "has truncate \"no\", not true or false"}}) {
     INFO(name);
     CHECK_THROWS_WITH(keys_of("deepseek-" + name, deepseek + ", " + field + "}"), Catch::Contains(message));
   }
@@ -1351,6 +1352,17 @@ TEST_CASE("Hugging Face config.json: fields left out take their config class's d
   CHECK(k["beta_fast"] == "32.0");
   CHECK(k["beta_slow"] == "1.0");
   CHECK(k["mscale"] == "1.0");
+  CHECK(k["rope_attention_scaling"] == "false");  // mscale / mscale_all_dim = 1
+  CHECK(k["rope_truncate"] == "true");
+  // Without mscale_all_dim: no softmax scaling (mscale 0), and transformers' default factor
+  // 0.1 ln(4) + 1 on cos and sin (rope_attention_scaling); truncate false and null both unfloored.
+  for (const std::string truncate : {"false", "null"}) {
+    k = keys_of("deepseek-yarn-cos", deepseek + R"(, "max_position_embeddings": 16384, "rope_scaling": {"rope_type": "yarn",
+        "factor": 4, "original_max_position_embeddings": 4096, "truncate": )" + truncate + "}}");
+    CHECK(k["mscale"] == "0.0");
+    CHECK(k["rope_attention_scaling"] == "true");
+    CHECK(k["rope_truncate"] == "false");
+  }
   // The whole of DeepSeek-V3's config.json (its FP8 quantization_config aside: refused).
   const std::string v3 = R"({"architectures": ["DeepseekV3ForCausalLM"], "attention_bias": false, "first_k_dense_replace": 3,
       "hidden_act": "silu", "hidden_size": 7168, "intermediate_size": 18432, "kv_lora_rank": 512,
@@ -1368,9 +1380,33 @@ TEST_CASE("Hugging Face config.json: fields left out take their config class's d
   CHECK(v3_size.active_params == 37552282624LL);
   CHECK_THROWS_WITH(keys_of("deepseek-v3-fp8", v3 + R"(, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}})"),
                     Catch::Contains("field 'quantization_config' is") && Catch::Contains("dequantize them to BF16 or F32 first"));
-  CHECK_THROWS_WITH(keys_of("llama-yarn", R"({"architectures": ["LlamaForCausalLM"], )" + core +
-                                              R"(, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})"),
-                    Catch::Contains("the trainer reads YaRN for DeepseekV3ForCausalLM (MLA) only"));
+  // YaRN on global attention: Qwen3's long-context fields (the default attention factor), a
+  // Llama file's explicit factor 1 and betas, transformers 5's rope_parameters.
+  const std::string qwen3 = R"({"architectures": ["Qwen3ForCausalLM"], )" + core;
+  k = keys_of("qwen3-yarn", qwen3 + R"(, "max_position_embeddings": 131072, "rope_scaling": {"rope_type": "yarn",
+      "factor": 4.0, "original_max_position_embeddings": 32768}})");
+  CHECK(k["rope_type"] == "yarn");
+  CHECK(k["rope_factor"] == "4.0");
+  CHECK(k["original_max_position_embeddings"] == "32768");
+  CHECK(k["max_position_embeddings"] == "131072");
+  CHECK(k["rope_attention_scaling"] == "true");
+  CHECK(k["rope_truncate"] == "true");
+  CHECK(k.count("mscale") == 0);  // the softmax mscale is MLA's
+  k = keys_of("llama-yarn", R"({"architectures": ["LlamaForCausalLM"], )" + core + R"(, "max_position_embeddings": 4096,
+      "rope_parameters": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 2, "original_max_position_embeddings": 2048,
+      "beta_fast": 16, "beta_slow": 2, "attention_factor": 1.0}})");
+  CHECK(k["rope_attention_scaling"] == "false");
+  CHECK(k["beta_fast"] == "16.0");
+  CHECK(k["beta_slow"] == "2.0");
+  CHECK(k["rope_max_timescale"] == "500000.0");
+  // Qwen3's published recipe leaves max_position_embeddings at 40960: transformers 4.5x stretches
+  // by 40960 / 32768, older ones and vLLM by factor 4. Refused until the file says which.
+  CHECK_THROWS_WITH(keys_of("qwen3-yarn-recipe", qwen3 + R"(, "max_position_embeddings": 40960, "rope_scaling": {
+                                "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}})"),
+                    Catch::Contains("has factor 4.0 and original_max_position_embeddings 32768, but max_position_embeddings is 40960"));
+  CHECK_THROWS_WITH(keys_of("llama-yarn-no-original", R"({"architectures": ["LlamaForCausalLM"], )" + core +
+                                                          R"(, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})"),
+                    Catch::Contains("needs \"original_max_position_embeddings\" with rope_type \"yarn\""));
   k = keys_of("llama-absent", R"({"architectures": ["LlamaForCausalLM"], )" + core + "}");
   CHECK(k["base_num_kv_heads"] == "8");  // LlamaConfig derives both
   CHECK(k["head_dim"] == "8");
@@ -1516,9 +1552,23 @@ TEST_CASE("Hugging Face directories: config.json round trips the model keys, and
   CHECK_THROWS_WITH(hf_architecture(mla_with({"rope_type=yarn"})),
                     Catch::Contains("rope_factor (32.0) is not max_position_embeddings / original_max_position_embeddings (4096 / 4096)"));
   CHECK(hf_architecture(mla_with({"rope_type=yarn", "rope_factor=4", "max_position_embeddings=16384"})) == "DeepseekV3ForCausalLM");
-  // mscale 0: transformers would scale cos and sin by 0.1 ln(factor) + 1 instead of the softmax.
-  CHECK_THROWS_WITH(hf_architecture(mla_with({"rope_type=yarn", "rope_factor=4", "max_position_embeddings=16384", "mscale=0"})),
-                    Catch::Contains("mscale is 0 with rope_type yarn"));
+  // mscale 0 (no softmax scaling): the written attention_factor holds what transformers scales cos and sin by.
+  CHECK(hf_architecture(mla_with({"rope_type=yarn", "rope_factor=4", "max_position_embeddings=16384", "mscale=0"})) ==
+        "DeepseekV3ForCausalLM");
+  // YaRN on global attention goes out with its factor, and only where transformers' ratio agrees.
+  CHECK_THROWS_WITH(hf_architecture(tiny_config({"rope_type=yarn", "rope_factor=4", "max_position_embeddings=8192"})),
+                    Catch::Contains("rope_factor (4.0) is not max_position_embeddings / original_max_position_embeddings (8192 / 4096)"));
+  const auto yarn_json = nlohmann::json::parse(hf_config_json(
+      tiny_config({"rope_type=yarn", "rope_factor=4", "max_position_embeddings=16384", "rope_attention_scaling=true",
+                   "rope_truncate=false"}),
+      "float32"));
+  CHECK(yarn_json["architectures"][0] == "LlamaForCausalLM");
+  CHECK(yarn_json["max_position_embeddings"] == 16384);
+  CHECK(yarn_json["rope_scaling"]["rope_type"] == "yarn");
+  CHECK(yarn_json["rope_scaling"]["factor"] == 4.0);
+  CHECK(yarn_json["rope_scaling"]["original_max_position_embeddings"] == 4096);
+  CHECK(yarn_json["rope_scaling"]["attention_factor"].get<double>() == Approx(0.1 * std::log(4.0) + 1).epsilon(1e-15));
+  CHECK(yarn_json["rope_scaling"]["truncate"] == false);
   CHECK(hf_architecture(mla_with({"inhomogeneous_layer_cycle_interval=1"})) == "DeepseekV3ForCausalLM");  // every layer MLA
   CHECK_THROWS_WITH(hf_architecture(mla_with({"max_position_embeddings=8192"})), Catch::Contains("softmax mscale"));
   CHECK_THROWS_WITH(hf_architecture(mla_with({"shared_experts=0"})), Catch::Contains("shared_experts is 0"));

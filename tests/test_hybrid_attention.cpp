@@ -298,7 +298,9 @@ TEST_CASE("the layer pattern: every 5th layer and the MTP layer use attention_ty
   CHECK_THROWS_WITH(tiny_config({"model_name=ling2-tiny", "override_model_config=true", "inhomogeneous_layer_cycle_interval=1",
                                  "base_num_kv_heads=2"}),
                     Catch::Contains("MLA layers give every query head its own key and value"));
-  CHECK_THROWS_WITH(tiny_config({"rope_type=yarn"}), Catch::Contains("rope_type=yarn applies to MLA layers only"));
+  CHECK_THROWS_WITH(tiny_config({"model_name=ling2-tiny", "override_model_config=true", "attention_type=gla",
+                                 "inhomogeneous_layer_cycle_interval=0", "mtp_num_layers=0", "rope_type=yarn"}),
+                    Catch::Contains("this model has GLA layers (attention_type=gla"));
   // No Hugging Face architecture holds MLA/GLA layers: --export-hf refuses, naming the key.
   CHECK_THROWS_WITH(hf_architecture(tiny_config({"model_name=ling2-tiny"})),
                     Catch::Contains("attention_type=mla") && Catch::Contains("--export-safetensors"));

@@ -474,6 +474,73 @@ TEST_CASE("rope_type=llama3: Llama 3.1's three frequency bands (hand-derived), w
                     Catch::Contains("rope_type=llama3 scales the RoPE of global and GLA layers"));
 }
 
+TEST_CASE("rope_type=yarn on global attention: hand-derived frequencies, rope_attention_scaling is q . k times m^2",
+          "[model]") {
+  // head_dim 8, theta 10000: f = 1, 0.1, 0.01, 0.001. Original context 128, betas 32 / 1: the
+  // correction dims c(r) = 8 ln(128 / (2 pi r)) / (2 ln 10000) are c(32) = -0.19612 and
+  // c(1) = 1.30903. Floored / ceiled (rope_truncate): low 0, high 2, ramp i / 2; not: low 0
+  // (clamped), high 1.30903, ramp i / 1.30903. Each f_i -> f_i (1 - ramp) + f_i / 8 ramp.
+  const std::vector<std::string> shape = {"override_model_config=true", "head_dim=8", "rope_max_timescale=10000",
+                                          "original_max_position_embeddings=128", "max_position_embeddings=1024",
+                                          "beta_fast=32", "beta_slow=1"};
+  auto with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.end(), shape.begin(), shape.end());
+    return tiny_config(extra);
+  };
+  const auto blend = [](double f, double ramp) { return f * (1 - ramp) + f / 8 * ramp; };
+  const auto truncated = model_yarn_rope_inverse_frequencies(with({"rope_type=yarn", "rope_factor=8"}), 8);
+  REQUIRE(truncated.size() == 4);
+  CHECK(truncated[0] == Approx(1.0).epsilon(1e-12));
+  CHECK(truncated[1] == Approx(blend(0.1, 0.5)).epsilon(1e-12));
+  CHECK(truncated[2] == Approx(0.01 / 8).epsilon(1e-12));
+  CHECK(truncated[3] == Approx(0.001 / 8).epsilon(1e-12));
+  const auto exact = model_yarn_rope_inverse_frequencies(with({"rope_type=yarn", "rope_factor=8", "rope_truncate=false"}), 8);
+  CHECK(exact[0] == Approx(1.0).epsilon(1e-12));
+  CHECK(exact[1] == Approx(blend(0.1, 1 / 1.3090301012897532)).epsilon(1e-12));
+  CHECK(exact[2] == Approx(0.01 / 8).epsilon(1e-12));
+
+  torch::manual_seed(5);
+  const auto in = two_documents(24, 24);
+  auto logits = [&](std::vector<std::string> extra, double q_scale = 1.0) {
+    auto model = model_build(with(std::move(extra)));
+    if (q_scale != 1.0) {
+      torch::NoGradGuard no_grad;
+      for (auto& item : model->named_parameters())
+        if (item.key().find("self_attn.q_proj.weight") != std::string::npos) item.value().mul_(q_scale);
+    }
+    return model->forward(in.tokens, in.positions * 5, in.segments).logits;
+  };
+  // The frequencies reach the model: factor 1 is the plain rotation, factor 8 moves the logits.
+  const auto plain = logits({}), unit = logits({"rope_type=yarn", "rope_factor=1"}),
+             stretched = logits({"rope_type=yarn", "rope_factor=8"});
+  const double same = (plain - unit).abs().max().item<double>(), moved = (plain - stretched).abs().max().item<double>();
+  INFO("factor 1: " << same << ", factor 8: " << moved);
+  CHECK(same < 1e-5);
+  CHECK(moved > 1e-4);
+  // The attention factor m = 0.1 ln 8 + 1 on cos and sin of q and k is, with every dim rotated and
+  // no q/k norm, the same as queries m^2 larger (a second path: the weights scaled instead).
+  const double m = 0.1 * std::log(8.0) + 1.0;
+  const auto scaled = logits({"rope_type=yarn", "rope_factor=8", "rope_attention_scaling=true"});
+  const auto by_weights = logits({"rope_type=yarn", "rope_factor=8"}, m * m);
+  const double agree = (scaled - by_weights).abs().max().item<double>(), effect = (scaled - stretched).abs().max().item<double>();
+  INFO("scaled vs q weights x m^2: " << agree << ", scaling's effect: " << effect);
+  CHECK(agree < 1e-5);
+  CHECK(effect > 1e-4);
+  CHECK(effect > 100 * agree);
+
+  // What it cannot mean is refused by name.
+  CHECK_THROWS_WITH(tiny_config({"rope_attention_scaling=true"}),
+                    Catch::Contains("rope_attention_scaling=true scales YaRN's rotation (rope_type=yarn), and rope_type is default"));
+  CHECK_THROWS_WITH(tiny_config({"rope_type=llama3", "rope_truncate=false"}),
+                    Catch::Contains("rope_truncate=false changes YaRN's correction range (rope_type=yarn), and rope_type is llama3"));
+  CHECK_THROWS_WITH(tiny_config({"rope_type=yarn", "beta_slow=0"}), Catch::Contains("rope_type=yarn needs beta_fast > beta_slow > 0"));
+  CHECK_THROWS_WITH(tiny_config({"rope_type=yarn", "rope_factor=0.5"}), Catch::Contains("rope_factor must be >= 1"));
+  CHECK_THROWS_WITH(tiny_config({"model_name=ling2-tiny", "override_model_config=true", "attention_type=global", "rope_type=yarn"}),
+                    Catch::Contains("rope_type=yarn scales the RoPE of global and MLA layers, and this model has GLA layers"));
+  // MaxText's pairing flag says what covers it.
+  CHECK_THROWS_WITH(tiny_config({"rope_interleave=false"}), Catch::Contains("'mla_interleaved_rope'"));
+}
+
 TEST_CASE("the same init_weights_seed gives the same weights, another seed does not", "[model]") {
   auto a = model_build(tiny_config()), b = model_build(tiny_config());
   auto c = model_build(tiny_config({"init_weights_seed=1"}));

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <ctime>
 #include <filesystem>
 #include <initializer_list>
@@ -50,6 +51,8 @@ const std::map<std::string, std::string>& maxtext_key_notes() {
       {"rope_use_scale", "Llama 3.1's RoPE scaling is rope_type=llama3 (rope_factor, rope_low_freq_factor, "
                          "rope_high_freq_factor, original_max_position_embeddings); rope_type=default does not scale"},
       {"rope_linear_scaling_factor", "not supported: linear RoPE scaling (rope_type is default, yarn or llama3)"},
+      {"rope_interleave", "MLA's pairing is 'mla_interleaved_rope'; global and GLA layers always rotate half-split "
+                          "(MaxText's rope_interleave=false)"},
       {"ici_expert_parallelism", "use 'expert_parallelism' (ranks per expert-parallel group)"},
       {"ici_fsdp_parallelism", "use 'data_parallel_sharding' (and 'data_parallel_shard_degree'); the ranks come from the launcher"},
       {"ici_data_parallelism", "data parallelism is the launcher's ranks (mpirun -np, or RANK/WORLD_SIZE)"},
@@ -235,17 +238,29 @@ std::vector<std::string> validation_errors(const Config& c) {
     require(c.rope_factor >= 1, bad_value("rope_factor", "must be >= 1"));
     positive(c.max_position_embeddings, "max_position_embeddings");
     positive(c.original_max_position_embeddings, "original_max_position_embeddings");
-    if (c.rope_type == "yarn")
-      require(c.beta_fast > c.beta_slow && c.beta_slow > 0, "rope_type=yarn needs beta_fast > beta_slow > 0");
     require(c.base_num_kv_heads == c.base_num_query_heads,
             "MLA layers give every query head its own key and value: base_num_kv_heads (" + std::to_string(c.base_num_kv_heads) +
                 ") must equal base_num_query_heads (" + std::to_string(c.base_num_query_heads) + ")");
     require(c.rope_type != "llama3", "rope_type=llama3 scales the RoPE of global and GLA layers; MLA's RoPE part takes "
                                      "default or yarn (attention_type=mla)");
   } else {
-    require(c.rope_type != "yarn", "rope_type=yarn applies to MLA layers only (attention_type=" + c.attention_type +
-                                       "); Llama 3.1+'s frequency scaling is rope_type=llama3");
+    require(c.rope_type != "yarn" || !any_gla,
+            "rope_type=yarn scales the RoPE of global and MLA layers, and this model has GLA layers (attention_type=" +
+                c.attention_type + ", inhomogeneous_layer_cycle_interval=" + std::to_string(c.inhomogeneous_layer_cycle_interval) +
+                "); their scaling is rope_type=llama3");
   }
+  if (c.rope_type == "yarn") {
+    // YaRN (docs/model.md): frequencies blended with f / rope_factor over the dims that turn
+    // between beta_slow and beta_fast times in the original context.
+    require(c.rope_factor >= 1, bad_value("rope_factor", "must be >= 1", "rope_type=yarn divides frequencies by it"));
+    require(c.beta_fast > c.beta_slow && c.beta_slow > 0, "rope_type=yarn needs beta_fast > beta_slow > 0");
+    positive(c.original_max_position_embeddings, "original_max_position_embeddings");
+    positive(c.max_position_embeddings, "max_position_embeddings");
+  }
+  require(c.rope_type == "yarn" || !c.rope_attention_scaling,
+          "rope_attention_scaling=true scales YaRN's rotation (rope_type=yarn), and rope_type is " + c.rope_type);
+  require(c.rope_type == "yarn" || c.rope_truncate,
+          "rope_truncate=false changes YaRN's correction range (rope_type=yarn), and rope_type is " + c.rope_type);
   if (c.rope_type == "llama3") {
     // Llama 3.1's rule (docs/model.md): wavelengths past original / low are divided, those under
     // original / high kept, the band between blended; it needs low < high and a factor >= 1.
@@ -661,6 +676,11 @@ std::string config_value_canonical(const std::string& key, const std::string& te
   } catch (const std::exception&) {
     return text;
   }
+}
+
+double config_rope_attention_factor(const Config& c) {
+  if (c.rope_type != "yarn" || !c.rope_attention_scaling || c.rope_factor <= 1) return 1.0;
+  return 0.1 * std::log(c.rope_factor) + 1.0;
 }
 
 int64_t config_shard_degree(const Config& config) {

@@ -72,6 +72,8 @@ using StringList = std::vector<std::string>;
   X(double, beta_fast)                            \
   X(double, beta_slow)                            \
   X(double, mscale)                               \
+  X(bool, rope_truncate)                          \
+  X(bool, rope_attention_scaling)                 \
   X(int64_t, gla_chunk_size)                      \
   X(bool, use_linear_silu)                        \
   X(int64_t, group_norm_size)                     \
@@ -210,6 +212,10 @@ std::string config_value_canonical(const std::string& key, const std::string& te
 // The ranks each sharding group spans (HSDP): data_parallel_shard_degree, or all data-parallel
 // ranks when it is -1. R / degree groups each hold a full copy of the model state, sharded.
 int64_t config_shard_degree(const Config& config);
+
+// The factor YaRN's rope_attention_scaling puts on cos and sin (so on q . k its square):
+// 0.1 ln(rope_factor) + 1 (MaxText's YarnRotaryEmbedding, transformers' default attention_factor), else 1.
+double config_rope_attention_factor(const Config& config);
 
 // The rules that need the number of ranks (`world_size`): expert_parallelism and
 // data_parallel_shard_degree must divide it, and expert_parallelism the shard degree (HSDP).

@@ -113,6 +113,22 @@ class ConfigJson {
   std::string path_;
 };
 
+// What translate_* functions write: add(key, text, field, shapes) and add_int(key, field[, fallback]),
+// the key's text read from the field as an integer (a shape).
+struct TranslatedAdd {
+  std::vector<Translated>& out;
+  void operator()(const std::string& key, const std::string& text, const std::string& field, bool shapes) const {
+    out.push_back({key, text, field, shapes});
+  }
+};
+struct TranslatedAddInt {
+  const ConfigJson& f;
+  const TranslatedAdd& add;
+  void operator()(const std::string& key, const std::string& field, std::optional<int64_t> fallback = std::nullopt) const {
+    add(key, std::to_string(f.integer(field, fallback)), field, true);
+  }
+};
+
 // The shortest text that reads back as v (1e-05, not 1.0000000000000001e-05).
 std::string number_text(double v) {
   char buffer[64];
@@ -128,7 +144,7 @@ std::string number_text(double v) {
 // RoPE's settings: the top-level rope_theta / partial_rotary_factor / rope_scaling of
 // transformers 4, or transformers 5's rope_parameters {rope_type, rope_theta, ...} (which it writes
 // instead: read as 4's fields, theta silently defaulted to 10000 and its scaling went unseen).
-// Implemented: the unscaled ("default") rotation and Llama 3.1's "llama3" frequency scaling.
+// Implemented: the unscaled ("default") rotation, Llama 3.1's "llama3" frequency scaling and YaRN.
 struct Llama3Scaling {
   double factor, low_freq_factor, high_freq_factor;
   int64_t original_max_position_embeddings;
@@ -136,7 +152,7 @@ struct Llama3Scaling {
 struct RopeFields {
   std::optional<double> theta, partial;
   std::optional<Llama3Scaling> llama3;
-  std::optional<nlohmann::json> yarn;  // the YaRN object as written (DeepseekV3 only: translate_deepseek_v3)
+  std::optional<nlohmann::json> yarn;  // the YaRN object as written (read by translate_yarn)
   std::string scaling_field;           // where the scaling was: rope_scaling or rope_parameters
 };
 RopeFields rope_fields(const ConfigJson& f) {
@@ -151,7 +167,7 @@ RopeFields rope_fields(const ConfigJson& f) {
     const bool llama3 = type.is_string() && type.get<std::string>() == "llama3";
     const bool yarn = type.is_string() && type.get<std::string>() == "yarn";
     if (!llama3 && !yarn && !(type.is_string() && type.get<std::string>() == "default"))
-      f.fail(field, "has rope_type " + type.dump() + ": the trainer implements \"default\", \"llama3\" and (for MLA) \"yarn\" RoPE");
+      f.fail(field, "has rope_type " + type.dump() + ": the trainer implements \"default\", \"llama3\" and \"yarn\" RoPE");
     std::vector<std::string> known = also;
     known.insert(known.end(), {"rope_type", "type"});
     if (llama3) known.insert(known.end(), {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"});
@@ -210,7 +226,7 @@ RopeFields rope_fields(const ConfigJson& f) {
     for (const auto& [name, value] : parameters.items())
       if (name != "rope_theta" && name != "partial_rotary_factor")
         f.fail("rope_parameters", "has \"" + name + "\", which the trainer does not implement (it reads rope_type "
-                                  "\"default\" or \"llama3\", rope_theta and partial_rotary_factor)");
+                                  "\"default\", \"llama3\" or \"yarn\", rope_theta and partial_rotary_factor)");
   return fields;
 }
 
@@ -243,23 +259,26 @@ void translate_routing_groups(const ConfigJson& f, int64_t experts, std::vector<
   out.push_back({"topk_routing_group", off ? "-1" : std::to_string(kept), "topk_group", false});
 }
 
-// YaRN as transformers applies it to DeepseekV3 (modeling_rope_utils' _compute_yarn_parameters and
-// DeepseekV3Attention), against the trainer's (docs/model.md):
+// YaRN as transformers applies it (modeling_rope_utils' _compute_yarn_parameters; for
+// DeepseekV3 also DeepseekV3Attention), against the trainer's (docs/model.md):
 //   frequencies: blended with f / factor' over the correction range of beta_fast / beta_slow at
-//     the original context (floor / ceil: `truncate`), factor' = max_position_embeddings /
-//     original_max_position_embeddings where the object names the original (it overrides `factor`);
+//     the original context (floored / ceiled unless `truncate` is false), factor' =
+//     max_position_embeddings / original_max_position_embeddings where the object names the
+//     original (it overrides `factor`);
 //   cos and sin times attention_factor, which defaults to mscale(factor', mscale) /
-//     mscale(factor', mscale_all_dim) with both given, else mscale(factor') = 0.1 ln factor' + 1;
-//   the softmax scale times mscale(factor, mscale_all_dim)^2 when mscale_all_dim is nonzero.
-// The trainer scales no cos / sin, and its softmax mscale is (0.1 mscale ln rope_factor + 1)^2
-// exactly when max_position_embeddings > original_max_position_embeddings. So it reads the same
-// when factor = max / original > 1, the attention factor is 1 (mscale == mscale_all_dim, or
-// attention_factor 1) and mscale_all_dim != 0 (-> mscale); anything else is refused by name.
-void translate_yarn(const ConfigJson& f, const nlohmann::json& yarn, const std::string& field, int64_t context,
+//     mscale(factor', mscale_all_dim) with both nonzero, else mscale(factor') = 0.1 ln factor' + 1;
+//   DeepseekV3 only: the softmax scale times mscale(factor, mscale_all_dim)^2 when mscale_all_dim != 0.
+// The trainer blends by rope_factor (rope_truncate the same switch), scales cos and sin by
+// 0.1 ln rope_factor + 1 with rope_attention_scaling (else 1), and MLA's softmax by
+// (0.1 mscale ln rope_factor + 1)^2 when max_position_embeddings > original. So it reads the same
+// when factor = max / original > 1 and the attention factor is 1 or 0.1 ln factor + 1; for MLA,
+// mscale_all_dim -> mscale (0: no softmax scaling, as there). Anything else is refused by name.
+void translate_yarn(const ConfigJson& f, const nlohmann::json& yarn, const std::string& field, int64_t context, bool mla,
                     std::vector<Translated>& out) {
   auto add = [&](const std::string& key, const std::string& text) { out.push_back({key, text, field, false}); };
+  const auto given = [&](const char* name) { return yarn.contains(name) && !yarn[name].is_null(); };
   const auto number = [&](const char* name, std::optional<double> fallback) {
-    if (!yarn.contains(name) || yarn[name].is_null()) {
+    if (!given(name)) {
       if (fallback) return *fallback;
       f.fail(field, std::string("needs \"") + name + "\" with rope_type \"yarn\" (the trainer's YaRN reads it)");
     }
@@ -270,22 +289,30 @@ void translate_yarn(const ConfigJson& f, const nlohmann::json& yarn, const std::
   if (original != std::floor(original) || original < 1)
     f.fail(field, "has original_max_position_embeddings " + number_text(original) + ", not a positive integer");
   if (factor <= 1 || factor * original != static_cast<double>(context))
-    f.fail(field, "has factor " + number_text(factor) + " and original_max_position_embeddings " + number_text(original) +
+    f.fail(field, "has factor " + number_text(factor) + " and original_max_position_embeddings " +
+                      std::to_string(static_cast<int64_t>(original)) +
                       ", but max_position_embeddings is " + std::to_string(context) +
                       ": transformers stretches by max / original, the trainer by factor; they must agree, and exceed 1");
-  const double mscale_all_dim = number("mscale_all_dim", 0.0);
-  if (mscale_all_dim == 0)
-    f.fail(field, "has no mscale_all_dim: transformers then scales cos and sin by 0.1 ln(factor) + 1 and not the "
-                  "softmax, which the trainer does not do (it scales the softmax by mscale)");
-  if (yarn.contains("attention_factor") && !yarn["attention_factor"].is_null()) {
-    if (number("attention_factor", std::nullopt) != 1.0)
-      f.fail(field, "has attention_factor " + yarn["attention_factor"].dump() + ": cos and sin scaled, which the trainer does not do");
-  } else if (number("mscale", 0.0) != mscale_all_dim) {
-    f.fail(field, "has mscale " + number_text(number("mscale", 0.0)) + " and mscale_all_dim " + number_text(mscale_all_dim) +
-                      ": transformers then scales cos and sin by their ratio, which the trainer does not do (set both equal)");
+  // Python's `mscale and mscale_all_dim`: both present and nonzero.
+  const double mscale = number("mscale", 0.0), mscale_all_dim = number("mscale_all_dim", 0.0);
+  const auto get_mscale = [&](double m) { return 0.1 * m * std::log(factor) + 1.0; };
+  const double attention_factor = given("attention_factor")   ? number("attention_factor", std::nullopt)
+                                  : mscale != 0 && mscale_all_dim != 0 ? get_mscale(mscale) / get_mscale(mscale_all_dim)
+                                                                       : get_mscale(1.0);
+  const double scaled = get_mscale(1.0);
+  const bool scaling = std::abs(attention_factor - scaled) <= 1e-12 * scaled;
+  if (!scaling && attention_factor != 1.0)
+    f.fail(field, "gives an attention factor of " + number_text(attention_factor) +
+                      (given("attention_factor") ? "" : " (mscale / mscale_all_dim)") +
+                      " on cos and sin: the trainer scales them by 1 or by 0.1 ln(factor) + 1 = " + number_text(scaled) +
+                      " (rope_attention_scaling)");
+  // Python's truthiness again: a null truncate is false.
+  bool truncate = true;
+  if (yarn.contains("truncate")) {
+    if (!yarn["truncate"].is_null() && !yarn["truncate"].is_boolean())
+      f.fail(field, "has truncate " + yarn["truncate"].dump() + ", not true or false");
+    truncate = yarn["truncate"].is_boolean() && yarn["truncate"].get<bool>();
   }
-  if (yarn.contains("truncate") && !(yarn["truncate"].is_boolean() && yarn["truncate"].get<bool>()))
-    f.fail(field, "has truncate " + yarn["truncate"].dump() + ": the trainer's correction range is floored and ceiled");
   // `or` in transformers: a 0 or null beta takes the default.
   const double beta_fast = number("beta_fast", 32.0), beta_slow = number("beta_slow", 1.0);
   add("rope_type", "yarn");
@@ -293,7 +320,9 @@ void translate_yarn(const ConfigJson& f, const nlohmann::json& yarn, const std::
   add("original_max_position_embeddings", std::to_string(static_cast<int64_t>(original)));
   add("beta_fast", number_text(beta_fast == 0 ? 32.0 : beta_fast));
   add("beta_slow", number_text(beta_slow == 0 ? 1.0 : beta_slow));
-  add("mscale", number_text(mscale_all_dim));
+  add("rope_truncate", truncate ? "true" : "false");
+  add("rope_attention_scaling", scaling ? "true" : "false");
+  if (mla) add("mscale", number_text(mscale_all_dim));
 }
 
 // DeepseekV3ForCausalLM (transformers' modeling_deepseek_v3.py; DeepSeek-V3, Kimi K2, Moonlight):
@@ -302,12 +331,8 @@ void translate_yarn(const ConfigJson& f, const nlohmann::json& yarn, const std::
 // (a group scores its best 2), weights renormalized with norm_topk_prob and scaled, and shared
 // experts moe_intermediate_size * n_shared_experts wide. The defaults are DeepseekV3Config's.
 void translate_deepseek_v3(const ConfigJson& f, const RopeFields& rope, std::vector<Translated>& out) {
-  auto add = [&](const std::string& key, const std::string& text, const std::string& field, bool shapes) {
-    out.push_back({key, text, field, shapes});
-  };
-  auto add_int = [&](const std::string& key, const std::string& field, int64_t fallback) {
-    add(key, std::to_string(f.integer(field, fallback)), field, true);
-  };
+  const TranslatedAdd add{out};
+  const TranslatedAddInt add_int{f, add};
   // Its q_a_layernorm and kv_a_layernorm are built with RMSNorm's default eps 1e-6, whatever
   // rms_norm_eps says; the trainer's use normalization_layer_epsilon.
   if (const double eps = f.number("rms_norm_eps", 1e-6); eps != 1e-6)
@@ -340,7 +365,7 @@ void translate_deepseek_v3(const ConfigJson& f, const RopeFields& rope, std::vec
     add("rope_type", "default", "rope_scaling", false);
     add("original_max_position_embeddings", std::to_string(context), "max_position_embeddings", false);
   } else {
-    translate_yarn(f, *rope.yarn, rope.scaling_field, context, out);
+    translate_yarn(f, *rope.yarn, rope.scaling_field, context, /*mla=*/true, out);
   }
   const int64_t experts = translate_expert_counts(f, "n_routed_experts", 256, 2, out);
   add_int("base_moe_mlp_dim", "moe_intermediate_size", 2048);
@@ -368,12 +393,8 @@ std::vector<Translated> translate(const ConfigJson& f) {
   f.require_off("quantization_config", "reading quantized weights (dequantize them to BF16 or F32 first)");
 
   std::vector<Translated> out;
-  auto add = [&](const std::string& key, const std::string& text, const std::string& field, bool shapes) {
-    out.push_back({key, text, field, shapes});
-  };
-  auto add_int = [&](const std::string& key, const std::string& field, std::optional<int64_t> fallback = std::nullopt) {
-    add(key, std::to_string(f.integer(field, fallback)), field, true);
-  };
+  const TranslatedAdd add{out};
+  const TranslatedAddInt add_int{f, add};
   const int64_t heads = f.integer("num_attention_heads");
   if (heads <= 0) f.fail("num_attention_heads", "must be > 0, not " + std::to_string(heads));  // divides below
   add_int("vocab_size", "vocab_size");
@@ -404,18 +425,22 @@ std::vector<Translated> translate(const ConfigJson& f) {
     f.fail("partial_rotary_factor", "is " + number_text(partial) + ": " + arch + " rotates the whole head");
   add("partial_rotary_factor", number_text(partial), "partial_rotary_factor", false);
   const std::string& scaling_field = rope.scaling_field;
-  if (rope.yarn && !deepseek)
-    f.fail(scaling_field, "has rope_type \"yarn\": the trainer reads YaRN for DeepseekV3ForCausalLM (MLA) only");
-  if (!deepseek) add("rope_type", rope.llama3 ? "llama3" : "default", rope.llama3 ? scaling_field : "rope_scaling", false);
+  // The context the model serves, left out: the config class's default (LlamaConfig's 2048,
+  // Qwen3Config's, Qwen3MoeConfig's and BailingMoeV2Config's 32768).
+  const int64_t context = f.integer("max_position_embeddings", arch == kLlama ? 2048 : 32768);
+  if (rope.yarn && !deepseek) {
+    translate_yarn(f, *rope.yarn, scaling_field, context, /*mla=*/false, out);
+    add("max_position_embeddings", std::to_string(context), "max_position_embeddings", false);
+  }
+  if (!deepseek && !rope.yarn)
+    add("rope_type", rope.llama3 ? "llama3" : "default", rope.llama3 ? scaling_field : "rope_scaling", false);
   if (rope.llama3) {
     add("rope_factor", number_text(rope.llama3->factor), scaling_field, false);
     add("rope_low_freq_factor", number_text(rope.llama3->low_freq_factor), scaling_field, false);
     add("rope_high_freq_factor", number_text(rope.llama3->high_freq_factor), scaling_field, false);
     add("original_max_position_embeddings", std::to_string(rope.llama3->original_max_position_embeddings), scaling_field, false);
-    // The context the model serves: not used by the rotation, carried to an export's config.json
-    // (left out: the config class's default, LlamaConfig's 2048, Qwen3Config's and BailingMoeV2Config's 32768).
-    add("max_position_embeddings", std::to_string(f.integer("max_position_embeddings", arch == kLlama ? 2048 : 32768)),
-        "max_position_embeddings", false);
+    // Not used by the rotation, carried to an export's config.json.
+    add("max_position_embeddings", std::to_string(context), "max_position_embeddings", false);
   }
   const bool qk_norm = qwen3 || qwen3_moe || (bailing && f.boolean("use_qk_norm", true));
   add("use_qk_norm", qk_norm ? "true" : "false", bailing ? "use_qk_norm" : "architectures", true);
@@ -513,6 +538,11 @@ std::string hf_architecture(const Config& c) {
   };
   if (c.mlp_activations != StringList{"silu", "linear"})
     refuse("mlp_activations must be [silu, linear] (SwiGLU), as in every supported architecture");
+  if (c.rope_type == "yarn" && !(c.rope_factor > 1 && c.rope_factor * static_cast<double>(c.original_max_position_embeddings) ==
+                                                        static_cast<double>(c.max_position_embeddings)))
+    refuse("rope_factor (" + number_text(c.rope_factor) + ") is not max_position_embeddings / original_max_position_embeddings (" +
+           std::to_string(c.max_position_embeddings) + " / " + std::to_string(c.original_max_position_embeddings) +
+           "), or not > 1; transformers' YaRN stretches by that ratio");
   if (c.attention_type == "mla" && c.inhomogeneous_layer_cycle_interval <= 1) {  // every layer MLA
     // DeepseekV3ForCausalLM: MLA in every layer, sigmoid-routed MoE after the dense layers.
     const auto deepseek_needs = [&](bool ok, const std::string& what) {
@@ -528,15 +558,7 @@ std::string hf_architecture(const Config& c) {
     deepseek_needs(c.normalization_layer_epsilon == 1e-6,
                    "normalization_layer_epsilon is " + number_text(c.normalization_layer_epsilon) +
                        " (its q_a_layernorm and kv_a_layernorm use 1e-6 whatever rms_norm_eps says)");
-    if (c.rope_type == "yarn")  // without mscale_all_dim transformers scales cos and sin instead (translate_yarn)
-      deepseek_needs(c.mscale != 0, "mscale is 0 with rope_type yarn");
-    if (c.rope_type == "yarn")  // transformers stretches by max / original (translate_yarn)
-      deepseek_needs(c.rope_factor > 1 && c.rope_factor * static_cast<double>(c.original_max_position_embeddings) ==
-                                              static_cast<double>(c.max_position_embeddings),
-                     "rope_factor (" + number_text(c.rope_factor) + ") is not max_position_embeddings / "
-                     "original_max_position_embeddings (" + std::to_string(c.max_position_embeddings) + " / " +
-                     std::to_string(c.original_max_position_embeddings) + "), or not > 1 (its YaRN stretches by that ratio)");
-    else
+    if (c.rope_type != "yarn")
       deepseek_needs(c.max_position_embeddings <= c.original_max_position_embeddings,
                      "max_position_embeddings > original_max_position_embeddings turns the softmax mscale on without YaRN");
     deepseek_needs(c.mtp_num_layers == 0, "mtp_num_layers is " + std::to_string(c.mtp_num_layers) +
@@ -623,7 +645,18 @@ std::string hf_config_json(const Config& c, const std::string& torch_dtype) {
   j["hidden_act"] = "silu";
   j["rms_norm_eps"] = c.normalization_layer_epsilon;
   j["rope_theta"] = c.rope_max_timescale;
-  if (c.rope_type == "llama3") {
+  if (c.rope_type == "yarn") {
+    // The attention factor written out: transformers' default would come from factor' and the
+    // mscale pair; the trainer's is 1 or 0.1 ln(factor) + 1 (translate_yarn).
+    j["rope_scaling"] = {{"rope_type", "yarn"},
+                         {"factor", c.rope_factor},
+                         {"original_max_position_embeddings", c.original_max_position_embeddings},
+                         {"beta_fast", c.beta_fast},
+                         {"beta_slow", c.beta_slow},
+                         {"attention_factor", config_rope_attention_factor(c)}};
+    if (!c.rope_truncate) j["rope_scaling"]["truncate"] = false;  // true is the default everywhere
+    j["max_position_embeddings"] = c.max_position_embeddings;  // = factor x original (hf_architecture)
+  } else if (c.rope_type == "llama3") {
     j["rope_scaling"] = {{"rope_type", "llama3"},
                          {"factor", c.rope_factor},
                          {"low_freq_factor", c.rope_low_freq_factor},
@@ -664,7 +697,7 @@ std::string hf_config_json(const Config& c, const std::string& torch_dtype) {
     j["mtp_loss_scaling_factor"] = c.mtp_num_layers > 0 ? c.mtp_loss_scaling_factor : 0.0;
   } else {
     j["attention_bias"] = false;
-    j["mlp_bias"] = false;
+    if (arch != kDeepseekV3) j["mlp_bias"] = false;  // DeepseekV3Config has no such field
     if (arch == kQwen3 || arch == kQwen3Moe) j["use_sliding_window"] = false;
   }
   if (arch == kDeepseekV3) {
@@ -675,14 +708,10 @@ std::string hf_config_json(const Config& c, const std::string& torch_dtype) {
     j["v_head_dim"] = c.v_head_dim;
     j["rope_interleave"] = c.mla_interleaved_rope;
     j["max_position_embeddings"] = c.max_position_embeddings;
-    if (c.rope_type == "yarn")  // attention factor 1 (mscale == mscale_all_dim), softmax mscale from mscale_all_dim
-      j["rope_scaling"] = {{"rope_type", "yarn"},
-                           {"factor", c.rope_factor},
-                           {"original_max_position_embeddings", c.original_max_position_embeddings},
-                           {"beta_fast", c.beta_fast},
-                           {"beta_slow", c.beta_slow},
-                           {"mscale", c.mscale},
-                           {"mscale_all_dim", c.mscale}};
+    if (c.rope_type == "yarn") {  // the softmax mscale from mscale_all_dim; mscale equal (read by vLLM / SGLang's ratio)
+      j["rope_scaling"]["mscale"] = c.mscale;
+      j["rope_scaling"]["mscale_all_dim"] = c.mscale;
+    }
     j["n_routed_experts"] = c.num_experts;
     j["n_shared_experts"] = c.shared_experts;
     write_group_routed_moe(j, c);
@@ -691,7 +720,6 @@ std::string hf_config_json(const Config& c, const std::string& torch_dtype) {
     j["topk_method"] = "noaux_tc";
     j["moe_layer_freq"] = 1;
     j["num_nextn_predict_layers"] = 0;
-    j.erase("mlp_bias");
   }
   if (arch == kQwen3Moe) {
     j["num_experts"] = c.num_experts;

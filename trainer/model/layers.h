@@ -57,6 +57,7 @@ torch::Tensor block_causal_attention(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& segment_mask, int64_t block);
 
 // RoPE tables for positions (B, L) and inverse frequencies (rot/2): cos (B, 1, L, rot) and sin_signed.
-RopeTables rope_tables(const torch::Tensor& positions, const torch::Tensor& inv_freq);
+// Both tables times `scale` (YaRN's attention factor) unless it is 1.
+RopeTables rope_tables(const torch::Tensor& positions, const torch::Tensor& inv_freq, double scale = 1.0);
 
 }  // namespace trainer::model_detail

@@ -339,9 +339,10 @@ torch::Tensor linear_gemm(const torch::Tensor& x, const torch::Tensor& weight) {
   return F::linear(x, weight);
 }
 
-RopeTables rope_tables(const torch::Tensor& positions, const torch::Tensor& inv_freq) {
+RopeTables rope_tables(const torch::Tensor& positions, const torch::Tensor& inv_freq, double scale) {
   const auto angles = (positions.to(torch::kFloat32).unsqueeze(-1) * inv_freq).unsqueeze(1);  // (B, 1, L, rot/2)
-  const auto cos = angles.cos(), sin = angles.sin();
+  auto cos = angles.cos(), sin = angles.sin();
+  if (scale != 1.0) cos.mul_(scale), sin.mul_(scale);  // fp32, as transformers' cos() * attention_scaling
   return {torch::cat({cos, cos}, -1), torch::cat({-sin, sin}, -1)};  // (B, 1, L, rot) each
 }
 
@@ -596,7 +597,13 @@ DecoderStackImpl::DecoderStackImpl(const Config& c)
   for (int64_t k = 1; k <= c.mtp_num_layers; ++k) layers->push_back(MtpLayer(c, k));
   norm = register_module("norm", RMSNorm(c.base_emb_dim, c.normalization_layer_epsilon));
   if (c.rope_type == "llama3") scaled_inv_freq_ = model_llama3_rope_inverse_frequencies(c);
-  if (c.attention_type == "mla") mla_inv_freq_ = model_mla_rope_inverse_frequencies(c);
+  if (c.attention_type == "mla") {
+    mla_inv_freq_ = model_mla_rope_inverse_frequencies(c);
+    mla_rope_scale_ = config_rope_attention_factor(c);
+  } else if (c.rope_type == "yarn") {  // global layers only: config validation refuses it with GLA layers
+    scaled_inv_freq_ = model_yarn_rope_inverse_frequencies(c, rotary_dim_);
+    global_rope_scale_ = config_rope_attention_factor(c);
+  }
 }
 
 // Llama 3.1's RoPE scaling (transformers' rope_type "llama3", MaxText's "llama3.1") over the
@@ -633,24 +640,26 @@ static const torch::Tensor& rope_frequencies_on(const std::vector<double>& freq,
   return cache;
 }
 
-// MLA's RoPE frequencies over qk_rope_head_dim = d dims: theta^(-2i/d), i < d/2. rope_type=yarn
-// (DeepSeek-V3's YaRN as MaxText computes it) blends each frequency with itself / rope_factor:
+// YaRN's RoPE frequencies over d rotary dims (DeepSeek-V3's, as MaxText and transformers compute
+// them): f_i = theta^(-2i/d), i < d/2, blended with itself / rope_factor:
 //   f_i' = f_i * (1 - r_i) + f_i / factor * r_i,  r_i = clamp((i - low) / (high - low), 0, 1),
-// where low = floor(c(beta_fast)), high = ceil(c(beta_slow)) clamped to [0, d - 1] and
-// c(r) = d ln(L0 / (2 pi r)) / (2 ln theta) is the dim that turns r times over the original
-// context L0: fast-turning dims (i < low) are kept, slow ones (i > high) interpolated by factor.
-std::vector<double> model_mla_rope_inverse_frequencies(const Config& c) {
-  const int64_t d = c.qk_rope_head_dim, half = d / 2;
+// where low = floor(c(beta_fast)), high = ceil(c(beta_slow)) clamped to [0, d - 1] (no floor /
+// ceil with rope_truncate=false) and c(r) = d ln(L0 / (2 pi r)) / (2 ln theta) is the dim that
+// turns r times over the original context L0: fast-turning dims (i < low) are kept, slow ones
+// (i > high) interpolated by factor.
+std::vector<double> model_yarn_rope_inverse_frequencies(const Config& c, int64_t d) {
+  const int64_t half = d / 2;
   const double theta = c.rope_max_timescale;
   std::vector<double> freq(static_cast<size_t>(half));
   for (int64_t i = 0; i < half; ++i) freq[i] = std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(d));
-  if (c.rope_type != "yarn") return freq;
   const auto correction_dim = [&](double rotations) {
     return static_cast<double>(d) * std::log(static_cast<double>(c.original_max_position_embeddings) / (rotations * 2 * M_PI)) /
            (2 * std::log(theta));
   };
-  const double low = std::max(std::floor(correction_dim(c.beta_fast)), 0.0);
-  double high = std::min(std::ceil(correction_dim(c.beta_slow)), static_cast<double>(d - 1));
+  double low = correction_dim(c.beta_fast), high = correction_dim(c.beta_slow);
+  if (c.rope_truncate) low = std::floor(low), high = std::ceil(high);
+  low = std::max(low, 0.0);
+  high = std::min(high, static_cast<double>(d - 1));
   if (high == low) high += 0.001;
   for (int64_t i = 0; i < half; ++i) {
     const double ramp = std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);
@@ -659,19 +668,34 @@ std::vector<double> model_mla_rope_inverse_frequencies(const Config& c) {
   return freq;
 }
 
+// MLA's RoPE frequencies over qk_rope_head_dim = d dims: theta^(-2i/d), or YaRN's (rope_type=yarn).
+std::vector<double> model_mla_rope_inverse_frequencies(const Config& c) {
+  const int64_t d = c.qk_rope_head_dim;
+  if (c.rope_type == "yarn") return model_yarn_rope_inverse_frequencies(c, d);
+  std::vector<double> freq(static_cast<size_t>(d / 2));
+  for (int64_t i = 0; i < d / 2; ++i)
+    freq[i] = std::pow(c.rope_max_timescale, -2.0 * static_cast<double>(i) / static_cast<double>(d));
+  return freq;
+}
+
 BlockContext DecoderStackImpl::context(const torch::Tensor& positions, const torch::Tensor& segment_ids,
                                        bool one_segment_per_row) const {
   const auto L = positions.size(1);
-  // RoPE in fp32: inv_freq_i = theta^(-2i/rotary_dim) (or rope_type=llama3's), angle = position * inv_freq.
+  // RoPE in fp32: inv_freq_i = theta^(-2i/rotary_dim) (or rope_type=llama3's / yarn's), angle =
+  // position * inv_freq. The frequencies are made once per device (the unscaled ones by the same
+  // fp32 ops as before they were cached, so no bit moves).
   const auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(positions.device());
-  const auto inv_freq =
-      scaled_inv_freq_.empty()
-          ? torch::pow(rope_theta_, -torch::arange(0, rotary_dim_, 2, opts) / static_cast<double>(rotary_dim_))
-          : rope_frequencies_on(scaled_inv_freq_, scaled_inv_freq_device_, positions.device());
+  if (scaled_inv_freq_.empty()) {
+    if (!global_inv_freq_device_.defined() || global_inv_freq_device_.device() != positions.device())
+      global_inv_freq_device_ = torch::pow(rope_theta_, -torch::arange(0, rotary_dim_, 2, opts) / static_cast<double>(rotary_dim_));
+  }
+  const auto& inv_freq = scaled_inv_freq_.empty() ? global_inv_freq_device_
+                                                  : rope_frequencies_on(scaled_inv_freq_, global_inv_freq_device_, positions.device());
   BlockContext ctx;
-  ctx.rope = model_detail::rope_tables(positions, inv_freq);
+  ctx.rope = model_detail::rope_tables(positions, inv_freq, global_rope_scale_);
   if (!mla_inv_freq_.empty())
-    ctx.rope_mla = model_detail::rope_tables(positions, rope_frequencies_on(mla_inv_freq_, mla_inv_freq_device_, positions.device()));
+    ctx.rope_mla = model_detail::rope_tables(positions, rope_frequencies_on(mla_inv_freq_, mla_inv_freq_device_, positions.device()),
+                                             mla_rope_scale_);
   ctx.recompute_elementwise = remat_policy == "minimal" && torch::GradMode::is_enabled();
   ctx.valid = segment_ids != 0;
   if (!one_segment_per_row) ctx.segment_ids = segment_ids;

@@ -360,10 +360,11 @@ class DecoderStackImpl : public torch::nn::Module {
  private:
   int64_t rotary_dim_;
   double rope_theta_;
-  std::vector<double> scaled_inv_freq_;          // (rotary_dim / 2) rope_type=llama3 frequencies; empty otherwise
-  mutable torch::Tensor scaled_inv_freq_device_;  // (rotary_dim / 2) fp32, on the device of the last forward
+  std::vector<double> scaled_inv_freq_;          // (rotary_dim / 2) global layers' llama3 / yarn frequencies; empty: unscaled
+  mutable torch::Tensor global_inv_freq_device_;  // (rotary_dim / 2) fp32, on the device of the last forward
   std::vector<double> mla_inv_freq_;          // (qk_rope_head_dim / 2) MLA RoPE frequencies; empty unless attention_type=mla
   mutable torch::Tensor mla_inv_freq_device_;  // (qk_rope_head_dim / 2) fp32, on the device of the last forward
+  double global_rope_scale_ = 1.0, mla_rope_scale_ = 1.0;  // cos and sin times this (config_rope_attention_factor)
 };
 TORCH_MODULE(DecoderStack);
 
@@ -426,6 +427,8 @@ NamedTensors model_checkpoint_views(const NamedTensors& by_parameter, int64_t fi
 
 // MLA's RoPE inverse frequencies (qk_rope_head_dim / 2), rope_type default or yarn (model.cpp).
 std::vector<double> model_mla_rope_inverse_frequencies(const Config& config);
+// YaRN's inverse frequencies over `rotary_dims` (rotary_dims / 2), whatever rope_type says.
+std::vector<double> model_yarn_rope_inverse_frequencies(const Config& config, int64_t rotary_dims);
 // The RoPE inverse frequencies of global and GLA layers under rope_type=llama3 (rotary_dim / 2).
 std::vector<double> model_llama3_rope_inverse_frequencies(const Config& config);
 
