@@ -264,7 +264,7 @@ void translate_routing_groups(const ConfigJson& f, int64_t experts, std::vector<
 //   frequencies: blended with f / factor' over the correction range of beta_fast / beta_slow at
 //     the original context (floored / ceiled unless `truncate` is false), factor' =
 //     max_position_embeddings / original_max_position_embeddings where the object names the
-//     original (it overrides `factor`);
+//     original (transformers 4.5x overrides `factor` so; 5 keeps `factor` and warns);
 //   cos and sin times attention_factor, which defaults to mscale(factor', mscale) /
 //     mscale(factor', mscale_all_dim) with both nonzero, else mscale(factor') = 0.1 ln factor' + 1;
 //   DeepseekV3 only: the softmax scale times mscale(factor, mscale_all_dim)^2 when mscale_all_dim != 0.
@@ -708,7 +708,7 @@ std::string hf_config_json(const Config& c, const std::string& torch_dtype) {
     j["v_head_dim"] = c.v_head_dim;
     j["rope_interleave"] = c.mla_interleaved_rope;
     j["max_position_embeddings"] = c.max_position_embeddings;
-    if (c.rope_type == "yarn") {  // the softmax mscale from mscale_all_dim; mscale equal (read by vLLM / SGLang's ratio)
+    if (c.rope_type == "yarn") {  // the softmax mscale from mscale_all_dim; mscale equal (their ratio 1)
       j["rope_scaling"]["mscale"] = c.mscale;
       j["rope_scaling"]["mscale_all_dim"] = c.mscale;
     }

@@ -685,14 +685,12 @@ BlockContext DecoderStackImpl::context(const torch::Tensor& positions, const tor
   // position * inv_freq. The frequencies are made once per device (the unscaled ones by the same
   // fp32 ops as before they were cached, so no bit moves).
   const auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(positions.device());
-  if (scaled_inv_freq_.empty()) {
-    if (!global_inv_freq_device_.defined() || global_inv_freq_device_.device() != positions.device())
-      global_inv_freq_device_ = torch::pow(rope_theta_, -torch::arange(0, rotary_dim_, 2, opts) / static_cast<double>(rotary_dim_));
-  }
-  const auto& inv_freq = scaled_inv_freq_.empty() ? global_inv_freq_device_
-                                                  : rope_frequencies_on(scaled_inv_freq_, global_inv_freq_device_, positions.device());
+  if (!scaled_inv_freq_.empty())
+    rope_frequencies_on(scaled_inv_freq_, global_inv_freq_device_, positions.device());
+  else if (!global_inv_freq_device_.defined() || global_inv_freq_device_.device() != positions.device())
+    global_inv_freq_device_ = torch::pow(rope_theta_, -torch::arange(0, rotary_dim_, 2, opts) / static_cast<double>(rotary_dim_));
   BlockContext ctx;
-  ctx.rope = model_detail::rope_tables(positions, inv_freq, global_rope_scale_);
+  ctx.rope = model_detail::rope_tables(positions, global_inv_freq_device_, global_rope_scale_);
   if (!mla_inv_freq_.empty())
     ctx.rope_mla = model_detail::rope_tables(positions, rope_frequencies_on(mla_inv_freq_, mla_inv_freq_device_, positions.device()),
                                              mla_rope_scale_);
