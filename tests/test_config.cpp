@@ -131,6 +131,14 @@ TEST_CASE("config errors name the key and exit with code 2", "[config]") {
     for (const std::string big : {"steps=10000000000000000000", "steps=1e19", "steps=1e400", "steps=-9223372036854775809"})
       CHECK_THAT(load_error({big}).what(), Catch::Contains("expected an integer from -9223372036854775808 to 9223372036854775807"));
   }
+  SECTION("a YAML null is named as null (was value ''), and an empty text where a key takes text") {
+    CHECK_THAT(load_error({"rope_factor=null"}).what(),
+               Catch::Contains("config key 'rope_factor': value null (from command line) is not allowed: expected a number"));
+    CHECK_THAT(load_error({"rope_type=~"}).what(), Catch::Contains("config key 'rope_type': value null (from command line)"));
+    CHECK_THAT(load_error({"steps="}).what(), Catch::Contains("config key 'steps': value null"));
+    CHECK_THAT(load_error({"dtype=''"}).what(), Catch::Contains("config key 'dtype': value '' (from command line)"));
+    CHECK(tiny_config({"load_parameters_path=null"}).load_parameters_path.empty());
+  }
   SECTION("lossless integer: whole numbers in any decimal spelling (MaxText writes 12.0 and 150_001)") {
     const Config c = tiny_config({"per_device_batch_size=2.0", "steps=1e2", "gradient_accumulation_steps=+3.",
                                   "eval_steps=20E-1", "checkpoint_period=1_000", "eval_interval=0.5e1"});

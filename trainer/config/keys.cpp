@@ -73,8 +73,9 @@ namespace {
 
 [[noreturn]] void bad_value(const std::string& key, const YAML::Node& node,
                             const std::string& source, const std::string& expected) {
-  throw config_error("config key '" + key + "': value '" + node_text(node) + "' (from " + source +
-                     ") is not allowed: expected " + expected);
+  // A YAML null (`null`, `~` or nothing) is named as such: '' read as an empty value typed in.
+  const std::string value = node.IsNull() ? std::string("null") : "'" + node_text(node) + "'";
+  throw config_error("config key '" + key + "': value " + value + " (from " + source + ") is not allowed: expected " + expected);
 }
 
 std::string scalar_of(const std::string& key, const YAML::Node& node, const std::string& source,
