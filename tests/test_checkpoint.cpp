@@ -1378,6 +1378,30 @@ TEST_CASE("Hugging Face config.json: fields left out take their config class's d
   const auto v3_size = model_size(tiny_config({"model_name=hf", "load_parameters_path=" + kOut + "/hf-defaults-deepseek-v3"}));
   CHECK(v3_size.total_params == 671026404352LL);  // "671B total parameters, 37B activated" (its MTP module aside)
   CHECK(v3_size.active_params == 37552282624LL);
+  // Kimi K2 (DeepseekV3ForCausalLM): 384 experts, one group, YaRN with both betas 1. By hand:
+  // embeddings 2 x 163840 x 7168; 61 MLA layers of 101,124,096 (q_a 7168 x 1536 + 1536, q_b
+  // 1536 x 64 x 192, kv_a 7168 x 576 + 512, kv_b 512 x 64 x 256, o 8192 x 7168) + 2 x 7168 norms;
+  // one dense MLP 3 x 7168 x 18432; 60 MoE layers of 385 experts of 3 x 7168 x 2048 (8 + 1
+  // active) and a 384 x 7168 router; the final norm: 1,026,408,209,408 and 32,861,477,888 (its
+  // "1T total, 32B activated").
+  const std::string k2 = R"({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "vocab_size": 163840,
+      "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+      "num_attention_heads": 64, "num_key_value_heads": 64, "n_routed_experts": 384, "n_shared_experts": 1,
+      "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+      "routed_scaling_factor": 2.827, "norm_topk_prob": true, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+      "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+      "max_position_embeddings": 131072, "rope_theta": 50000.0, "rms_norm_eps": 1e-06, "tie_word_embeddings": false,
+      "num_nextn_predict_layers": 0, "aux_loss_alpha": 0.001, "seq_aux": true, "hidden_act": "silu",
+      "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                       "original_max_position_embeddings": 4096, "type": "yarn"}})";
+  k = keys_of("kimi-k2", k2);
+  CHECK(k["beta_fast"] == "1.0");
+  CHECK(k["beta_slow"] == "1.0");
+  CHECK(k["n_routing_groups"] == "-1");
+  CHECK(k["routed_scaling_factor"] == "2.827");
+  const auto k2_size = model_size(tiny_config({"model_name=hf", "load_parameters_path=" + kOut + "/hf-defaults-kimi-k2"}));
+  CHECK(k2_size.total_params == 1026408209408LL);
+  CHECK(k2_size.active_params == 32861477888LL);
   CHECK_THROWS_WITH(keys_of("deepseek-v3-fp8", v3 + R"(, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}})"),
                     Catch::Contains("field 'quantization_config' is") && Catch::Contains("dequantize them to BF16 or F32 first"));
   // YaRN on global attention: Qwen3's long-context fields (the default attention factor), a

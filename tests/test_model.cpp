@@ -476,13 +476,12 @@ TEST_CASE("rope_type=llama3: Llama 3.1's three frequency bands (hand-derived), w
 
 TEST_CASE("rope_type=yarn on global attention: hand-derived frequencies, rope_attention_scaling is q . k times m^2",
           "[model]") {
-  // head_dim 8, theta 10000: f = 1, 0.1, 0.01, 0.001. Original context 128, betas 32 / 1: the
+  // head_dim 8, theta 10000: f = 1, 0.1, 0.01, 0.001. Original context 128, betas 32 / 1 (base.yml): the
   // correction dims c(r) = 8 ln(128 / (2 pi r)) / (2 ln 10000) are c(32) = -0.19612 and
   // c(1) = 1.30903. Floored / ceiled (rope_truncate): low 0, high 2, ramp i / 2; not: low 0
   // (clamped), high 1.30903, ramp i / 1.30903. Each f_i -> f_i (1 - ramp) + f_i / 8 ramp.
   const std::vector<std::string> shape = {"override_model_config=true", "head_dim=8", "rope_max_timescale=10000",
-                                          "original_max_position_embeddings=128", "max_position_embeddings=1024",
-                                          "beta_fast=32", "beta_slow=1"};
+                                          "original_max_position_embeddings=128", "max_position_embeddings=1024"};
   auto with = [&](std::vector<std::string> extra) {
     extra.insert(extra.end(), shape.begin(), shape.end());
     return tiny_config(extra);
@@ -498,6 +497,10 @@ TEST_CASE("rope_type=yarn on global attention: hand-derived frequencies, rope_at
   CHECK(exact[0] == Approx(1.0).epsilon(1e-12));
   CHECK(exact[1] == Approx(blend(0.1, 1 / 1.3090301012897532)).epsilon(1e-12));
   CHECK(exact[2] == Approx(0.01 / 8).epsilon(1e-12));
+  // Equal betas (Kimi K2's 1 and 1): low = floor(1.30903) = 1, high = 2, ramp i - 1.
+  const auto equal = model_yarn_rope_inverse_frequencies(with({"rope_type=yarn", "rope_factor=8", "beta_fast=1"}), 8);
+  CHECK(equal[1] == Approx(0.1).epsilon(1e-12));
+  CHECK(equal[2] == Approx(0.01 / 8).epsilon(1e-12));
 
   torch::manual_seed(5);
   const auto in = two_documents(24, 24);
@@ -533,7 +536,9 @@ TEST_CASE("rope_type=yarn on global attention: hand-derived frequencies, rope_at
                     Catch::Contains("rope_attention_scaling=true scales YaRN's rotation (rope_type=yarn), and rope_type is default"));
   CHECK_THROWS_WITH(tiny_config({"rope_type=llama3", "rope_truncate=false"}),
                     Catch::Contains("rope_truncate=false changes YaRN's correction range (rope_type=yarn), and rope_type is llama3"));
-  CHECK_THROWS_WITH(tiny_config({"rope_type=yarn", "beta_slow=0"}), Catch::Contains("rope_type=yarn needs beta_fast > beta_slow > 0"));
+  CHECK_THROWS_WITH(tiny_config({"rope_type=yarn", "beta_slow=0"}),
+                    Catch::Contains("rope_type=yarn needs beta_fast >= beta_slow > 0 (got 32.0 and 0.0)"));
+  CHECK_THROWS_WITH(tiny_config({"rope_type=yarn", "beta_fast=1", "beta_slow=2"}), Catch::Contains("(got 1.0 and 2.0)"));
   CHECK_THROWS_WITH(tiny_config({"rope_type=yarn", "rope_factor=0.5"}), Catch::Contains("rope_factor must be >= 1"));
   CHECK_THROWS_WITH(tiny_config({"model_name=ling2-tiny", "override_model_config=true", "attention_type=global", "rope_type=yarn"}),
                     Catch::Contains("rope_type=yarn scales the RoPE of global and MLA layers, and this model has GLA layers"));

@@ -253,7 +253,10 @@ std::vector<std::string> validation_errors(const Config& c) {
     // YaRN (docs/model.md): frequencies blended with f / rope_factor over the dims that turn
     // between beta_slow and beta_fast times in the original context.
     require(c.rope_factor >= 1, bad_value("rope_factor", "must be >= 1", "rope_type=yarn divides frequencies by it"));
-    require(c.beta_fast > c.beta_slow && c.beta_slow > 0, "rope_type=yarn needs beta_fast > beta_slow > 0");
+    // Equal betas are one boundary dim (Kimi K2: 1 and 1): the ramp then spans floor .. ceil of it.
+    require(c.beta_fast >= c.beta_slow && c.beta_slow > 0,
+            "rope_type=yarn needs beta_fast >= beta_slow > 0 (got " + find_key("beta_fast")->format(c) + " and " +
+                find_key("beta_slow")->format(c) + ")");
     positive(c.original_max_position_embeddings, "original_max_position_embeddings");
     positive(c.max_position_embeddings, "max_position_embeddings");
   }
